@@ -1,0 +1,405 @@
+/*
+ * attn.h — exact scaled dot-product and multi-head attention for the CPU.
+ *
+ * This header is the documentation of libattn. Everything a caller may use is
+ * declared here; everything else is private.
+ *
+ * Conventions
+ * -----------
+ *  - Every call that can fail returns an attn_status. ATTN_OK is 0.
+ *    Results come back through out-parameters.
+ *  - When a call fails, attn_last_error() returns a message for the calling
+ *    thread naming the argument, the dimension and what was expected, e.g.
+ *        "k.shape[-1] is 16 but q.shape[-1] is 8: queries and keys must have
+ *         the same feature size E".
+ *    A successful call clears it to "".
+ *  - Tensors are strided views (attn_tensor): a data pointer, a dtype, a rank,
+ *    a shape and strides counted in ELEMENTS (not bytes). Input strides may be
+ *    anything NumPy can produce: negative, zero (broadcast) or non-contiguous.
+ *    Transposed and permuted inputs are read where they lie, never copied by
+ *    the caller. Output strides may be negative or non-contiguous but must not
+ *    make two elements share one address (no zero stride on a dimension > 1).
+ *  - Dimensions are signed 64-bit. Every dimension must be >= 1: attn rejects
+ *    empty tensors with ATTN_ERR_SHAPE rather than guess what an empty
+ *    attention means. Sizes whose element or byte count does not fit in
+ *    64 bits are rejected with ATTN_ERR_OVERFLOW.
+ *  - Memory: attn never keeps a pointer to caller memory after a call returns,
+ *    and never frees caller memory. Workspace is allocated during a call and
+ *    freed before it returns, through the allocator set by attn_set_allocator().
+ *    Objects created by attn_*_create() are freed by the matching
+ *    attn_*_destroy(); destroy(NULL) is a no-op.
+ *  - Outputs must not overlap inputs. Nothing in the library aborts or exits.
+ *  - Thread safety: every call may run concurrently with any other call on
+ *    different outputs, including attn_mha_forward() on one shared attn_mha.
+ *    The process-wide settings (thread count, allocator, ISA) should be set
+ *    before concurrent use begins.
+ */
+#ifndef ATTN_H
+#define ATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(ATTN_BUILD_SHARED)
+#define ATTN_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define ATTN_API __attribute__((visibility("default")))
+#else
+#define ATTN_API
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Version                                                                   */
+/* ------------------------------------------------------------------------ */
+
+#define ATTN_VERSION_MAJOR 0
+#define ATTN_VERSION_MINOR 1
+#define ATTN_VERSION_PATCH 0
+#define ATTN_VERSION_STRING "0.1.0"
+/* ATTN_VERSION_NUMBER == major * 10000 + minor * 100 + patch. */
+#define ATTN_VERSION_NUMBER \
+    (ATTN_VERSION_MAJOR * 10000 + ATTN_VERSION_MINOR * 100 + ATTN_VERSION_PATCH)
+
+/* The version of the library actually linked, e.g. "0.1.0". */
+ATTN_API const char *attn_version(void);
+ATTN_API int attn_version_number(void);
+
+/* ------------------------------------------------------------------------ */
+/* Status                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef enum attn_status {
+    ATTN_OK = 0,
+    ATTN_ERR_NULL = 1,        /* a required pointer is NULL                  */
+    ATTN_ERR_INVALID = 2,     /* a value is out of range (NaN scale, p > 1)  */
+    ATTN_ERR_SHAPE = 3,       /* ranks or dimensions do not fit together     */
+    ATTN_ERR_DTYPE = 4,       /* element type not accepted or not matching   */
+    ATTN_ERR_OVERFLOW = 5,    /* a size does not fit in 64 bits              */
+    ATTN_ERR_NOMEM = 6,       /* an allocation failed                        */
+    ATTN_ERR_IO = 7,          /* a file could not be opened, read, written   */
+    ATTN_ERR_FORMAT = 8,      /* a file is malformed or truncated            */
+    ATTN_ERR_UNSUPPORTED = 9  /* valid, but not available in this build/CPU  */
+} attn_status;
+
+/* A fixed English sentence for a status; never NULL (unknown codes get one). */
+ATTN_API const char *attn_strerror(attn_status status);
+
+/* The detailed message of the last failed call on this thread, or "" after a
+ * successful one. The pointer stays valid until the next attn call on this
+ * thread. */
+ATTN_API const char *attn_last_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* Tensors                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum attn_dtype {
+    ATTN_DTYPE_F32 = 1,  /* float                                           */
+    ATTN_DTYPE_F64 = 2,  /* double                                          */
+    ATTN_DTYPE_BOOL = 3  /* one byte; 0 is false, anything else is true     */
+} attn_dtype;
+
+#define ATTN_MAX_RANK 8
+
+typedef struct attn_tensor {
+    void *data;                       /* element [0,...,0]                  */
+    attn_dtype dtype;
+    int rank;                         /* 1 .. ATTN_MAX_RANK                 */
+    int64_t shape[ATTN_MAX_RANK];     /* each >= 1                          */
+    int64_t strides[ATTN_MAX_RANK];   /* in elements; may be <= 0 (inputs)  */
+} attn_tensor;
+
+/* Bytes per element: 4, 8, 1; 0 for an unknown dtype. */
+ATTN_API size_t attn_dtype_size(attn_dtype dtype);
+/* "float32", "float64", "bool", or "unknown". */
+ATTN_API const char *attn_dtype_name(attn_dtype dtype);
+
+/* Fills *t as a C-contiguous (row-major) view of `data` with the given shape.
+ * Fails with ATTN_ERR_SHAPE for a bad rank or a dimension < 1 and with
+ * ATTN_ERR_OVERFLOW when the element count does not fit. */
+ATTN_API attn_status attn_tensor_init(attn_tensor *t, void *data, attn_dtype dtype,
+                                      int rank, const int64_t *shape);
+
+/* Reorders the dimensions of a view in place: new dim i is old dim perm[i].
+ * No data moves. (attn_tensor_transpose swaps two dimensions; negative
+ * indices count from the end.) */
+ATTN_API attn_status attn_tensor_permute(attn_tensor *t, const int *perm);
+ATTN_API attn_status attn_tensor_transpose(attn_tensor *t, int dim0, int dim1);
+
+/* Element count (product of the shape), or -1 if the view is invalid. */
+ATTN_API int64_t attn_tensor_numel(const attn_tensor *t);
+
+/* ------------------------------------------------------------------------ */
+/* Scaled dot-product attention                                              */
+/* ------------------------------------------------------------------------ */
+/*
+ *   out = dropout(softmax(scale * q·kᵀ + mask)) · v
+ *
+ * with exactly the semantics of PyTorch 2.13's
+ * torch.nn.functional.scaled_dot_product_attention, plus the extensions
+ * marked [attn].
+ *
+ * Shapes (rank r >= 2; "..." are batch dimensions, the last of which is the
+ * head dimension when r >= 3):
+ *   q       (..., Hq, L, E)
+ *   k       (..., H,  S, E)
+ *   v       (..., H,  S, Ev)     E != Ev and L != S are fine
+ *   out     (B..., Hq, L, Ev)    B... = broadcast of the batch dims of q, k, v
+ *   weights (B..., Hq, L, S)     optional: softmax(...) after dropout, so that
+ *                                out == weights · v (as torch MHA returns them)
+ *   lse     (B..., Hq, L)        optional: log(sum_j exp(scale*q·k_j + mask_j)),
+ *                                natural log, before dropout
+ * The batch dimensions of q, k and v broadcast like NumPy (right-aligned,
+ * size 1 stretches); ranks may differ. With enable_gqa, the head dimension is
+ * instead grouped: Hq must be a multiple of H (and of v's head count), and
+ * query head h reads key/value head h / (Hq / H) without copies.
+ *
+ * attn_mask: broadcastable to (B..., Hq, L, S) (rank <= 2 + batch rank).
+ *   bool:  true = the key takes part, false = it is masked out.
+ *   float (either float dtype): added to the scaled scores. -inf masks out.
+ *
+ * Causal masking (ATTN_CAUSAL_*): query i may see key j iff
+ *   top-left     (PyTorch's is_causal=True):  j <= i
+ *   bottom-right [attn] (KV-cache decoding):   j <= i + (S - L)
+ * [attn] A mask and causal masking may be combined: a key takes part only if
+ * both allow it. (PyTorch refuses the combination.)
+ *
+ * Masked-out keys are removed from the row before anything is computed with
+ * them: a NaN or Inf in a masked-out key or value never reaches the output.
+ * A row whose keys are all masked out gives out = 0, weights = 0, lse = -inf
+ * (PyTorch >= 2.5 returns 0 too). NaN in a query, or in a key, value or float
+ * mask entry that takes part, gives NaN in the affected rows, as in PyTorch.
+ *
+ * Dropout [attn: reproducible]: each weight is kept with probability 1 - p
+ * and, if kept, scaled by 1 / (1 - p). The keep decision for weight
+ * (b, h, i, j) is a pure function of (seed, rng_offset, its linear index in
+ * the weights shape) through a Philox-4x32-10 counter-based generator, so the
+ * same call always gives the same result on any thread count and ISA path,
+ * and a backward pass can regenerate the mask. p = 1 gives out = 0.
+ */
+
+typedef enum attn_causal {
+    ATTN_CAUSAL_NONE = 0,
+    ATTN_CAUSAL_TOP_LEFT = 1,     /* PyTorch is_causal=True */
+    ATTN_CAUSAL_BOTTOM_RIGHT = 2  /* aligned to the last key */
+} attn_causal;
+
+typedef struct attn_sdpa_params {
+    const attn_tensor *attn_mask; /* NULL for none                          */
+    attn_causal causal;
+    int has_scale;                /* 0: scale = 1/sqrt(E)                    */
+    double scale;                 /* used when has_scale; any finite value   */
+    int enable_gqa;
+    double dropout_p;             /* in [0, 1]                               */
+    uint64_t seed;                /* dropout stream                          */
+    uint64_t rng_offset;          /* [attn] sub-stream, e.g. layer or step   */
+} attn_sdpa_params;
+
+/* The defaults: no mask, not causal, default scale, no GQA, no dropout. */
+ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
+
+/* Computes attention into caller-allocated outputs.
+ *   q, k, v   inputs, all float32 or all float64
+ *   params    NULL for the defaults
+ *   out       required, same dtype as q, shape (B..., Hq, L, Ev)
+ *   weights   optional (NULL), same dtype, shape (B..., Hq, L, S)
+ *   lse       optional (NULL), same dtype, shape (B..., Hq, L)
+ * Asking for weights costs an L x S write; without them the fused kernels
+ * keep no L x S buffer. */
+ATTN_API attn_status attn_sdpa(const attn_tensor *q, const attn_tensor *k,
+                               const attn_tensor *v, const attn_sdpa_params *params,
+                               attn_tensor *out, attn_tensor *weights, attn_tensor *lse);
+
+/* The shape `out` must have for these inputs (the weights shape is the same
+ * with the last dimension replaced by S; lse drops the last dimension).
+ * Validates everything attn_sdpa would, except the outputs. */
+ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor *k,
+                                         const attn_tensor *v,
+                                         const attn_sdpa_params *params, int *rank,
+                                         int64_t shape[ATTN_MAX_RANK]);
+
+/* ------------------------------------------------------------------------ */
+/* Multi-head attention                                                      */
+/* ------------------------------------------------------------------------ */
+/*
+ * torch.nn.MultiheadAttention, parameter for parameter:
+ *
+ *   Q = query · Wqᵀ + bq,  K = key · Wkᵀ + bk,  V = value · Wvᵀ + bv
+ *   split into num_heads heads of head_dim features
+ *   [add_bias_kv: append bias_k / bias_v as one more key/value row]
+ *   [add_zero_attn: append a zero key/value row per head]
+ *   O_h = attention(Q_h, K_h, V_h) with scale 1/sqrt(head_dim)
+ *   out = concat_h(O_h) · Woᵀ + bo
+ *
+ * Parameters (PyTorch names; D = num_heads * head_dim, E = embed_dim):
+ *   in_proj_weight  (3D, E)       when kdim == vdim == E
+ *   q_proj_weight   (D, E)        otherwise, with
+ *   k_proj_weight   (D, kdim)
+ *   v_proj_weight   (D, vdim)
+ *   in_proj_bias    (3D)          when bias
+ *   bias_k, bias_v  (1, 1, D)     when add_bias_kv
+ *   out_proj.weight (E, D)
+ *   out_proj.bias   (E)           when bias
+ * PyTorch requires num_heads to divide embed_dim (head_dim = E / num_heads,
+ * D = E). [attn] An explicit head_dim lifts that: D = num_heads * head_dim.
+ *
+ * Layouts (N batch, L target length, S source length):
+ *   query (L, N, E)    or (N, L, E) with batch_first, or (L, E) unbatched
+ *   key   (S, N, kdim) or (N, S, kdim),                or (S, kdim)
+ *   value (S, N, vdim) or (N, S, vdim),                or (S, vdim)
+ *   out   shaped like query
+ *   weights (N, L, S') averaged over heads, or (N, num_heads, L, S');
+ *     unbatched (L, S') or (num_heads, L, S'); S' = S + add_bias_kv + add_zero_attn
+ *   key_padding_mask (N, S), unbatched (S): bool true = ignore this key;
+ *     float: added
+ *   attn_mask (L, S) or (N * num_heads, L, S): bool true = NOT allowed to
+ *     attend (the opposite of attn_sdpa's bool masks, as in PyTorch);
+ *     float: added
+ *
+ * is_causal: keys after the query position are masked out (top-left). Unlike
+ * PyTorch, where is_causal is only a hint about attn_mask, attn applies the
+ * causal mask and combines it with any attn_mask. With a causal attn_mask the
+ * two agree.
+ *
+ * Rows with every key masked give 0 (PyTorch gives NaN there). Dropout
+ * (config.dropout) applies only when params.training is set.
+ */
+
+typedef struct attn_mha attn_mha;
+
+typedef struct attn_mha_config {
+    int64_t embed_dim;     /* E, >= 1                                        */
+    int64_t num_heads;     /* >= 1                                           */
+    int64_t head_dim;      /* 0: embed_dim / num_heads (must divide)         */
+    int64_t kdim, vdim;    /* 0: embed_dim                                   */
+    int bias;              /* in_proj_bias and out_proj.bias                 */
+    int add_bias_kv;
+    int add_zero_attn;
+    int batch_first;
+    double dropout;        /* in [0, 1]                                      */
+    attn_dtype dtype;      /* F32 or F64: parameters, inputs and outputs     */
+    uint64_t init_seed;    /* parameters start as PyTorch's initialisation
+                              schemes would draw them, from this seed        */
+} attn_mha_config;
+
+/* PyTorch's defaults: bias on, no bias_kv, no zero_attn, sequence-first,
+ * dropout 0, float32, head_dim/kdim/vdim derived. */
+ATTN_API void attn_mha_config_init(attn_mha_config *config, int64_t embed_dim,
+                                   int64_t num_heads);
+
+/* Creates a module with initialised parameters. *mha is set to NULL on
+ * failure. When embed_dim % num_heads != 0 and no head_dim is given the error
+ * explains why: heads are an even split of the features. */
+ATTN_API attn_status attn_mha_create(const attn_mha_config *config, attn_mha **mha);
+ATTN_API void attn_mha_destroy(attn_mha *mha);
+
+/* The configuration with derived fields (head_dim, kdim, vdim) filled in. */
+ATTN_API attn_status attn_mha_get_config(const attn_mha *mha, attn_mha_config *config);
+
+/* Parameters, in torch's state_dict() order. attn_mha_param_at() gives the
+ * name and a writable view into the module's own storage (valid until
+ * destroy), for index 0 .. count-1. attn_mha_param() looks up by name;
+ * attn_mha_set_param() copies from any strided float32/float64 tensor of the
+ * right shape. Writing a parameter while a forward runs on another thread is
+ * a data race. */
+ATTN_API int attn_mha_param_count(const attn_mha *mha);
+ATTN_API attn_status attn_mha_param_at(attn_mha *mha, int index, const char **name,
+                                       attn_tensor *view);
+ATTN_API attn_status attn_mha_param(attn_mha *mha, const char *name, attn_tensor *view);
+ATTN_API attn_status attn_mha_set_param(attn_mha *mha, const char *name,
+                                        const attn_tensor *src);
+
+typedef struct attn_mha_forward_params {
+    const attn_tensor *key_padding_mask; /* NULL for none                    */
+    const attn_tensor *attn_mask;        /* NULL for none                    */
+    int average_attn_weights;            /* default 1                        */
+    int is_causal;
+    int training;                        /* dropout only when set            */
+    uint64_t seed, rng_offset;           /* dropout stream (see attn_sdpa)   */
+} attn_mha_forward_params;
+
+ATTN_API void attn_mha_forward_params_init(attn_mha_forward_params *params);
+
+/* Runs the module. `out` is required; `weights` is NULL for
+ * need_weights=False (the fused kernel then keeps no L x S buffer). */
+ATTN_API attn_status attn_mha_forward(const attn_mha *mha, const attn_tensor *query,
+                                      const attn_tensor *key, const attn_tensor *value,
+                                      const attn_mha_forward_params *params,
+                                      attn_tensor *out, attn_tensor *weights);
+
+/* The shapes out and weights must have for these inputs. */
+ATTN_API attn_status attn_mha_out_shapes(const attn_mha *mha, const attn_tensor *query,
+                                         const attn_tensor *key,
+                                         const attn_mha_forward_params *params,
+                                         int need_weights, int *out_rank,
+                                         int64_t out_shape[ATTN_MAX_RANK],
+                                         int *weights_rank,
+                                         int64_t weights_shape[ATTN_MAX_RANK]);
+
+/* ------------------------------------------------------------------------ */
+/* .npy files                                                                */
+/* ------------------------------------------------------------------------ */
+/*
+ * Reads NumPy .npy files of format versions 1.0, 2.0 and 3.0 holding
+ * float32, float64 (either byte order) or bool arrays in C or Fortran order.
+ * The result is a C-contiguous tensor in native byte order whose data the
+ * caller frees with attn_npy_free(). A 0-d array is read as shape (1,).
+ * A malformed, truncated or oversized file gives ATTN_ERR_FORMAT; the parser
+ * never reads past the bytes it was given.
+ */
+ATTN_API attn_status attn_npy_load(const char *path, attn_tensor *out);
+ATTN_API attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out);
+ATTN_API void attn_npy_free(attn_tensor *t);
+
+/* Writes any strided tensor as a little-endian, C-order .npy file. */
+ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
+
+/* ------------------------------------------------------------------------ */
+/* Threads, kernels, memory                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Threads used by each call. n <= 0 restores the default: the environment
+ * variable ATTN_NUM_THREADS if set, else the number of processors. Results
+ * do not depend on the thread count. */
+ATTN_API void attn_set_num_threads(int n);
+ATTN_API int attn_get_num_threads(void);
+
+typedef enum attn_isa {
+    ATTN_ISA_AUTO = 0,    /* the best path the CPU and OS support           */
+    ATTN_ISA_REF = 1,     /* the float64-accumulating reference (the oracle)*/
+    ATTN_ISA_GENERIC = 2, /* the fused kernel in portable C                  */
+    ATTN_ISA_AVX2 = 3,    /* the fused kernel with AVX2 + FMA                */
+    ATTN_ISA_AVX512 = 4   /* the fused kernel with AVX-512F                  */
+} attn_isa;
+
+/* Forces a kernel path (also: environment variable ATTN_ISA=ref|generic|
+ * avx2|avx512|auto, read once). ATTN_ERR_UNSUPPORTED if this CPU/OS cannot
+ * run it. */
+ATTN_API attn_status attn_set_isa(attn_isa isa);
+/* The path calls take now (never ATTN_ISA_AUTO). */
+ATTN_API attn_isa attn_get_isa(void);
+/* Whether this CPU and OS can run a path. */
+ATTN_API int attn_isa_supported(attn_isa isa);
+ATTN_API const char *attn_isa_name(attn_isa isa);
+
+/* A custom allocator, for callers who own memory and for tests that fail the
+ * n-th allocation. `alloc` returns memory aligned to at least 16 bytes or
+ * NULL; `release` frees it (never called with NULL). Pass NULL to restore
+ * malloc/free. Set it while no other attn call runs. */
+typedef struct attn_allocator {
+    void *(*alloc)(void *ctx, size_t size);
+    void (*release)(void *ctx, void *ptr);
+    void *ctx;
+} attn_allocator;
+
+ATTN_API void attn_set_allocator(const attn_allocator *allocator);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ATTN_H */

@@ -1,0 +1,58 @@
+/* alloc.c — every byte libattn allocates goes through here, so a caller can
+ * own memory, and tests can fail the n-th allocation (SQLite-style). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static void *default_alloc(void *ctx, size_t size) {
+    (void)ctx;
+    return malloc(size);
+}
+static void default_release(void *ctx, void *ptr) {
+    (void)ctx;
+    free(ptr);
+}
+
+static attn_allocator allocator = {default_alloc, default_release, NULL};
+
+void attn_set_allocator(const attn_allocator *a) {
+    if (a != NULL && a->alloc != NULL && a->release != NULL)
+        allocator = *a;
+    else
+        allocator = (attn_allocator){default_alloc, default_release, NULL};
+}
+
+/* Blocks are aligned to a cache line for the vector kernels: over-allocate,
+ * and keep the hook's own pointer just below the aligned address. */
+enum { ALIGN = 64 };
+
+void *attn__alloc(size_t size) {
+    if (size > SIZE_MAX - ALIGN - sizeof(void *)) {
+        attn__fail(ATTN_ERR_NOMEM, "cannot allocate %zu bytes", size);
+        return NULL;
+    }
+    void *raw = allocator.alloc(allocator.ctx, size + ALIGN + sizeof(void *));
+    if (raw == NULL) {
+        attn__fail(ATTN_ERR_NOMEM, "out of memory allocating %zu bytes", size);
+        return NULL;
+    }
+    uintptr_t p = ((uintptr_t)raw + sizeof(void *) + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1);
+    ((void **)p)[-1] = raw;
+    return (void *)p;
+}
+
+void *attn__alloc_array(size_t count, size_t elem_size) {
+    if (elem_size != 0 && count > SIZE_MAX / elem_size) {
+        attn__fail(ATTN_ERR_NOMEM, "cannot allocate %zu elements of %zu bytes", count,
+                   elem_size);
+        return NULL;
+    }
+    void *p = attn__alloc(count * elem_size);
+    if (p != NULL) memset(p, 0, count * elem_size);
+    return p;
+}
+
+void attn__free(void *ptr) {
+    if (ptr != NULL) allocator.release(allocator.ctx, ((void **)ptr)[-1]);
+}

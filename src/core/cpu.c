@@ -1,0 +1,134 @@
+/* cpu.c — which vector instructions this CPU *and* its OS support, and which
+ * kernel path calls take. A feature counts only if CPUID reports it and XCR0
+ * (read with xgetbv) shows the OS saves the registers it needs. */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define ATTN_X86 1
+#endif
+
+attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint64_t xcr0,
+                                    bool osxsave_usable) {
+    attn__cpu_features f = {false, false};
+    bool fma = (leaf1_ecx >> 12) & 1, avx = (leaf1_ecx >> 28) & 1;
+    bool avx2 = (leaf7_ebx >> 5) & 1, avx512f = (leaf7_ebx >> 16) & 1;
+    bool ymm_saved = osxsave_usable && (xcr0 & 0x6) == 0x6;            /* XMM, YMM */
+    bool zmm_saved = osxsave_usable && (xcr0 & 0xE6) == 0xE6;          /* + opmask, ZMM */
+    f.avx2_fma = avx && avx2 && fma && ymm_saved;
+    f.avx512f = f.avx2_fma && avx512f && zmm_saved;
+    return f;
+}
+
+static attn__cpu_features detect(void) {
+#ifdef ATTN_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return (attn__cpu_features){false, false};
+    uint32_t leaf1_ecx = c;
+    bool osxsave = (leaf1_ecx >> 27) & 1;
+    uint32_t leaf7_ebx = 0;
+    if (__get_cpuid_max(0, NULL) >= 7) {
+        __cpuid_count(7, 0, a, b, c, d);
+        leaf7_ebx = b;
+    }
+    uint64_t xcr0 = 0;
+    if (osxsave) {
+        uint32_t lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        xcr0 = ((uint64_t)hi << 32) | lo;
+    }
+    return attn__cpu_decode(leaf1_ecx, leaf7_ebx, xcr0, osxsave);
+#else
+    return (attn__cpu_features){false, false};
+#endif
+}
+
+const attn__cpu_features *attn__cpu(void) {
+    /* Detection is idempotent, so a benign race between first callers only
+     * repeats the same work; the flag is published after the data. */
+    static attn__cpu_features cached;
+    static atomic_int ready;
+    if (!atomic_load_explicit(&ready, memory_order_acquire)) {
+        cached = detect();
+        atomic_store_explicit(&ready, 1, memory_order_release);
+    }
+    return &cached;
+}
+
+int attn_isa_supported(attn_isa isa) {
+    const attn__cpu_features *f = attn__cpu();
+    switch (isa) {
+    case ATTN_ISA_AUTO:
+    case ATTN_ISA_REF:
+    case ATTN_ISA_GENERIC: return 1;
+    case ATTN_ISA_AVX2: return f->avx2_fma;
+    case ATTN_ISA_AVX512: return f->avx512f;
+    }
+    return 0;
+}
+
+const char *attn_isa_name(attn_isa isa) {
+    switch (isa) {
+    case ATTN_ISA_AUTO: return "auto";
+    case ATTN_ISA_REF: return "ref";
+    case ATTN_ISA_GENERIC: return "generic";
+    case ATTN_ISA_AVX2: return "avx2";
+    case ATTN_ISA_AVX512: return "avx512";
+    }
+    return "unknown";
+}
+
+static attn_isa best_isa(void) {
+    if (attn_isa_supported(ATTN_ISA_AVX512)) return ATTN_ISA_AVX512;
+    if (attn_isa_supported(ATTN_ISA_AVX2)) return ATTN_ISA_AVX2;
+    return ATTN_ISA_GENERIC;
+}
+
+/* -1 until first use; then the forced or detected path. */
+static atomic_int chosen = -1;
+
+static attn_isa isa_from_env(void) {
+    const char *env = getenv("ATTN_ISA");
+    if (env == NULL || *env == '\0') return best_isa();
+    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_AVX512; i++)
+        if (strcmp(env, attn_isa_name((attn_isa)i)) == 0) {
+            if (i == ATTN_ISA_AUTO) return best_isa();
+            if (attn_isa_supported((attn_isa)i)) return (attn_isa)i;
+            break;
+        }
+    /* An unknown or unsupported request must not crash a host process: fall
+     * back to the best path, and say so once when debugging is asked for. */
+    if (getenv("ATTN_DEBUG") != NULL)
+        fprintf(stderr, "attn: ATTN_ISA=%s is unknown or unsupported here; using %s\n", env,
+                attn_isa_name(best_isa()));
+    return best_isa();
+}
+
+attn_isa attn_get_isa(void) {
+    int isa = atomic_load(&chosen);
+    if (isa < 0) {
+        isa = (int)isa_from_env();
+        int expected = -1;
+        if (!atomic_compare_exchange_strong(&chosen, &expected, isa)) isa = expected;
+        if (getenv("ATTN_DEBUG") != NULL)
+            fprintf(stderr, "attn: kernel path %s\n", attn_isa_name((attn_isa)isa));
+    }
+    return (attn_isa)isa;
+}
+
+attn_status attn_set_isa(attn_isa isa) {
+    attn__clear_error();
+    if (isa < ATTN_ISA_AUTO || isa > ATTN_ISA_AVX512)
+        return attn__fail(ATTN_ERR_INVALID, "attn_set_isa: unknown ISA code %d", (int)isa);
+    if (!attn_isa_supported(isa))
+        return attn__fail(ATTN_ERR_UNSUPPORTED,
+                          "attn_set_isa: this CPU or OS cannot run the %s path",
+                          attn_isa_name(isa));
+    atomic_store(&chosen, (int)(isa == ATTN_ISA_AUTO ? best_isa() : isa));
+    return ATTN_OK;
+}

@@ -1,0 +1,111 @@
+/*
+ * internal.h — what the layers of libattn share and callers never see.
+ * Names carry the attn__ prefix (two underscores) so that nothing private
+ * collides with a caller's symbols when the static library is linked in.
+ */
+#ifndef ATTN_INTERNAL_H
+#define ATTN_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attn.h"
+
+/* ---- errors (status.c) ---- */
+
+/* Records a detailed message for the calling thread and returns `status`, so
+ * that failure paths read `return attn__fail(ATTN_ERR_SHAPE, "...", ...);`. */
+attn_status attn__fail(attn_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Clears the thread's message at the start of a public call. */
+void attn__clear_error(void);
+
+/* ---- memory (alloc.c) ---- */
+
+/* 64-byte aligned blocks through the caller's allocator hook. NULL on
+ * failure (the message is set: callers just return ATTN_ERR_NOMEM). */
+void *attn__alloc(size_t size);
+void *attn__alloc_array(size_t count, size_t elem_size); /* zeroed, overflow-checked */
+void attn__free(void *ptr);
+
+/* ---- checked 64-bit arithmetic ---- */
+
+static inline bool attn__mul_overflows(int64_t a, int64_t b, int64_t *out) {
+    return __builtin_mul_overflow(a, b, out);
+}
+static inline bool attn__add_overflows(int64_t a, int64_t b, int64_t *out) {
+    return __builtin_add_overflow(a, b, out);
+}
+
+/* ---- tensors (tensor.c) ---- */
+
+typedef enum attn__role { ATTN__INPUT, ATTN__OUTPUT } attn__role;
+
+/* Checks that `t` is a usable view: not NULL, data not NULL, rank within
+ * [min_rank, ATTN_MAX_RANK], every dimension >= 1, a known dtype, and an
+ * address span whose byte count fits in 64 bits. Outputs must also not map
+ * two elements to one address through a zero stride. `name` appears in the
+ * message ("q", "attn_mask", ...). */
+attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_rank,
+                               attn__role role);
+
+/* Whether dtype is float32 or float64. */
+static inline bool attn__is_float(attn_dtype d) {
+    return d == ATTN_DTYPE_F32 || d == ATTN_DTYPE_F64;
+}
+
+/* Reads element `offset` (in elements) of a float32/float64/bool buffer as a
+ * double. For the reference paths, which favour clarity over speed. */
+static inline double attn__load(const void *base, attn_dtype dtype, int64_t offset) {
+    switch (dtype) {
+    case ATTN_DTYPE_F32: return (double)((const float *)base)[offset];
+    case ATTN_DTYPE_F64: return ((const double *)base)[offset];
+    default: return ((const unsigned char *)base)[offset] != 0 ? 1.0 : 0.0;
+    }
+}
+static inline void attn__store(void *base, attn_dtype dtype, int64_t offset, double x) {
+    if (dtype == ATTN_DTYPE_F32)
+        ((float *)base)[offset] = (float)x;
+    else
+        ((double *)base)[offset] = x;
+}
+
+/* Formats a shape as "(2, 3, 4)" into buf (always terminated). */
+const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *shape);
+
+/* ---- threads (threads.c) ---- */
+
+int attn__threads(void); /* the count for the current call, >= 1 */
+
+/* ---- CPU features and kernel choice (cpu.c) ---- */
+
+typedef struct attn__cpu_features {
+    bool avx2_fma; /* AVX2 and FMA, and the OS saves YMM state          */
+    bool avx512f;  /* AVX-512F, and the OS saves ZMM and opmask state   */
+} attn__cpu_features;
+
+/* Detected once (CPUID + xgetbv), then cached. */
+const attn__cpu_features *attn__cpu(void);
+/* Pure decoding of CPUID/XCR0 words, exposed so the detector can be tested
+ * on feature sets this machine does not have. */
+attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx,
+                                    uint64_t xcr0, bool osxsave_usable);
+
+/* ---- Philox-4x32-10 (philox.c) ---- */
+
+/* Four random words for (counter, key), per Salmon et al., SC'11. */
+void attn__philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
+
+/* The dropout keep threshold: a 32-bit word w keeps its weight iff
+ * w >= threshold. p = 0 gives 0 (keep all), p = 1 gives 2^32 (keep none). */
+uint64_t attn__dropout_threshold(double p);
+
+/* The random word for weight number `index` of a call: word index % 4 of
+ * Philox(counter = (index / 4, rng_offset), key = seed). */
+uint32_t attn__dropout_word(uint64_t seed, uint64_t rng_offset, uint64_t index);
+
+#endif /* ATTN_INTERNAL_H */

@@ -1,0 +1,39 @@
+/* status.c — version, status strings and the per-thread error message. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+const char *attn_version(void) { return ATTN_VERSION_STRING; }
+int attn_version_number(void) { return ATTN_VERSION_NUMBER; }
+
+const char *attn_strerror(attn_status status) {
+    switch (status) {
+    case ATTN_OK: return "success";
+    case ATTN_ERR_NULL: return "a required pointer is NULL";
+    case ATTN_ERR_INVALID: return "an argument has an invalid value";
+    case ATTN_ERR_SHAPE: return "tensor shapes do not fit together";
+    case ATTN_ERR_DTYPE: return "unsupported or mismatched element type";
+    case ATTN_ERR_OVERFLOW: return "a size does not fit in 64 bits";
+    case ATTN_ERR_NOMEM: return "out of memory";
+    case ATTN_ERR_IO: return "input/output error";
+    case ATTN_ERR_FORMAT: return "malformed file";
+    case ATTN_ERR_UNSUPPORTED: return "not supported by this build or CPU";
+    }
+    return "unknown status code";
+}
+
+/* One message per thread: concurrent calls never see each other's errors. */
+static _Thread_local char last_error[512];
+
+const char *attn_last_error(void) { return last_error; }
+
+void attn__clear_error(void) { last_error[0] = '\0'; }
+
+attn_status attn__fail(attn_status status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return status;
+}

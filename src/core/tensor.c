@@ -1,0 +1,156 @@
+/* tensor.c — strided views: construction, permutation and validation. */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+size_t attn_dtype_size(attn_dtype dtype) {
+    switch (dtype) {
+    case ATTN_DTYPE_F32: return 4;
+    case ATTN_DTYPE_F64: return 8;
+    case ATTN_DTYPE_BOOL: return 1;
+    }
+    return 0;
+}
+
+const char *attn_dtype_name(attn_dtype dtype) {
+    switch (dtype) {
+    case ATTN_DTYPE_F32: return "float32";
+    case ATTN_DTYPE_F64: return "float64";
+    case ATTN_DTYPE_BOOL: return "bool";
+    }
+    return "unknown";
+}
+
+const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *shape) {
+    size_t used = 0;
+    buf[0] = '\0';
+    used += (size_t)snprintf(buf, size, "(");
+    for (int d = 0; d < rank && used < size; d++)
+        used += (size_t)snprintf(buf + used, size - used, d ? ", %lld" : "%lld",
+                                 (long long)shape[d]);
+    if (used < size) snprintf(buf + used, size - used, rank == 1 ? ",)" : ")");
+    return buf;
+}
+
+attn_status attn_tensor_init(attn_tensor *t, void *data, attn_dtype dtype, int rank,
+                             const int64_t *shape) {
+    attn__clear_error();
+    if (t == NULL) return attn__fail(ATTN_ERR_NULL, "attn_tensor_init: t is NULL");
+    if (shape == NULL && rank > 0)
+        return attn__fail(ATTN_ERR_NULL, "attn_tensor_init: shape is NULL");
+    if (rank < 1 || rank > ATTN_MAX_RANK)
+        return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_init: rank %d is outside 1..%d", rank,
+                          ATTN_MAX_RANK);
+    memset(t, 0, sizeof *t);
+    t->data = data;
+    t->dtype = dtype;
+    t->rank = rank;
+    int64_t stride = 1;
+    for (int d = rank - 1; d >= 0; d--) {
+        if (shape[d] < 1)
+            return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_init: shape[%d] is %lld; it must be >= 1",
+                              d, (long long)shape[d]);
+        t->shape[d] = shape[d];
+        t->strides[d] = stride;
+        if (attn__mul_overflows(stride, shape[d], &stride))
+            return attn__fail(ATTN_ERR_OVERFLOW,
+                              "attn_tensor_init: the element count overflows 64 bits");
+    }
+    return ATTN_OK;
+}
+
+static int normalize_dim(int dim, int rank) { return dim < 0 ? dim + rank : dim; }
+
+attn_status attn_tensor_permute(attn_tensor *t, const int *perm) {
+    attn__clear_error();
+    if (t == NULL || perm == NULL)
+        return attn__fail(ATTN_ERR_NULL, "attn_tensor_permute: %s is NULL", t ? "perm" : "t");
+    if (t->rank < 1 || t->rank > ATTN_MAX_RANK)
+        return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_permute: rank %d is outside 1..%d",
+                          t->rank, ATTN_MAX_RANK);
+    bool seen[ATTN_MAX_RANK] = {false};
+    int64_t shape[ATTN_MAX_RANK], strides[ATTN_MAX_RANK];
+    for (int i = 0; i < t->rank; i++) {
+        int d = normalize_dim(perm[i], t->rank);
+        if (d < 0 || d >= t->rank || seen[d])
+            return attn__fail(ATTN_ERR_INVALID,
+                              "attn_tensor_permute: perm is not a permutation of 0..%d "
+                              "(entry %d is %d)",
+                              t->rank - 1, i, perm[i]);
+        seen[d] = true;
+        shape[i] = t->shape[d];
+        strides[i] = t->strides[d];
+    }
+    memcpy(t->shape, shape, sizeof(int64_t) * (size_t)t->rank);
+    memcpy(t->strides, strides, sizeof(int64_t) * (size_t)t->rank);
+    return ATTN_OK;
+}
+
+attn_status attn_tensor_transpose(attn_tensor *t, int dim0, int dim1) {
+    attn__clear_error();
+    if (t == NULL) return attn__fail(ATTN_ERR_NULL, "attn_tensor_transpose: t is NULL");
+    if (t->rank < 1 || t->rank > ATTN_MAX_RANK)
+        return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_transpose: rank %d is outside 1..%d",
+                          t->rank, ATTN_MAX_RANK);
+    int a = normalize_dim(dim0, t->rank), b = normalize_dim(dim1, t->rank);
+    if (a < 0 || a >= t->rank || b < 0 || b >= t->rank)
+        return attn__fail(ATTN_ERR_INVALID,
+                          "attn_tensor_transpose: dims (%d, %d) out of range for rank %d", dim0,
+                          dim1, t->rank);
+    int64_t s = t->shape[a], st = t->strides[a];
+    t->shape[a] = t->shape[b];
+    t->strides[a] = t->strides[b];
+    t->shape[b] = s;
+    t->strides[b] = st;
+    return ATTN_OK;
+}
+
+int64_t attn_tensor_numel(const attn_tensor *t) {
+    if (t == NULL || t->rank < 1 || t->rank > ATTN_MAX_RANK) return -1;
+    int64_t n = 1;
+    for (int d = 0; d < t->rank; d++)
+        if (t->shape[d] < 1 || attn__mul_overflows(n, t->shape[d], &n)) return -1;
+    return n;
+}
+
+attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_rank,
+                               attn__role role) {
+    if (t == NULL) return attn__fail(ATTN_ERR_NULL, "%s is NULL", name);
+    if (t->rank < min_rank || t->rank > ATTN_MAX_RANK) {
+        if (min_rank == 1)
+            return attn__fail(ATTN_ERR_SHAPE, "%s has rank %d; expected 1 to %d", name, t->rank,
+                              ATTN_MAX_RANK);
+        return attn__fail(ATTN_ERR_SHAPE, "%s has rank %d; expected %d to %d dimensions", name,
+                          t->rank, min_rank, ATTN_MAX_RANK);
+    }
+    size_t elem = attn_dtype_size(t->dtype);
+    if (elem == 0)
+        return attn__fail(ATTN_ERR_DTYPE, "%s has an unknown dtype code %d", name, (int)t->dtype);
+    if (t->data == NULL) return attn__fail(ATTN_ERR_NULL, "%s->data is NULL", name);
+    /* The span of addresses the view touches, |stride| * (n - 1) summed, and
+     * the element count must both fit, in bytes, in 64 bits. */
+    int64_t span = 0, numel = 1;
+    for (int d = 0; d < t->rank; d++) {
+        int64_t n = t->shape[d], s = t->strides[d], reach;
+        if (n < 1)
+            return attn__fail(ATTN_ERR_SHAPE,
+                              "%s.shape[%d] is %lld; every dimension must be >= 1 "
+                              "(attn does not accept empty tensors)",
+                              name, d, (long long)n);
+        if (s == INT64_MIN || attn__mul_overflows(s < 0 ? -s : s, n - 1, &reach) ||
+            attn__add_overflows(span, reach, &span) || attn__mul_overflows(numel, n, &numel))
+            return attn__fail(ATTN_ERR_OVERFLOW,
+                              "%s: shape and strides address more than 2^63 elements", name);
+        if (role == ATTN__OUTPUT && s == 0 && n > 1)
+            return attn__fail(ATTN_ERR_INVALID,
+                              "%s.strides[%d] is 0 on a dimension of size %lld: output "
+                              "elements would overlap",
+                              name, d, (long long)n);
+    }
+    int64_t bytes;
+    if (attn__mul_overflows(span + 1, (int64_t)elem, &bytes) ||
+        attn__mul_overflows(numel, (int64_t)elem, &bytes))
+        return attn__fail(ATTN_ERR_OVERFLOW, "%s: its byte count does not fit in 64 bits", name);
+    return ATTN_OK;
+}

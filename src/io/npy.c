@@ -1,0 +1,373 @@
+/*
+ * npy.c — NumPy .npy files (format versions 1.0, 2.0, 3.0).
+ *
+ * The parser trusts nothing: every length is checked against the bytes
+ * actually present before it is used, the header dictionary is parsed by a
+ * small grammar (not by searching for substrings), and any surprise is an
+ * ATTN_ERR_FORMAT with the offending detail in the message.
+ *
+ *   "\x93NUMPY" major minor  header_len (u16 LE for 1.x, u32 LE for 2.x/3.x)
+ *   header: a Python dict literal {'descr': '<f4', 'fortran_order': False,
+ *           'shape': (3, 4), } padded with spaces and ended by '\n'
+ *   data:   numel * itemsize bytes
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "../core/internal.h"
+
+enum {
+    MAGIC_LEN = 6,
+    MAX_HEADER = 1 << 20 /* far more than any array attn reads needs */
+};
+
+typedef struct npy_info {
+    attn_dtype dtype;
+    bool big_endian;
+    bool fortran;
+    int rank; /* 0 for a 0-d array */
+    int64_t shape[ATTN_MAX_RANK];
+    int64_t numel;
+} npy_info;
+
+/* ---- header dictionary grammar ---- */
+
+typedef struct cursor {
+    const char *p, *end;
+} cursor;
+
+static void skip_space(cursor *c) {
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r'))
+        c->p++;
+}
+
+static bool accept(cursor *c, char ch) {
+    skip_space(c);
+    if (c->p < c->end && *c->p == ch) {
+        c->p++;
+        return true;
+    }
+    return false;
+}
+
+/* A quoted string ('...' or "...", no escapes needed for our keys/values). */
+static bool parse_string(cursor *c, char *out, size_t size) {
+    skip_space(c);
+    if (c->p >= c->end || (*c->p != '\'' && *c->p != '"')) return false;
+    char quote = *c->p++;
+    size_t n = 0;
+    while (c->p < c->end && *c->p != quote) {
+        if (*c->p == '\\' || n + 1 >= size) return false;
+        out[n++] = *c->p++;
+    }
+    if (c->p >= c->end) return false;
+    c->p++;
+    out[n] = '\0';
+    return true;
+}
+
+static bool parse_word(cursor *c, const char *word) {
+    skip_space(c);
+    size_t n = strlen(word);
+    if ((size_t)(c->end - c->p) < n || memcmp(c->p, word, n) != 0) return false;
+    c->p += n;
+    return true;
+}
+
+static attn_status parse_shape(cursor *c, npy_info *info) {
+    if (!accept(c, '(')) return attn__fail(ATTN_ERR_FORMAT, ".npy header: 'shape' is not a tuple");
+    info->rank = 0;
+    for (;;) {
+        skip_space(c);
+        if (accept(c, ')')) break;
+        if (c->p >= c->end || *c->p < '0' || *c->p > '9')
+            return attn__fail(ATTN_ERR_FORMAT,
+                              ".npy header: 'shape' holds something other than "
+                              "non-negative integers");
+        int64_t v = 0;
+        while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
+            if (attn__mul_overflows(v, 10, &v) || attn__add_overflows(v, *c->p - '0', &v))
+                return attn__fail(ATTN_ERR_FORMAT, ".npy header: a dimension overflows 64 bits");
+            c->p++;
+        }
+        if (c->p < c->end && (*c->p == 'L' || *c->p == 'l')) c->p++; /* Python 2 longs */
+        if (info->rank == ATTN_MAX_RANK)
+            return attn__fail(ATTN_ERR_SHAPE, ".npy array has more than %d dimensions",
+                              ATTN_MAX_RANK);
+        info->shape[info->rank++] = v;
+        if (accept(c, ')')) break;
+        if (!accept(c, ','))
+            return attn__fail(ATTN_ERR_FORMAT, ".npy header: malformed 'shape' tuple");
+    }
+    return ATTN_OK;
+}
+
+static attn_status parse_descr(const char *d, npy_info *info) {
+    char order = d[0];
+    const char *type = d + 1;
+    if (order != '<' && order != '>' && order != '|' && order != '=')
+        return attn__fail(ATTN_ERR_FORMAT, ".npy header: descr '%s' has no byte-order mark", d);
+    if (strcmp(type, "f4") == 0)
+        info->dtype = ATTN_DTYPE_F32;
+    else if (strcmp(type, "f8") == 0)
+        info->dtype = ATTN_DTYPE_F64;
+    else if (strcmp(type, "b1") == 0)
+        info->dtype = ATTN_DTYPE_BOOL;
+    else
+        return attn__fail(ATTN_ERR_DTYPE,
+                          ".npy dtype '%s' is not supported; attn reads float32 ('<f4'), "
+                          "float64 ('<f8') and bool ('|b1')",
+                          d);
+    if (info->dtype != ATTN_DTYPE_BOOL && order == '|')
+        return attn__fail(ATTN_ERR_FORMAT, ".npy header: descr '%s' needs a byte order", d);
+    const uint16_t probe = 1;
+    bool native_big = *(const unsigned char *)&probe == 0;
+    info->big_endian = order == '>' || (order == '=' && native_big);
+    return ATTN_OK;
+}
+
+static attn_status parse_header_dict(const char *text, size_t len, npy_info *info) {
+    cursor c = {text, text + len};
+    bool have_descr = false, have_order = false, have_shape = false;
+    if (!accept(&c, '{')) return attn__fail(ATTN_ERR_FORMAT, ".npy header is not a dictionary");
+    for (;;) {
+        if (accept(&c, '}')) break;
+        char key[32], value[32];
+        if (!parse_string(&c, key, sizeof key) || !accept(&c, ':'))
+            return attn__fail(ATTN_ERR_FORMAT, ".npy header: expected a quoted key and ':'");
+        attn_status st;
+        if (strcmp(key, "descr") == 0 && !have_descr) {
+            if (!parse_string(&c, value, sizeof value))
+                return attn__fail(ATTN_ERR_FORMAT,
+                                  ".npy header: 'descr' is not a simple type string "
+                                  "(structured arrays are not supported)");
+            if ((st = parse_descr(value, info)) != ATTN_OK) return st;
+            have_descr = true;
+        } else if (strcmp(key, "fortran_order") == 0 && !have_order) {
+            if (parse_word(&c, "True"))
+                info->fortran = true;
+            else if (parse_word(&c, "False"))
+                info->fortran = false;
+            else
+                return attn__fail(ATTN_ERR_FORMAT,
+                                  ".npy header: 'fortran_order' is not True or False");
+            have_order = true;
+        } else if (strcmp(key, "shape") == 0 && !have_shape) {
+            if ((st = parse_shape(&c, info)) != ATTN_OK) return st;
+            have_shape = true;
+        } else {
+            return attn__fail(ATTN_ERR_FORMAT, ".npy header: unexpected or repeated key '%s'",
+                              key);
+        }
+        if (accept(&c, '}')) break;
+        if (!accept(&c, ','))
+            return attn__fail(ATTN_ERR_FORMAT, ".npy header: expected ',' or '}' after '%s'",
+                              key);
+    }
+    skip_space(&c);
+    if (c.p != c.end)
+        return attn__fail(ATTN_ERR_FORMAT, ".npy header: unexpected text after the dictionary");
+    if (!have_descr || !have_order || !have_shape)
+        return attn__fail(ATTN_ERR_FORMAT, ".npy header lacks '%s'",
+                          !have_descr ? "descr" : !have_order ? "fortran_order" : "shape");
+    info->numel = 1;
+    for (int d = 0; d < info->rank; d++) {
+        if (info->shape[d] == 0)
+            return attn__fail(ATTN_ERR_SHAPE,
+                              ".npy array is empty (shape[%d] is 0); attn needs every "
+                              "dimension >= 1",
+                              d);
+        if (attn__mul_overflows(info->numel, info->shape[d], &info->numel) ||
+            attn__mul_overflows(info->numel, 8, &(int64_t){0}))
+            return attn__fail(ATTN_ERR_FORMAT, ".npy shape overflows 64 bits");
+    }
+    return ATTN_OK;
+}
+
+/* Parses the preamble in bytes[0, size). On success *data_offset is where the
+ * array data starts. Needs only the preamble, not the data. */
+static attn_status parse_preamble(const unsigned char *b, size_t size, npy_info *info,
+                                  size_t *data_offset) {
+    memset(info, 0, sizeof *info);
+    if (size < MAGIC_LEN + 2 || memcmp(b, "\x93NUMPY", MAGIC_LEN) != 0)
+        return attn__fail(ATTN_ERR_FORMAT, "not a .npy file (the magic string is missing)");
+    unsigned major = b[6], minor = b[7];
+    size_t len_bytes = major == 1 ? 2 : 4;
+    if (major < 1 || major > 3 || minor != 0)
+        return attn__fail(ATTN_ERR_FORMAT, ".npy format version %u.%u is not supported (1.0-3.0)",
+                          major, minor);
+    if (size < 8 + len_bytes) return attn__fail(ATTN_ERR_FORMAT, ".npy file truncated in its header");
+    size_t hlen = (size_t)b[8] | (size_t)b[9] << 8;
+    if (len_bytes == 4) hlen |= (size_t)b[10] << 16 | (size_t)b[11] << 24;
+    size_t start = 8 + len_bytes;
+    if (hlen > MAX_HEADER)
+        return attn__fail(ATTN_ERR_FORMAT, ".npy header length %zu exceeds the %d-byte limit",
+                          hlen, MAX_HEADER);
+    if (hlen > size - start)
+        return attn__fail(ATTN_ERR_FORMAT,
+                          ".npy file truncated: header of %zu bytes, only %zu present", hlen,
+                          size - start);
+    const char *text = (const char *)b + start;
+    if (hlen == 0 || text[hlen - 1] != '\n')
+        return attn__fail(ATTN_ERR_FORMAT, ".npy header does not end with a newline");
+    for (size_t i = 0; i < hlen; i++)
+        if (text[i] == '\0')
+            return attn__fail(ATTN_ERR_FORMAT, ".npy header contains a NUL byte");
+    attn_status st = parse_header_dict(text, hlen, info);
+    if (st != ATTN_OK) return st;
+    *data_offset = start + hlen;
+    return ATTN_OK;
+}
+
+/* Fills t (C order, native endian) from the raw data bytes. */
+static attn_status decode_data(const npy_info *info, const unsigned char *raw, attn_tensor *t) {
+    int64_t shape[ATTN_MAX_RANK] = {1};
+    int rank = info->rank == 0 ? 1 : info->rank;
+    if (info->rank > 0) memcpy(shape, info->shape, sizeof(int64_t) * (size_t)rank);
+    size_t es = attn_dtype_size(info->dtype);
+    void *data = attn__alloc_array((size_t)info->numel, es);
+    if (data == NULL) return ATTN_ERR_NOMEM;
+    attn_status st = attn_tensor_init(t, data, info->dtype, rank, shape);
+    if (st != ATTN_OK) {
+        attn__free(data);
+        return st;
+    }
+    /* Source element i (file order) goes to destination index dst: the same
+     * for C order, the transposed position for Fortran order. */
+    int64_t idx[ATTN_MAX_RANK] = {0};
+    unsigned char *out = data;
+    for (int64_t i = 0; i < info->numel; i++) {
+        int64_t dst = i;
+        if (info->fortran && rank > 1) {
+            dst = 0;
+            for (int d = 0; d < rank; d++) dst += idx[d] * t->strides[d];
+            for (int d = 0; d < rank; d++) { /* Fortran order: first index fastest */
+                if (++idx[d] < shape[d]) break;
+                idx[d] = 0;
+            }
+        }
+        const unsigned char *src = raw + (size_t)i * es;
+        unsigned char *to = out + (size_t)dst * es;
+        if (info->dtype == ATTN_DTYPE_BOOL)
+            to[0] = src[0] != 0;
+        else if (info->big_endian != (*(const unsigned char *)&(uint16_t){1} == 0))
+            for (size_t k = 0; k < es; k++) to[k] = src[es - 1 - k];
+        else
+            memcpy(to, src, es);
+    }
+    return ATTN_OK;
+}
+
+attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out) {
+    attn__clear_error();
+    if (out == NULL) return attn__fail(ATTN_ERR_NULL, "out is NULL");
+    memset(out, 0, sizeof *out);
+    if (bytes == NULL) return attn__fail(ATTN_ERR_NULL, "bytes is NULL");
+    npy_info info;
+    size_t offset = 0;
+    attn_status st = parse_preamble(bytes, size, &info, &offset);
+    if (st != ATTN_OK) return st;
+    size_t need = (size_t)info.numel * attn_dtype_size(info.dtype);
+    if (size - offset != need)
+        return attn__fail(ATTN_ERR_FORMAT, ".npy data is %zu bytes; the header promises %zu",
+                          size - offset, need);
+    return decode_data(&info, (const unsigned char *)bytes + offset, out);
+}
+
+attn_status attn_npy_load(const char *path, attn_tensor *out) {
+    attn__clear_error();
+    if (out == NULL) return attn__fail(ATTN_ERR_NULL, "out is NULL");
+    memset(out, 0, sizeof *out);
+    if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return attn__fail(ATTN_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    attn_status st = ATTN_OK;
+    unsigned char *buf = NULL;
+    long file_size = -1;
+    if (fseek(f, 0, SEEK_END) == 0) file_size = ftell(f);
+    if (file_size < 0 || fseek(f, 0, SEEK_SET) != 0) {
+        st = attn__fail(ATTN_ERR_IO, "cannot read '%s': not a regular file", path);
+    } else {
+        /* The file's own size bounds every allocation: a hostile header
+         * length can at most make the parse fail, never size a buffer. */
+        size_t want = (size_t)file_size;
+        buf = attn__alloc(want > 0 ? want : 1);
+        if (buf == NULL) {
+            st = ATTN_ERR_NOMEM;
+        } else {
+            if (fread(buf, 1, want, f) != want)
+                st = attn__fail(ATTN_ERR_IO, "cannot read '%s': %s", path,
+                                ferror(f) ? strerror(errno) : "file shrank while reading");
+            if (st == ATTN_OK) {
+                st = attn_npy_parse(buf, want, out);
+                if (st != ATTN_OK) {
+                    char msg[512];
+                    snprintf(msg, sizeof msg, "%s", attn_last_error());
+                    attn__fail(st, "%s: %s", path, msg);
+                }
+            }
+        }
+    }
+    attn__free(buf);
+    fclose(f);
+    return st;
+}
+
+void attn_npy_free(attn_tensor *t) {
+    if (t == NULL) return;
+    attn__free(t->data);
+    memset(t, 0, sizeof *t);
+}
+
+attn_status attn_npy_save(const char *path, const attn_tensor *t) {
+    attn__clear_error();
+    if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
+    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
+    if (st != ATTN_OK) return st;
+    const char *descr = t->dtype == ATTN_DTYPE_F32   ? "<f4"
+                        : t->dtype == ATTN_DTYPE_F64 ? "<f8"
+                                                     : "|b1";
+    char dict[512], shape[256];
+    attn__shape_str(shape, sizeof shape, t->rank, t->shape);
+    int n = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
+                     descr, shape);
+    /* Pad with spaces so the data starts on a 64-byte boundary; end with \n. */
+    size_t total = 10 + (size_t)n + 1;
+    size_t pad = (64 - total % 64) % 64;
+    size_t hlen = (size_t)n + pad + 1;
+    unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hlen & 0xff),
+                             (unsigned char)(hlen >> 8)};
+    FILE *f = fopen(path, "wb");
+    if (f == NULL) return attn__fail(ATTN_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
+    bool ok = fwrite(pre, 1, sizeof pre, f) == sizeof pre &&
+              fwrite(dict, 1, (size_t)n, f) == (size_t)n;
+    for (size_t i = 0; ok && i < pad; i++) ok = fputc(' ', f) != EOF;
+    ok = ok && fputc('\n', f) != EOF;
+    /* Elements in C order through the strides, little-endian, buffered. */
+    size_t es = attn_dtype_size(t->dtype);
+    unsigned char chunk[1 << 14];
+    size_t used = 0;
+    int64_t numel = attn_tensor_numel(t), idx[ATTN_MAX_RANK] = {0};
+    const bool big = *(const unsigned char *)&(uint16_t){1} == 0;
+    for (int64_t i = 0; ok && i < numel; i++) {
+        int64_t off = 0;
+        for (int d = 0; d < t->rank; d++) off += idx[d] * t->strides[d];
+        const unsigned char *src = (const unsigned char *)t->data + off * (int64_t)es;
+        for (size_t k = 0; k < es; k++) chunk[used + k] = src[big ? es - 1 - k : k];
+        if (t->dtype == ATTN_DTYPE_BOOL) chunk[used] = chunk[used] != 0;
+        used += es;
+        if (used + 8 > sizeof chunk) {
+            ok = fwrite(chunk, 1, used, f) == used;
+            used = 0;
+        }
+        for (int d = t->rank - 1; d >= 0; d--) {
+            if (++idx[d] < t->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+    if (ok && used > 0) ok = fwrite(chunk, 1, used, f) == used;
+    if (fclose(f) != 0) ok = false;
+    if (!ok) return attn__fail(ATTN_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
+    return ATTN_OK;
+}

@@ -1,0 +1,303 @@
+/* plan.c — argument validation for attention: every check, with a message
+ * that names the argument, the dimension and what was expected. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "plan.h"
+
+/* Size of batch dimension d (of nb) of tensor t, whose last two dims are
+ * matrix dims; 1 where t has fewer dimensions (NumPy right-alignment). */
+static int64_t batch_size(const attn_tensor *t, int nb, int d) {
+    int td = d - (nb - (t->rank - 2));
+    return td < 0 ? 1 : t->shape[td];
+}
+static int64_t batch_stride(const attn_tensor *t, int nb, int d) {
+    int td = d - (nb - (t->rank - 2));
+    return td < 0 || t->shape[td] == 1 ? 0 : t->strides[td];
+}
+
+/* "dim -3" style names read better than absolute indices when ranks differ. */
+static int neg_dim(int nb, int d) { return d - nb - 2; }
+
+static void fill_operand(attn__operand *op, const attn_tensor *t, int nb) {
+    op->data = t->data;
+    for (int d = 0; d < nb; d++) {
+        op->bstride[d] = batch_stride(t, nb, d);
+        op->bdiv[d] = 1;
+    }
+    op->rs = t->strides[t->rank - 2];
+    op->cs = t->strides[t->rank - 1];
+}
+
+static attn_status check_output(const attn_tensor *t, const char *name, attn_dtype dtype,
+                                int rank, const int64_t *shape) {
+    attn_status st = attn__check_tensor(t, name, 1, ATTN__OUTPUT);
+    if (st != ATTN_OK) return st;
+    bool same = t->rank == rank;
+    for (int d = 0; same && d < rank; d++) same = t->shape[d] == shape[d];
+    if (!same) {
+        char want[160], got[160];
+        return attn__fail(ATTN_ERR_SHAPE, "%s has shape %s; expected %s", name,
+                          attn__shape_str(got, sizeof got, t->rank, t->shape),
+                          attn__shape_str(want, sizeof want, rank, shape));
+    }
+    if (t->dtype != dtype)
+        return attn__fail(ATTN_ERR_DTYPE, "%s is %s; expected %s like the query", name,
+                          attn_dtype_name(t->dtype), attn_dtype_name(dtype));
+    return ATTN_OK;
+}
+
+static attn_status check_mask(attn__sdpa_plan *p, const attn_tensor *m, const char *name,
+                              int bool_keep, attn__mask *out) {
+    attn_status st = attn__check_tensor(m, name, 1, ATTN__INPUT);
+    if (st != ATTN_OK) return st;
+    if (m->dtype != ATTN_DTYPE_BOOL && !attn__is_float(m->dtype))
+        return attn__fail(ATTN_ERR_DTYPE, "%s is %s; expected bool, float32 or float64", name,
+                          attn_dtype_name(m->dtype));
+    int full = p->nb + 2;
+    int64_t target[ATTN_MAX_RANK];
+    memcpy(target, p->bshape, sizeof(int64_t) * (size_t)p->nb);
+    target[p->nb] = p->L;
+    target[p->nb + 1] = p->S;
+    char want[160], got[160];
+    if (m->rank > full)
+        return attn__fail(ATTN_ERR_SHAPE,
+                          "%s has rank %d, more than the attention weights %s it must "
+                          "broadcast to",
+                          name, m->rank, attn__shape_str(want, sizeof want, full, target));
+    /* Right-align the mask against (B..., L, S); size-1 dims broadcast. */
+    attn__operand *op = &out->op;
+    memset(op, 0, sizeof *op);
+    op->data = m->data;
+    int64_t stride_full[ATTN_MAX_RANK];
+    for (int d = 0; d < full; d++) {
+        int md = d - (full - m->rank);
+        int64_t size = md < 0 ? 1 : m->shape[md];
+        if (size != 1 && size != target[d])
+            return attn__fail(ATTN_ERR_SHAPE,
+                              "%s has shape %s, which does not broadcast to the attention "
+                              "weights %s (dim %d is %lld, expected 1 or %lld)",
+                              name, attn__shape_str(got, sizeof got, m->rank, m->shape),
+                              attn__shape_str(want, sizeof want, full, target), d - full,
+                              (long long)size, (long long)target[d]);
+        stride_full[d] = (md < 0 || size == 1) ? 0 : m->strides[md];
+    }
+    for (int d = 0; d < p->nb; d++) {
+        op->bstride[d] = stride_full[d];
+        op->bdiv[d] = 1;
+    }
+    op->rs = stride_full[p->nb];
+    op->cs = stride_full[p->nb + 1];
+    out->dtype = m->dtype;
+    out->bool_keep = bool_keep ? 1 : 0;
+    return ATTN_OK;
+}
+
+attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request *r) {
+    memset(p, 0, sizeof *p);
+    attn_status st;
+    if ((st = attn__check_tensor(r->q, "q", 2, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(r->k, "k", 2, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(r->v, "v", 2, ATTN__INPUT)) != ATTN_OK)
+        return st;
+    const attn_tensor *q = r->q, *k = r->k, *v = r->v;
+    if (!attn__is_float(q->dtype))
+        return attn__fail(ATTN_ERR_DTYPE, "q is %s; expected float32 or float64",
+                          attn_dtype_name(q->dtype));
+    if (k->dtype != q->dtype || v->dtype != q->dtype)
+        return attn__fail(ATTN_ERR_DTYPE, "q, k and v must share one dtype; got %s, %s and %s",
+                          attn_dtype_name(q->dtype), attn_dtype_name(k->dtype),
+                          attn_dtype_name(v->dtype));
+    p->dtype = q->dtype;
+    p->L = q->shape[q->rank - 2];
+    p->E = q->shape[q->rank - 1];
+    p->S = k->shape[k->rank - 2];
+    p->Ev = v->shape[v->rank - 1];
+    if (k->shape[k->rank - 1] != p->E)
+        return attn__fail(ATTN_ERR_SHAPE,
+                          "k.shape[-1] is %lld but q.shape[-1] is %lld: queries and keys "
+                          "must have the same feature size E",
+                          (long long)k->shape[k->rank - 1], (long long)p->E);
+    if (v->shape[v->rank - 2] != p->S)
+        return attn__fail(ATTN_ERR_SHAPE,
+                          "v.shape[-2] is %lld but k.shape[-2] is %lld: there must be one "
+                          "value per key (S)",
+                          (long long)v->shape[v->rank - 2], (long long)p->S);
+
+    /* Batch dimensions: broadcast, except the head dimension under GQA. */
+    int nb = q->rank;
+    if (k->rank > nb) nb = k->rank;
+    if (v->rank > nb) nb = v->rank;
+    nb -= 2;
+    p->nb = nb;
+    fill_operand(&p->q, q, nb);
+    fill_operand(&p->k, k, nb);
+    fill_operand(&p->v, v, nb);
+    if (r->enable_gqa && (q->rank < 3 || k->rank < 3 || v->rank < 3))
+        return attn__fail(ATTN_ERR_SHAPE,
+                          "enable_gqa needs a head dimension (dim -3) in q, k and v; their "
+                          "ranks are %d, %d and %d",
+                          q->rank, k->rank, v->rank);
+    p->nbatch = 1;
+    for (int d = 0; d < nb; d++) {
+        int64_t sq = batch_size(q, nb, d), sk = batch_size(k, nb, d), sv = batch_size(v, nb, d);
+        int64_t size = sq;
+        if (r->enable_gqa && d == nb - 1) {
+            if (sq % sk != 0 || sq % sv != 0)
+                return attn__fail(ATTN_ERR_SHAPE,
+                                  "enable_gqa: q has %lld heads, k %lld and v %lld; the query "
+                                  "heads must be a multiple of the key and value heads",
+                                  (long long)sq, (long long)sk, (long long)sv);
+            p->k.bdiv[d] = sq / sk;
+            p->v.bdiv[d] = sq / sv;
+        } else {
+            if (sk > size) size = sk;
+            if (sv > size) size = sv;
+            const attn_tensor *bad = (sq != 1 && sq != size) ? q
+                                     : (sk != 1 && sk != size) ? k
+                                     : (sv != 1 && sv != size) ? v
+                                                               : NULL;
+            if (bad != NULL) {
+                const char *hint = "";
+                if (d == nb - 1 && sq % sk == 0 && sq % sv == 0)
+                    hint = " (grouped-query attention: set enable_gqa)";
+                return attn__fail(ATTN_ERR_SHAPE,
+                                  "batch dimension %d does not broadcast: q has %lld, k %lld, "
+                                  "v %lld%s",
+                                  neg_dim(nb, d), (long long)sq, (long long)sk, (long long)sv,
+                                  hint);
+            }
+        }
+        p->bshape[d] = size;
+        if (attn__mul_overflows(p->nbatch, size, &p->nbatch))
+            return attn__fail(ATTN_ERR_OVERFLOW, "the batch size overflows 64 bits");
+    }
+    int64_t rows, cells, outs;
+    if (attn__mul_overflows(p->nbatch, p->L, &rows) ||
+        attn__mul_overflows(rows, p->S, &cells) || attn__mul_overflows(rows, p->Ev, &outs))
+        return attn__fail(ATTN_ERR_OVERFLOW,
+                          "batch x L x S = %lld x %lld x %lld overflows 64 bits",
+                          (long long)p->nbatch, (long long)p->L, (long long)p->S);
+
+    /* Scalars. */
+    if (r->causal != ATTN_CAUSAL_NONE && r->causal != ATTN_CAUSAL_TOP_LEFT &&
+        r->causal != ATTN_CAUSAL_BOTTOM_RIGHT)
+        return attn__fail(ATTN_ERR_INVALID, "causal is %d; expected ATTN_CAUSAL_NONE, "
+                          "ATTN_CAUSAL_TOP_LEFT or ATTN_CAUSAL_BOTTOM_RIGHT", (int)r->causal);
+    p->causal = r->causal != ATTN_CAUSAL_NONE;
+    p->causal_shift = r->causal == ATTN_CAUSAL_BOTTOM_RIGHT ? p->S - p->L : 0;
+    if (r->has_scale && !isfinite(r->scale))
+        return attn__fail(ATTN_ERR_INVALID, "scale is %g; expected a finite number", r->scale);
+    p->scale = r->has_scale ? r->scale : 1.0 / sqrt((double)p->E);
+    if (!(r->dropout_p >= 0.0 && r->dropout_p <= 1.0))
+        return attn__fail(ATTN_ERR_INVALID, "dropout_p is %g; expected a probability in [0, 1]",
+                          r->dropout_p);
+    p->dropout = r->dropout_p > 0.0;
+    p->dropout_p = r->dropout_p;
+    p->keep_threshold = attn__dropout_threshold(r->dropout_p);
+    p->seed = r->seed;
+    p->rng_offset = r->rng_offset;
+
+    /* Masks. */
+    for (int i = 0; i < r->nmask; i++) {
+        if (r->mask[i] == NULL) continue;
+        if ((st = check_mask(p, r->mask[i], r->mask_name[i], r->mask_bool_keep[i],
+                             &p->mask[p->nmask])) != ATTN_OK)
+            return st;
+        p->nmask++;
+    }
+
+    /* Outputs. */
+    if (r->out == NULL) return ATTN_OK; /* shape inference only */
+    int64_t shape[ATTN_MAX_RANK];
+    memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)nb);
+    shape[nb] = p->L;
+    shape[nb + 1] = p->Ev;
+    if ((st = check_output(r->out, "out", p->dtype, nb + 2, shape)) != ATTN_OK) return st;
+    fill_operand(&p->out, r->out, nb);
+    if (r->weights != NULL) {
+        shape[nb + 1] = p->S;
+        if ((st = check_output(r->weights, "weights", p->dtype, nb + 2, shape)) != ATTN_OK)
+            return st;
+        fill_operand(&p->weights, r->weights, nb);
+        p->has_weights = true;
+    }
+    if (r->lse != NULL) {
+        if ((st = check_output(r->lse, "lse", p->dtype, nb + 1, shape)) != ATTN_OK) return st;
+        /* lse is (B..., L): its last dimension is the row dimension. */
+        attn__operand *op = &p->lse;
+        op->data = r->lse->data;
+        for (int d = 0; d < nb; d++) {
+            op->bstride[d] = r->lse->shape[d] == 1 ? 0 : r->lse->strides[d];
+            op->bdiv[d] = 1;
+        }
+        op->rs = r->lse->strides[nb];
+        op->cs = 0;
+        p->has_lse = true;
+    }
+    return ATTN_OK;
+}
+
+void attn_sdpa_params_init(attn_sdpa_params *params) {
+    if (params == NULL) return;
+    memset(params, 0, sizeof *params);
+    params->causal = ATTN_CAUSAL_NONE;
+}
+
+static void request_from_public(attn__sdpa_request *r, const attn_tensor *q,
+                                const attn_tensor *k, const attn_tensor *v,
+                                const attn_sdpa_params *params) {
+    attn_sdpa_params defaults;
+    if (params == NULL) {
+        attn_sdpa_params_init(&defaults);
+        params = &defaults;
+    }
+    memset(r, 0, sizeof *r);
+    r->q = q;
+    r->k = k;
+    r->v = v;
+    r->nmask = 1;
+    r->mask[0] = params->attn_mask;
+    r->mask_name[0] = "attn_mask";
+    r->mask_bool_keep[0] = 1;
+    r->causal = params->causal;
+    r->has_scale = params->has_scale;
+    r->scale = params->scale;
+    r->enable_gqa = params->enable_gqa;
+    r->dropout_p = params->dropout_p;
+    r->seed = params->seed;
+    r->rng_offset = params->rng_offset;
+}
+
+attn_status attn__sdpa_plan_build(attn__sdpa_plan *plan, const attn_tensor *q,
+                                  const attn_tensor *k, const attn_tensor *v,
+                                  const attn_sdpa_params *params, attn_tensor *out,
+                                  attn_tensor *weights, attn_tensor *lse) {
+    attn__sdpa_request r;
+    request_from_public(&r, q, k, v, params);
+    if (out == NULL) return attn__fail(ATTN_ERR_NULL, "out is NULL");
+    r.out = out;
+    r.weights = weights;
+    r.lse = lse;
+    return attn__sdpa_plan_request(plan, &r);
+}
+
+attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor *k,
+                                const attn_tensor *v, const attn_sdpa_params *params, int *rank,
+                                int64_t shape[ATTN_MAX_RANK]) {
+    attn__clear_error();
+    if (rank == NULL || shape == NULL)
+        return attn__fail(ATTN_ERR_NULL, "attn_sdpa_out_shape: %s is NULL",
+                          rank == NULL ? "rank" : "shape");
+    attn__sdpa_request r;
+    attn__sdpa_plan plan;
+    request_from_public(&r, q, k, v, params);
+    attn_status st = attn__sdpa_plan_request(&plan, &r);
+    if (st != ATTN_OK) return st;
+    *rank = plan.nb + 2;
+    memcpy(shape, plan.bshape, sizeof(int64_t) * (size_t)plan.nb);
+    shape[plan.nb] = plan.L;
+    shape[plan.nb + 1] = plan.Ev;
+    return ATTN_OK;
+}

@@ -1,0 +1,134 @@
+/*
+ * reference.c — the oracle. One query row at a time, in float64, reading
+ * like the formula:
+ *
+ *   s_j = scale * q_i . k_j + mask_ij      for the keys j row i may see
+ *   p_j = exp(s_j - max_j s_j) / sum_j exp(s_j - max_j s_j)
+ *   out_i = sum_j dropout(p_j) * v_j
+ *
+ * Every fused kernel is tested against this file; keep it simple.
+ */
+#include <math.h>
+#include <stdio.h>
+
+#include "plan.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Combines the causal rule and every mask for (row i, key j). Returns false
+ * when the key is masked out; otherwise adds the float mask values to *bias. */
+static bool key_visible(const attn__sdpa_plan *p, const int64_t *mask_off, int64_t i, int64_t j,
+                        double *bias) {
+    if (!attn__causal_visible(p, i, j)) return false;
+    *bias = 0.0;
+    for (int m = 0; m < p->nmask; m++) {
+        const attn__mask *mk = &p->mask[m];
+        int64_t at = mask_off[m] + i * mk->op.rs + j * mk->op.cs;
+        double x = attn__load(mk->op.data, mk->dtype, at);
+        if (mk->dtype == ATTN_DTYPE_BOOL) {
+            if ((int)x != mk->bool_keep) return false;
+        } else {
+            if (x == -INFINITY) return false;
+            *bias += x;
+        }
+    }
+    return true;
+}
+
+/* Computes one query row; `s` has room for S doubles. */
+static void reference_row(const attn__sdpa_plan *p, int64_t b, int64_t i, double *s,
+                          bool *visible) {
+    const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
+    const int64_t ko = attn__batch_offset(p, &p->k, b);
+    const int64_t vo = attn__batch_offset(p, &p->v, b);
+    const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
+    int64_t mask_off[ATTN__MAX_MASKS];
+    for (int m = 0; m < p->nmask; m++) mask_off[m] = attn__batch_offset(p, &p->mask[m].op, b);
+
+    /* Scores of the visible keys, and their maximum. */
+    double max = -INFINITY;
+    bool nan = false;
+    for (int64_t j = 0; j < p->S; j++) {
+        double bias;
+        visible[j] = key_visible(p, mask_off, i, j, &bias);
+        if (!visible[j]) continue;
+        double dot = 0.0;
+        for (int64_t e = 0; e < p->E; e++)
+            dot += attn__load(p->q.data, p->dtype, qo + e * p->q.cs) *
+                   attn__load(p->k.data, p->dtype, ko + j * p->k.rs + e * p->k.cs);
+        s[j] = p->scale * dot + bias;
+        nan |= isnan(s[j]);
+        if (s[j] > max) max = s[j];
+    }
+    if (nan) max = NAN; /* a NaN score poisons its row, as in PyTorch */
+
+    /* Softmax. A row with no visible key (or only -inf scores) is empty:
+     * its output and weights are 0 and its log-sum-exp is -inf. */
+    double sum = 0.0;
+    bool empty = (max == -INFINITY);
+    for (int64_t j = 0; j < p->S; j++) {
+        if (!visible[j] || empty) {
+            s[j] = 0.0;
+            continue;
+        }
+        s[j] = exp(s[j] - max);
+        sum += s[j];
+    }
+    if (p->has_lse) {
+        int64_t lo = attn__batch_offset(p, &p->lse, b) + i * p->lse.rs;
+        attn__store(p->lse.data, p->dtype, lo, empty ? -INFINITY : max + log(sum));
+    }
+
+    /* Normalise, drop out, and write the weights. */
+    const double keep_scale = p->dropout_p < 1.0 ? 1.0 / (1.0 - p->dropout_p) : 0.0;
+    const uint64_t row_index = (uint64_t)(b * p->L + i) * (uint64_t)p->S;
+    const int64_t wo = p->has_weights ? attn__batch_offset(p, &p->weights, b) + i * p->weights.rs
+                                      : 0;
+    for (int64_t j = 0; j < p->S; j++) {
+        double w = empty ? 0.0 : s[j] / sum;
+        if (p->dropout) {
+            uint32_t word = attn__dropout_word(p->seed, p->rng_offset, row_index + (uint64_t)j);
+            w = (uint64_t)word >= p->keep_threshold ? w * keep_scale : 0.0;
+        }
+        s[j] = w;
+        if (p->has_weights) attn__store(p->weights.data, p->dtype, wo + j * p->weights.cs, w);
+    }
+
+    /* Weighted sum of the values. A key whose weight is exactly 0 (masked,
+     * dropped or underflowed) contributes nothing, even a NaN or Inf value;
+     * the fused kernels keep the same rule. */
+    for (int64_t e = 0; e < p->Ev; e++) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < p->S; j++)
+            if (s[j] != 0.0)
+                acc += s[j] * attn__load(p->v.data, p->dtype, vo + j * p->v.rs + e * p->v.cs);
+        attn__store(p->out.data, p->dtype, oo + e * p->out.cs, acc);
+    }
+}
+
+attn_status attn__sdpa_reference(const attn__sdpa_plan *p) {
+    const int threads = attn__threads();
+    const int64_t rows = p->nbatch * p->L;
+    const size_t per_thread = (size_t)p->S;
+    double *scores = attn__alloc_array((size_t)threads * per_thread, sizeof(double));
+    bool *visible = attn__alloc_array((size_t)threads * per_thread, sizeof(bool));
+    if (scores == NULL || visible == NULL) {
+        attn__free(scores);
+        attn__free(visible);
+        return ATTN_ERR_NOMEM;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1 && threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+#ifdef _OPENMP
+        size_t t = (size_t)omp_get_thread_num();
+#else
+        size_t t = 0;
+#endif
+        reference_row(p, r / p->L, r % p->L, scores + t * per_thread, visible + t * per_thread);
+    }
+    attn__free(scores);
+    attn__free(visible);
+    return ATTN_OK;
+}
