@@ -11,9 +11,11 @@
  *           'shape': (3, 4), } padded with spaces and ended by '\n'
  *   data:   numel * itemsize bytes
  */
+#define _POSIX_C_SOURCE 200809L /* fstat, fileno */
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "../core/internal.h"
 
@@ -284,9 +286,10 @@ attn_status attn_npy_load(const char *path, attn_tensor *out) {
     if (f == NULL) return attn__fail(ATTN_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     attn_status st = ATTN_OK;
     unsigned char *buf = NULL;
-    long file_size = -1;
-    if (fseek(f, 0, SEEK_END) == 0) file_size = ftell(f);
-    if (file_size < 0 || fseek(f, 0, SEEK_SET) != 0) {
+    struct stat info;
+    long long file_size = -1;
+    if (fstat(fileno(f), &info) == 0 && S_ISREG(info.st_mode)) file_size = info.st_size;
+    if (file_size < 0) {
         st = attn__fail(ATTN_ERR_IO, "cannot read '%s': not a regular file", path);
     } else {
         /* The file's own size bounds every allocation: a hostile header

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# bootstrap.sh — installs what the build needs and is missing; a no-op when
+# everything is there. Usage: scripts/bootstrap.sh [build] [python] [fuzz] [bench]
+#   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config
+#   python  NumPy, pytest, and PyTorch 2.13.0 (pinned: the CPU build on disk)
+#   fuzz    clang with libFuzzer and the sanitizer runtimes
+#   bench   matplotlib for the benchmark plots
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0
+want=("$@")
+[ ${#want[@]} -eq 0 ] && want=(build)
+
+say() { printf 'bootstrap: %s\n' "$*"; }
+
+apt_missing=()
+need_pkg() { # need_pkg <debian package> <test command...>
+    local pkg=$1; shift
+    if ! "$@" >/dev/null 2>&1; then apt_missing+=("$pkg"); fi
+}
+
+have_header() { # is <header> found by the C compiler?
+    printf '#include <%s>\nint main(void){return 0;}\n' "$1" |
+        ${CC:-cc} -x c - -o /dev/null -I/usr/include/x86_64-linux-gnu/openblas-pthread \
+            -I/usr/include/openblas "${@:2}" 2>/dev/null
+}
+
+pip_install() {
+    say "pip install $*"
+    "$PYTHON" -m pip install --disable-pip-version-check -q "$@"
+}
+
+for part in "${want[@]}"; do
+    case $part in
+    build)
+        need_pkg gcc command -v cc
+        need_pkg make command -v make
+        need_pkg libopenblas-dev have_header cblas.h -lopenblas
+        need_pkg pkg-config command -v pkg-config
+        command -v cmake >/dev/null 2>&1 || need_pkg cmake false
+        ;;
+    fuzz)
+        need_pkg clang command -v clang
+        need_pkg libclang-rt-14-dev sh -c 'echo "int LLVMFuzzerTestOneInput(const char*d,long n){return 0;}" |
+            clang -x c - -fsanitize=fuzzer,address -o /dev/null'
+        ;;
+    python | bench) ;;
+    *) say "unknown part '$part'"; exit 2 ;;
+    esac
+done
+
+if [ ${#apt_missing[@]} -gt 0 ]; then
+    say "apt-get install ${apt_missing[*]}"
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+fi
+
+for part in "${want[@]}"; do
+    case $part in
+    python)
+        "$PYTHON" -c 'import numpy' 2>/dev/null || pip_install numpy
+        "$PYTHON" -c 'import pytest' 2>/dev/null || pip_install pytest
+        # Pinned: an unpinned torch would pull a multi-GB CUDA build.
+        "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
+            2>/dev/null || pip_install "torch==$TORCH_VERSION"
+        "$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core
+        ;;
+    bench)
+        "$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib
+        ;;
+    esac
+done
+exit 0

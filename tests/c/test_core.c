@@ -1,0 +1,135 @@
+/*
+ * test_core.c — the pieces under everything: Philox against Random123's
+ * known answers, CPU-feature decoding (including feature sets this machine
+ * lacks), the kernel-path switch, the allocator hook, threads and views.
+ */
+#include "core/internal.h"
+#include "testutil.h"
+
+static void philox_known_answers(void) {
+    /* Random123 tests/kat_vectors, "philox4x32 10" lines. */
+    static const uint32_t kat[3][10] = {
+        {0, 0, 0, 0, 0, 0, 0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
+        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d,
+         0x41c83b0e, 0xa20bc7c6, 0x6d5451fd},
+        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09,
+         0x94fdcceb, 0x5001e420, 0x24126ea1}};
+    for (int i = 0; i < 3; i++) {
+        uint32_t lib[4], own[4];
+        attn__philox4x32_10(kat[i], kat[i] + 4, lib);
+        oracle_philox(kat[i], kat[i] + 4, own);
+        for (int w = 0; w < 4; w++) {
+            CHECK(lib[w] == kat[i][6 + w], "library vector %d word %d: %08x", i, w, lib[w]);
+            CHECK(own[w] == kat[i][6 + w], "test oracle vector %d word %d: %08x", i, w, own[w]);
+        }
+    }
+    CHECK(attn__dropout_threshold(0) == 0, "p = 0 keeps every word");
+    CHECK(attn__dropout_threshold(1) == 4294967296ull, "p = 1 keeps none");
+    CHECK(attn__dropout_threshold(0.5) == 2147483648ull, "p = 0.5");
+}
+
+static void cpu_feature_decoding(void) {
+    const uint32_t ecx_avx_fma = (1u << 28) | (1u << 12) | (1u << 27);
+    const uint32_t ebx_avx2 = 1u << 5, ebx_avx512 = (1u << 5) | (1u << 16);
+    attn__cpu_features f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0xE7, true);
+    CHECK(f.avx2_fma && f.avx512f, "full AVX-512 machine");
+    f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0x07, true); /* OS saves no ZMM */
+    CHECK(f.avx2_fma && !f.avx512f, "AVX-512 without OS ZMM support must not be used");
+    f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0x03, true); /* OS saves no YMM */
+    CHECK(!f.avx2_fma && !f.avx512f, "no YMM state: no AVX2");
+    f = attn__cpu_decode(ecx_avx_fma, ebx_avx2, 0xE7, false); /* OSXSAVE off */
+    CHECK(!f.avx2_fma, "xgetbv unusable: no AVX");
+    f = attn__cpu_decode(1u << 28 | 1u << 27, ebx_avx2, 0x07, true); /* no FMA */
+    CHECK(!f.avx2_fma, "AVX2 without FMA is not the avx2 path");
+    f = attn__cpu_decode(0, 0, 0, false);
+    CHECK(!f.avx2_fma && !f.avx512f, "bare machine");
+    /* What this machine reports is consistent with the public query. */
+    const attn__cpu_features *here = attn__cpu();
+    CHECK(attn_isa_supported(ATTN_ISA_AVX512) == here->avx512f, "isa_supported(avx512)");
+    CHECK(attn_isa_supported(ATTN_ISA_AVX2) == here->avx2_fma, "isa_supported(avx2)");
+    CHECK(attn_isa_supported(ATTN_ISA_REF) && attn_isa_supported(ATTN_ISA_GENERIC),
+          "portable paths always run");
+    printf("  this CPU: avx2+fma %s, avx512f %s\n", here->avx2_fma ? "yes" : "no",
+           here->avx512f ? "yes" : "no");
+}
+
+static void isa_switch(void) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+        attn_isa isa = (attn_isa)i;
+        if (attn_isa_supported(isa)) {
+            CHECK_OK(attn_set_isa(isa));
+            CHECK(attn_get_isa() == isa, "set %s, got %s", attn_isa_name(isa),
+                  attn_isa_name(attn_get_isa()));
+        } else {
+            CHECK_STATUS(attn_set_isa(isa), ATTN_ERR_UNSUPPORTED);
+        }
+    }
+    CHECK_OK(attn_set_isa(ATTN_ISA_AUTO));
+    CHECK(attn_get_isa() != ATTN_ISA_AUTO, "AUTO resolves to a concrete path");
+    CHECK(strcmp(attn_isa_name(ATTN_ISA_AVX512), "avx512") == 0, "names");
+}
+
+/* ---- the allocator hook ---- */
+
+typedef struct counting {
+    long allocs, frees, fail_at; /* fail the fail_at-th allocation (1-based), 0 never */
+} counting;
+
+static void *count_alloc(void *ctx, size_t size) {
+    counting *c = ctx;
+    if (++c->allocs == c->fail_at) return NULL;
+    return malloc(size);
+}
+static void count_release(void *ctx, void *p) {
+    ((counting *)ctx)->frees++;
+    free(p);
+}
+
+static void allocator_hook(void) {
+    counting c = {0, 0, 0};
+    attn_allocator a = {count_alloc, count_release, &c};
+    attn_set_allocator(&a);
+    double q[6] = {1, 2, 3, 4, 5, 6}, o[6];
+    int64_t s[2] = {3, 2};
+    attn_tensor t, out;
+    attn_tensor_init(&t, q, ATTN_DTYPE_F64, 2, s);
+    attn_tensor_init(&out, o, ATTN_DTYPE_F64, 2, s);
+    CHECK_OK(attn_sdpa(&t, &t, &t, NULL, &out, NULL, NULL));
+    CHECK(c.allocs > 0 && c.allocs == c.frees, "%ld allocations, %ld frees", c.allocs, c.frees);
+    c.allocs = c.frees = 0;
+    c.fail_at = 1;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, NULL, &out, NULL, NULL), ATTN_ERR_NOMEM);
+    CHECK(c.allocs - 1 == c.frees, "a failed call leaks: %ld allocations, %ld frees", c.allocs,
+          c.frees);
+    attn_set_allocator(NULL);
+    long before = c.allocs;
+    CHECK_OK(attn_sdpa(&t, &t, &t, NULL, &out, NULL, NULL));
+    CHECK(c.allocs == before, "the hook is still called after reset");
+}
+
+static void threads_setting(void) {
+    attn_set_num_threads(3);
+    CHECK(attn_get_num_threads() == 3, "set 3 threads");
+    attn_set_num_threads(0);
+    CHECK(attn_get_num_threads() >= 1, "default thread count");
+    attn_set_num_threads(-5);
+    CHECK(attn_get_num_threads() >= 1, "negative restores the default");
+}
+
+static void views(void) {
+    double d[24];
+    int64_t s[3] = {2, 3, 4};
+    attn_tensor t;
+    CHECK_OK(attn_tensor_init(&t, d, ATTN_DTYPE_F64, 3, s));
+    CHECK(t.strides[0] == 12 && t.strides[1] == 4 && t.strides[2] == 1, "C strides");
+    CHECK(attn_tensor_numel(&t) == 24, "numel");
+    CHECK_OK(attn_tensor_permute(&t, (int[]){2, 0, 1}));
+    CHECK(t.shape[0] == 4 && t.shape[1] == 2 && t.shape[2] == 3, "permuted shape");
+    CHECK(t.strides[0] == 1 && t.strides[1] == 12 && t.strides[2] == 4, "permuted strides");
+    CHECK_OK(attn_tensor_transpose(&t, -1, 0));
+    CHECK(t.shape[0] == 3 && t.shape[2] == 4 && t.strides[2] == 1, "transposed");
+    CHECK(attn_tensor_numel(NULL) == -1, "numel(NULL)");
+}
+
+HARNESS_MAIN(T(philox_known_answers), T(cpu_feature_decoding), T(isa_switch), T(allocator_hook),
+             T(threads_setting), T(views))

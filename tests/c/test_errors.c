@@ -1,0 +1,444 @@
+/*
+ * test_errors.c — every invalid input gives the right status and a message
+ * that names the problem; nothing crashes (this file runs under ASan+UBSan
+ * in CI).
+ */
+#include "testutil.h"
+
+static float qd[2 * 3 * 4 * 8], kd[2 * 3 * 5 * 8], vd[2 * 3 * 5 * 6], od[2 * 3 * 4 * 6];
+static float wd[2 * 3 * 4 * 5], ld[2 * 3 * 4];
+static unsigned char md[4 * 5];
+
+typedef struct fixture {
+    attn_tensor q, k, v, out, weights, lse, mask;
+    attn_sdpa_params p;
+} fixture;
+
+/* A valid call: q (2,3,4,8), k (2,3,5,8), v (2,3,5,6). */
+static void setup(fixture *f) {
+    int64_t qs[4] = {2, 3, 4, 8}, ks[4] = {2, 3, 5, 8}, vs[4] = {2, 3, 5, 6}, os[4] = {2, 3, 4, 6},
+            ws[4] = {2, 3, 4, 5}, ms[2] = {4, 5};
+    attn_tensor_init(&f->q, qd, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&f->k, kd, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&f->v, vd, ATTN_DTYPE_F32, 4, vs);
+    attn_tensor_init(&f->out, od, ATTN_DTYPE_F32, 4, os);
+    attn_tensor_init(&f->weights, wd, ATTN_DTYPE_F32, 4, ws);
+    attn_tensor_init(&f->lse, ld, ATTN_DTYPE_F32, 3, os);
+    attn_tensor_init(&f->mask, md, ATTN_DTYPE_BOOL, 2, ms);
+    memset(md, 1, sizeof md);
+    attn_sdpa_params_init(&f->p);
+}
+
+static attn_status call(fixture *f) {
+    return attn_sdpa(&f->q, &f->k, &f->v, &f->p, &f->out, &f->weights, &f->lse);
+}
+
+/* The message of the last call mentions `needle`. */
+#define CHECK_MESSAGE(needle) \
+    CHECK(strstr(attn_last_error(), needle) != NULL, "message '%s' lacks '%s'", attn_last_error(), needle)
+
+static void valid_baseline(void) {
+    fixture f;
+    setup(&f);
+    CHECK_OK(call(&f));
+    CHECK(attn_last_error()[0] == '\0', "success leaves a message");
+}
+
+static void null_pointers(void) {
+    fixture f;
+    setup(&f);
+    CHECK_STATUS(attn_sdpa(NULL, &f.k, &f.v, NULL, &f.out, NULL, NULL), ATTN_ERR_NULL);
+    CHECK_MESSAGE("q");
+    CHECK_STATUS(attn_sdpa(&f.q, NULL, &f.v, NULL, &f.out, NULL, NULL), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_sdpa(&f.q, &f.k, NULL, NULL, &f.out, NULL, NULL), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_sdpa(&f.q, &f.k, &f.v, NULL, NULL, NULL, NULL), ATTN_ERR_NULL);
+    CHECK_MESSAGE("out");
+    f.k.data = NULL;
+    CHECK_STATUS(call(&f), ATTN_ERR_NULL);
+    CHECK_MESSAGE("k->data");
+    setup(&f);
+    f.weights.data = NULL;
+    CHECK_STATUS(call(&f), ATTN_ERR_NULL);
+    int rank;
+    int64_t shape[ATTN_MAX_RANK];
+    CHECK_STATUS(attn_sdpa_out_shape(&f.q, &f.k, &f.v, NULL, NULL, shape), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_sdpa_out_shape(&f.q, &f.k, &f.v, NULL, &rank, NULL), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_tensor_init(NULL, qd, ATTN_DTYPE_F32, 1, shape), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_tensor_permute(NULL, NULL), ATTN_ERR_NULL);
+}
+
+static void bad_rank(void) {
+    fixture f;
+    setup(&f);
+    f.q.rank = 1;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("q has rank 1");
+    setup(&f);
+    f.k.rank = ATTN_MAX_RANK + 1;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    setup(&f);
+    f.v.rank = 0;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    setup(&f);
+    f.out.rank = 3; /* out must have the broadcast rank */
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    int64_t shape[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+    attn_tensor t;
+    CHECK_STATUS(attn_tensor_init(&t, qd, ATTN_DTYPE_F32, 9, shape), ATTN_ERR_SHAPE);
+    CHECK_STATUS(attn_tensor_init(&t, qd, ATTN_DTYPE_F32, 0, shape), ATTN_ERR_SHAPE);
+}
+
+static void shape_mismatch(void) {
+    fixture f;
+    setup(&f);
+    f.k.shape[3] = 7; /* E differs */
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("k.shape[-1] is 7 but q.shape[-1] is 8");
+    setup(&f);
+    f.v.shape[2] = 4; /* S differs between k and v */
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("v.shape[-2] is 4");
+    setup(&f);
+    f.k.shape[0] = 1;
+    f.v.shape[0] = 1;
+    f.q.shape[0] = 2;
+    CHECK_OK(call(&f)); /* batch 1 broadcasts */
+    setup(&f);
+    f.k.shape[1] = 2; /* 3 query heads vs 2 key heads, no GQA */
+    f.v.shape[1] = 2;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("does not broadcast");
+    setup(&f);
+    f.out.shape[3] = 5;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("out has shape (2, 3, 4, 5); expected (2, 3, 4, 6)");
+    setup(&f);
+    f.weights.shape[3] = 4;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("weights");
+    setup(&f);
+    f.lse.shape[2] = 5;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("lse");
+}
+
+static void heads_not_dividing(void) {
+    fixture f;
+    setup(&f);
+    f.p.enable_gqa = 1;
+    f.k.shape[1] = 2; /* 3 query heads over 2 key heads */
+    f.v.shape[1] = 2;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("multiple of the key and value heads");
+    setup(&f);
+    f.p.enable_gqa = 1;
+    f.k.shape[1] = 1;
+    f.v.shape[1] = 1;
+    CHECK_OK(call(&f)); /* 3 over 1: fine */
+    setup(&f);
+    f.p.enable_gqa = 1;
+    f.q.rank = f.k.rank = f.v.rank = 2; /* no head dimension at all */
+    memmove(f.q.shape, f.q.shape + 2, 2 * sizeof(int64_t));
+    memmove(f.q.strides, f.q.strides + 2, 2 * sizeof(int64_t));
+    memmove(f.k.shape, f.k.shape + 2, 2 * sizeof(int64_t));
+    memmove(f.k.strides, f.k.strides + 2, 2 * sizeof(int64_t));
+    memmove(f.v.shape, f.v.shape + 2, 2 * sizeof(int64_t));
+    memmove(f.v.strides, f.v.strides + 2, 2 * sizeof(int64_t));
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("enable_gqa needs a head dimension");
+}
+
+static void zero_size(void) {
+    fixture f;
+    setup(&f);
+    f.q.shape[2] = 0;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("q.shape[2] is 0");
+    setup(&f);
+    f.k.shape[0] = -3;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    int64_t shape[2] = {3, 0};
+    attn_tensor t;
+    CHECK_STATUS(attn_tensor_init(&t, qd, ATTN_DTYPE_F32, 2, shape), ATTN_ERR_SHAPE);
+}
+
+static void size_overflow(void) {
+    fixture f;
+    setup(&f);
+    /* 2^40 x 2^40 elements: the byte count overflows; no memory is touched. */
+    f.q.shape[2] = (int64_t)1 << 40;
+    f.q.shape[3] = (int64_t)1 << 40;
+    f.q.strides[2] = (int64_t)1 << 40;
+    CHECK_STATUS(call(&f), ATTN_ERR_OVERFLOW);
+    setup(&f);
+    f.k.strides[3] = INT64_MAX / 2; /* span overflows */
+    CHECK_STATUS(call(&f), ATTN_ERR_OVERFLOW);
+    setup(&f);
+    f.v.strides[0] = INT64_MIN;
+    CHECK_STATUS(call(&f), ATTN_ERR_OVERFLOW);
+    /* batch x L x S overflows even though each tensor fits. */
+    setup(&f);
+    int64_t big = (int64_t)1 << 31;
+    f.q.shape[0] = big;
+    f.q.strides[0] = 0;
+    f.q.shape[2] = big;
+    f.q.strides[2] = 0;
+    f.k.shape[0] = 1;
+    f.k.shape[2] = big;
+    f.k.strides[2] = 0;
+    f.v.shape[0] = 1;
+    f.v.shape[2] = big;
+    f.v.strides[2] = 0;
+    CHECK_STATUS(call(&f), ATTN_ERR_OVERFLOW);
+    int64_t shape[3] = {(int64_t)1 << 30, (int64_t)1 << 30, (int64_t)1 << 30};
+    attn_tensor t;
+    CHECK_STATUS(attn_tensor_init(&t, qd, ATTN_DTYPE_F32, 3, shape), ATTN_ERR_OVERFLOW);
+}
+
+static void bad_dtypes(void) {
+    fixture f;
+    setup(&f);
+    f.q.dtype = ATTN_DTYPE_BOOL;
+    CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+    setup(&f);
+    f.k.dtype = ATTN_DTYPE_F64;
+    CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+    CHECK_MESSAGE("share one dtype");
+    setup(&f);
+    f.v.dtype = (attn_dtype)42;
+    CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+    setup(&f);
+    f.out.dtype = ATTN_DTYPE_F64;
+    CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+    setup(&f);
+    f.lse.dtype = ATTN_DTYPE_F64;
+    CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+    CHECK(attn_dtype_size((attn_dtype)42) == 0 && strcmp(attn_dtype_name((attn_dtype)42), "unknown") == 0,
+          "unknown dtype");
+}
+
+static void bad_masks(void) {
+    fixture f;
+    setup(&f);
+    f.p.attn_mask = &f.mask;
+    CHECK_OK(call(&f)); /* (L, S) broadcasts */
+    f.mask.shape[1] = 6; /* not S */
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("attn_mask has shape (4, 6), which does not broadcast");
+    setup(&f);
+    f.p.attn_mask = &f.mask;
+    f.mask.rank = 5; /* more dims than the weights */
+    for (int d = 0; d < 5; d++) f.mask.shape[d] = 1, f.mask.strides[d] = 0;
+    CHECK_STATUS(call(&f), ATTN_ERR_SHAPE);
+    setup(&f);
+    f.p.attn_mask = &f.mask;
+    f.mask.dtype = (attn_dtype)7;
+    CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+    setup(&f);
+    f.p.attn_mask = &f.mask;
+    f.mask.data = NULL;
+    CHECK_STATUS(call(&f), ATTN_ERR_NULL);
+    CHECK_MESSAGE("attn_mask");
+}
+
+static void bad_values(void) {
+    fixture f;
+    setup(&f);
+    f.p.has_scale = 1;
+    f.p.scale = NAN;
+    CHECK_STATUS(call(&f), ATTN_ERR_INVALID);
+    CHECK_MESSAGE("scale");
+    f.p.scale = INFINITY;
+    CHECK_STATUS(call(&f), ATTN_ERR_INVALID);
+    f.p.scale = -0.5;
+    CHECK_OK(call(&f));
+    setup(&f);
+    const double bad_p[] = {-0.1, 1.5, NAN};
+    for (int i = 0; i < 3; i++) {
+        f.p.dropout_p = bad_p[i];
+        CHECK_STATUS(call(&f), ATTN_ERR_INVALID);
+        CHECK_MESSAGE("dropout_p");
+    }
+    setup(&f);
+    f.p.causal = (attn_causal)9;
+    CHECK_STATUS(call(&f), ATTN_ERR_INVALID);
+    setup(&f);
+    f.out.strides[3] = 0; /* overlapping output elements */
+    CHECK_STATUS(call(&f), ATTN_ERR_INVALID);
+    CHECK_MESSAGE("overlap");
+    CHECK_STATUS(attn_set_isa((attn_isa)99), ATTN_ERR_INVALID);
+    attn_tensor t = f.q;
+    CHECK_STATUS(attn_tensor_permute(&t, (int[]){0, 0, 1, 2}), ATTN_ERR_INVALID);
+    CHECK_STATUS(attn_tensor_transpose(&t, 0, 4), ATTN_ERR_INVALID);
+}
+
+static void status_strings(void) {
+    for (int s = 0; s <= 9; s++) {
+        const char *m = attn_strerror((attn_status)s);
+        CHECK(m != NULL && m[0] != '\0', "status %d has no string", s);
+    }
+    CHECK(strcmp(attn_strerror((attn_status)1234), "unknown status code") == 0, "unknown code");
+    CHECK(strcmp(attn_version(), ATTN_VERSION_STRING) == 0, "version string");
+    CHECK(attn_version_number() == ATTN_VERSION_NUMBER, "version number");
+}
+
+/* ---- MHA ---- */
+
+static void mha_config_errors(void) {
+    attn_mha_config c;
+    attn_mha *m = (attn_mha *)&c; /* must be reset to NULL on failure */
+    attn_mha_config_init(&c, 200, 6);
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_SHAPE);
+    CHECK(m == NULL, "failed create leaves a pointer");
+    CHECK_MESSAGE("not divisible by num_heads");
+    CHECK_MESSAGE("even split");
+    attn_mha_config_init(&c, 0, 1);
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_INVALID);
+    attn_mha_config_init(&c, 8, 0);
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_INVALID);
+    attn_mha_config_init(&c, 8, 2);
+    c.dropout = 2;
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_INVALID);
+    attn_mha_config_init(&c, 8, 2);
+    c.dtype = ATTN_DTYPE_BOOL;
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_DTYPE);
+    CHECK_STATUS(attn_mha_create(NULL, &m), ATTN_ERR_NULL);
+    attn_mha_config_init(&c, 8, 2);
+    CHECK_STATUS(attn_mha_create(&c, NULL), ATTN_ERR_NULL);
+    attn_mha_config_init(&c, (int64_t)1 << 40, 1);
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_OVERFLOW);
+    attn_mha_destroy(NULL); /* a no-op */
+}
+
+static void mha_forward_errors(void) {
+    attn_mha_config c;
+    attn_mha_config_init(&c, 8, 2);
+    attn_mha *m = NULL;
+    CHECK_OK(attn_mha_create(&c, &m));
+    static float x[5 * 3 * 8], y[5 * 3 * 8], w[3 * 5 * 5];
+    static unsigned char mask[5 * 5];
+    int64_t xs[3] = {5, 3, 8}, ws[3] = {3, 5, 5};
+    attn_tensor tx, ty, tw, tm;
+    attn_tensor_init(&tx, x, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&ty, y, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&tw, w, ATTN_DTYPE_F32, 3, ws);
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, &tw));
+    CHECK_STATUS(attn_mha_forward(NULL, &tx, &tx, &tx, NULL, &ty, NULL), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, NULL, NULL), ATTN_ERR_NULL);
+    attn_tensor bad = tx;
+    bad.shape[2] = 7;
+    CHECK_STATUS(attn_mha_forward(m, &bad, &tx, &tx, NULL, &ty, NULL), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("query.shape[-1] is 7; expected embed_dim = 8");
+    bad = tx;
+    bad.shape[1] = 2; /* batch differs */
+    CHECK_STATUS(attn_mha_forward(m, &tx, &bad, &tx, NULL, &ty, NULL), ATTN_ERR_SHAPE);
+    bad = tx;
+    bad.rank = 4;
+    CHECK_STATUS(attn_mha_forward(m, &bad, &tx, &tx, NULL, &ty, NULL), ATTN_ERR_SHAPE);
+    bad = tx;
+    bad.dtype = ATTN_DTYPE_F64;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &bad, NULL, &ty, NULL), ATTN_ERR_DTYPE);
+    attn_tensor wrong_w = tw;
+    wrong_w.shape[2] = 4;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, &wrong_w), ATTN_ERR_SHAPE);
+    attn_mha_forward_params fp;
+    attn_mha_forward_params_init(&fp);
+    int64_t ms[2] = {5, 4};
+    attn_tensor_init(&tm, mask, ATTN_DTYPE_BOOL, 2, ms);
+    fp.attn_mask = &tm;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("attn_mask has shape (5, 4)");
+    attn_mha_forward_params_init(&fp);
+    fp.key_padding_mask = &tm; /* (5, 4) is not (N=3, S=5) */
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("key_padding_mask has shape (5, 4); expected (3, 5)");
+    /* parameters */
+    attn_tensor view;
+    CHECK_STATUS(attn_mha_param(m, "nope", &view), ATTN_ERR_INVALID);
+    CHECK_MESSAGE("in_proj_weight");
+    CHECK_STATUS(attn_mha_set_param(m, "out_proj.weight", &tx), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("expects (8, 8)");
+    CHECK_STATUS(attn_mha_param_at(m, 99, NULL, NULL), ATTN_ERR_INVALID);
+    attn_mha_destroy(m);
+}
+
+/* ---- .npy ---- */
+
+static attn_status parse_text(const char *header, size_t data_bytes, int version) {
+    unsigned char buf[4096];
+    size_t hl = strlen(header), pre = version == 1 ? 10 : 12;
+    memcpy(buf, "\x93NUMPY", 6);
+    buf[6] = (unsigned char)version;
+    buf[7] = 0;
+    buf[8] = (unsigned char)(hl & 0xff);
+    buf[9] = (unsigned char)(hl >> 8);
+    if (version != 1) buf[10] = buf[11] = 0;
+    memcpy(buf + pre, header, hl);
+    memset(buf + pre + hl, 0, data_bytes);
+    attn_tensor t;
+    attn_status st = attn_npy_parse(buf, pre + hl + data_bytes, &t);
+    if (st == ATTN_OK) attn_npy_free(&t);
+    return st;
+}
+
+static void malformed_npy(void) {
+    attn_tensor t;
+    CHECK_STATUS(attn_npy_parse("", 0, &t), ATTN_ERR_FORMAT);
+    CHECK_STATUS(attn_npy_parse("\x93NUMPX\x01\x00", 8, &t), ATTN_ERR_FORMAT);
+    CHECK_MESSAGE("magic");
+    CHECK_STATUS(attn_npy_parse("\x93NUMPY\x04\x00\x00\x00", 10, &t), ATTN_ERR_FORMAT);
+    CHECK_MESSAGE("version");
+    CHECK_STATUS(attn_npy_parse("\x93NUMPY\x01\x00\xff\x00{", 11, &t), ATTN_ERR_FORMAT);
+    CHECK_MESSAGE("truncated");
+    CHECK_STATUS(attn_npy_parse(NULL, 10, &t), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_npy_parse("x", 1, NULL), ATTN_ERR_NULL);
+    const char *ok = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }\n";
+    CHECK_OK(parse_text(ok, 24, 1));
+    CHECK_OK(parse_text(ok, 24, 2));
+    CHECK_OK(parse_text(ok, 24, 3));
+    CHECK_STATUS(parse_text(ok, 23, 1), ATTN_ERR_FORMAT); /* truncated data */
+    CHECK_MESSAGE("promises 24");
+    CHECK_STATUS(parse_text(ok, 25, 1), ATTN_ERR_FORMAT); /* trailing bytes */
+    struct {
+        const char *header;
+        attn_status want;
+        const char *needle;
+    } cases[] = {
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", ATTN_ERR_FORMAT, "newline"},
+        {"['descr', '<f4']\n", ATTN_ERR_FORMAT, "dictionary"},
+        {"{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3), }\n", ATTN_ERR_DTYPE, "<i4"},
+        {"{'descr': 'f4', 'fortran_order': False, 'shape': (2, 3), }\n", ATTN_ERR_FORMAT, "byte-order"},
+        {"{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }\n", ATTN_ERR_FORMAT, "structured"},
+        {"{'descr': '<f4', 'fortran_order': Maybe, 'shape': (2, 3), }\n", ATTN_ERR_FORMAT, "fortran_order"},
+        {"{'descr': '<f4', 'shape': (2, 3), }\n", ATTN_ERR_FORMAT, "lacks"},
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (2, -3), }\n", ATTN_ERR_FORMAT, "shape"},
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 0), }\n", ATTN_ERR_SHAPE, "empty"},
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,), }\n", ATTN_ERR_FORMAT, "overflows"},
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296), }\n", ATTN_ERR_FORMAT, "overflows"},
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (1,1,1,1,1,1,1,1,1), }\n", ATTN_ERR_SHAPE, "dimensions"},
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), 'extra': 1}\n", ATTN_ERR_FORMAT, "extra"},
+        {"{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)}\n", ATTN_ERR_FORMAT, "repeated"},
+        {"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3) } junk\n", ATTN_ERR_FORMAT, "after"},
+        {"{'descr': '<f4' 'fortran_order': False}\n", ATTN_ERR_FORMAT, "expected ','"},
+        {"{'descr: '<f4'}\n", ATTN_ERR_FORMAT, "key"},
+        {"{\n", ATTN_ERR_FORMAT, "key"},
+        {"\n", ATTN_ERR_FORMAT, "dictionary"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        CHECK_STATUS(parse_text(cases[i].header, 24, 1), cases[i].want);
+        CHECK_MESSAGE(cases[i].needle);
+    }
+    /* A header with a NUL byte inside. */
+    unsigned char nul[] = "\x93NUMPY\x01\x00\x04\x00{\0}\n";
+    CHECK_STATUS(attn_npy_parse(nul, 14, &t), ATTN_ERR_FORMAT);
+    /* Files: missing, a directory. */
+    CHECK_STATUS(attn_npy_load("/nonexistent/attn.npy", &t), ATTN_ERR_IO);
+    CHECK_MESSAGE("/nonexistent/attn.npy");
+    CHECK_STATUS(attn_npy_load("/", &t), ATTN_ERR_IO);
+    attn_npy_free(NULL);
+}
+
+HARNESS_MAIN(T(valid_baseline), T(null_pointers), T(bad_rank), T(shape_mismatch),
+             T(heads_not_dividing), T(zero_size), T(size_overflow), T(bad_dtypes), T(bad_masks),
+             T(bad_values), T(status_strings), T(mha_config_errors), T(mha_forward_errors),
+             T(malformed_npy))

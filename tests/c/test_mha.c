@@ -1,0 +1,409 @@
+/*
+ * test_mha.c — attn_mha against a float64 multi-head attention written here
+ * from torch.nn.MultiheadAttention's documented behaviour, over random
+ * configurations of every option; parameter names, shapes and order; and
+ * the initialisation schemes.
+ */
+#include "testutil.h"
+
+typedef struct mha_case {
+    attn_mha_config cfg;
+    attn_mha *m;
+    bool batched, need_weights, average, causal, training;
+    int64_t N, L, S;
+    test_tensor query, key, value, kpm, mask, out, weights;
+    bool has_kpm, has_mask;
+    attn_mha_forward_params fp;
+} mha_case;
+
+static double *param(attn_mha *m, const char *name) {
+    attn_tensor v;
+    if (attn_mha_param(m, name, &v) != ATTN_OK) return NULL;
+    return tt_dense(&v);
+}
+
+/* Index of (n, t, f) in a dense copy of a (T, N, F) / (N, T, F) / (T, F) input. */
+static int64_t at(const mha_case *c, int64_t n, int64_t t, int64_t f, int64_t T, int64_t F) {
+    if (!c->batched) return t * F + f;
+    return c->cfg.batch_first ? (n * T + t) * F + f : (t * c->N + n) * F + f;
+}
+
+/* The oracle: returns out (dense, query layout) and weights (dense). */
+static void oracle_mha(const mha_case *c, double **out_p, double **w_p) {
+    attn_mha *m = c->m;
+    attn_mha_config cfg;
+    attn_mha_get_config(m, &cfg);
+    const int64_t N = c->N, L = c->L, S = c->S, H = cfg.num_heads, hd = cfg.head_dim,
+                  D = H * hd, E = cfg.embed_dim;
+    const int64_t Sx = S + cfg.add_bias_kv + cfg.add_zero_attn;
+    double *Wq, *Wk, *Wv;
+    double *in_w = param(m, "in_proj_weight");
+    if (in_w) {
+        Wq = in_w;
+        Wk = in_w + D * E;
+        Wv = in_w + 2 * D * E;
+    } else {
+        Wq = param(m, "q_proj_weight");
+        Wk = param(m, "k_proj_weight");
+        Wv = param(m, "v_proj_weight");
+    }
+    double *bin = param(m, "in_proj_bias"), *Wo = param(m, "out_proj.weight"),
+           *bo = param(m, "out_proj.bias"), *bk = param(m, "bias_k"), *bv = param(m, "bias_v");
+    double *X = tt_dense(&c->query.t), *K = tt_dense(&c->key.t), *V = tt_dense(&c->value.t);
+    double *KPM = c->has_kpm ? tt_dense(&c->kpm.t) : NULL,
+           *AM = c->has_mask ? tt_dense(&c->mask.t) : NULL;
+    double *out = calloc((size_t)(N * L * E), sizeof(double));
+    double *wall = calloc((size_t)(N * H * L * Sx), sizeof(double));
+    double *Qp = calloc((size_t)(L * D), sizeof(double)), *Kp = calloc((size_t)(Sx * D), sizeof(double)),
+           *Vp = calloc((size_t)(Sx * D), sizeof(double)), *O = calloc((size_t)(L * D), sizeof(double)),
+           *s = calloc((size_t)Sx, sizeof(double));
+    bool *vis = calloc((size_t)Sx, sizeof(bool));
+    const double p = c->training ? cfg.dropout : 0;
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t d = 0; d < D; d++) {
+            for (int64_t t = 0; t < L; t++) {
+                double acc = bin ? bin[d] : 0;
+                for (int64_t f = 0; f < E; f++) acc += Wq[d * E + f] * X[at(c, n, t, f, L, E)];
+                Qp[t * D + d] = acc;
+            }
+            for (int64_t t = 0; t < S; t++) {
+                double ak = bin ? bin[D + d] : 0, av = bin ? bin[2 * D + d] : 0;
+                for (int64_t f = 0; f < cfg.kdim; f++) ak += Wk[d * cfg.kdim + f] * K[at(c, n, t, f, S, cfg.kdim)];
+                for (int64_t f = 0; f < cfg.vdim; f++) av += Wv[d * cfg.vdim + f] * V[at(c, n, t, f, S, cfg.vdim)];
+                Kp[t * D + d] = ak;
+                Vp[t * D + d] = av;
+            }
+            if (cfg.add_bias_kv) {
+                Kp[S * D + d] = bk[d];
+                Vp[S * D + d] = bv[d];
+            }
+            if (cfg.add_zero_attn) Kp[(Sx - 1) * D + d] = Vp[(Sx - 1) * D + d] = 0;
+        }
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < L; i++) {
+                double mx = -INFINITY;
+                for (int64_t j = 0; j < Sx; j++) {
+                    double add = 0;
+                    vis[j] = true;
+                    if (j < S) { /* appended keys are never masked (torch pads with 0) */
+                        if (c->causal && j > i) vis[j] = false;
+                        if (AM) {
+                            double mv = c->mask.t.rank == 2 ? AM[i * S + j]
+                                                             : AM[((n * H + h) * L + i) * S + j];
+                            if (c->mask.t.dtype == ATTN_DTYPE_BOOL) {
+                                if (mv != 0) vis[j] = false;
+                            } else if (mv == -INFINITY) {
+                                vis[j] = false;
+                            } else {
+                                add += mv;
+                            }
+                        }
+                        if (KPM) {
+                            double kv = KPM[n * S + j];
+                            if (c->kpm.t.dtype == ATTN_DTYPE_BOOL) {
+                                if (kv != 0) vis[j] = false;
+                            } else if (kv == -INFINITY) {
+                                vis[j] = false;
+                            } else {
+                                add += kv;
+                            }
+                        }
+                    }
+                    if (!vis[j]) continue;
+                    double dot = 0;
+                    for (int64_t e = 0; e < hd; e++) dot += Qp[i * D + h * hd + e] * Kp[j * D + h * hd + e];
+                    s[j] = dot / sqrt((double)hd) + add;
+                    if (s[j] > mx) mx = s[j];
+                }
+                double sum = 0;
+                for (int64_t j = 0; j < Sx; j++)
+                    if (vis[j] && mx != -INFINITY) sum += exp(s[j] - mx);
+                for (int64_t j = 0; j < Sx; j++) {
+                    double w = vis[j] && mx != -INFINITY ? exp(s[j] - mx) / sum : 0;
+                    if (p > 0) {
+                        uint64_t idx = (uint64_t)(((n * H + h) * L + i) * Sx + j);
+                        uint32_t ctr[4] = {(uint32_t)(idx / 4), (uint32_t)(idx / 4 >> 32),
+                                           (uint32_t)c->fp.rng_offset, 0};
+                        uint32_t key[2] = {(uint32_t)c->fp.seed, (uint32_t)(c->fp.seed >> 32)}, r4[4];
+                        oracle_philox(ctr, key, r4);
+                        w = (double)r4[idx % 4] >= p * 4294967296.0 ? w / (1 - p) : 0;
+                    }
+                    wall[((n * H + h) * L + i) * Sx + j] = w;
+                }
+                for (int64_t e = 0; e < hd; e++) {
+                    double acc = 0;
+                    for (int64_t j = 0; j < Sx; j++) {
+                        double w = wall[((n * H + h) * L + i) * Sx + j];
+                        if (w != 0) acc += w * Vp[j * D + h * hd + e];
+                    }
+                    O[i * D + h * hd + e] = acc;
+                }
+            }
+        for (int64_t t = 0; t < L; t++)
+            for (int64_t f = 0; f < E; f++) {
+                double acc = bo ? bo[f] : 0;
+                for (int64_t d = 0; d < D; d++) acc += Wo[f * D + d] * O[t * D + d];
+                out[at(c, n, t, f, L, E)] = acc;
+            }
+    }
+    if (c->average) { /* mean over heads */
+        double *avg = calloc((size_t)(N * L * Sx), sizeof(double));
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t x = 0; x < L * Sx; x++) avg[n * L * Sx + x] += wall[(n * H + h) * L * Sx + x] / (double)H;
+        free(wall);
+        wall = avg;
+    }
+    *out_p = out;
+    *w_p = wall;
+    double *all[] = {in_w, bin, Wo, bo, bk, bv, X, K, V, KPM, AM, Qp, Kp, Vp, O, s};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
+    if (!in_w) {
+        free(Wq);
+        free(Wk);
+        free(Wv);
+    }
+    free(vis);
+}
+
+static void make_case(mha_case *c, rng *r) {
+    memset(c, 0, sizeof *c);
+    const int64_t heads[] = {1, 2, 3, 4};
+    int64_t H = heads[rng_int(r, 0, 3)];
+    int64_t hd = rng_int(r, 1, 5);
+    int64_t E = H * hd;
+    attn_mha_config_init(&c->cfg, E, H);
+    if (rng_int(r, 0, 4) == 0) { /* attn's head_dim extension: D != E */
+        c->cfg.embed_dim = E = rng_int(r, 2, 9);
+        c->cfg.head_dim = hd;
+    }
+    c->cfg.dtype = rng_int(r, 0, 1) ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    if (rng_int(r, 0, 2) == 0) c->cfg.kdim = rng_int(r, 1, 9);
+    if (rng_int(r, 0, 2) == 0) c->cfg.vdim = rng_int(r, 1, 9);
+    c->cfg.bias = rng_int(r, 0, 3) != 0;
+    c->cfg.add_bias_kv = rng_int(r, 0, 3) == 0;
+    c->cfg.add_zero_attn = rng_int(r, 0, 3) == 0;
+    c->cfg.batch_first = rng_int(r, 0, 1);
+    c->cfg.dropout = rng_int(r, 0, 3) == 0 ? 0.3 : 0;
+    c->cfg.init_seed = rng_next(r);
+    CHECK_OK(attn_mha_create(&c->cfg, &c->m));
+    attn_mha_get_config(c->m, &c->cfg);
+    /* Random parameters, biases included, written through set_param from
+     * strided sources. */
+    for (int i = 0; i < attn_mha_param_count(c->m); i++) {
+        const char *name;
+        attn_tensor view;
+        CHECK_OK(attn_mha_param_at(c->m, i, &name, &view));
+        test_tensor src;
+        tt_make(&src, r, rng_int(r, 0, 1) ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64, view.rank, view.shape,
+                LAYOUT_RANDOM, 0.5, 0);
+        CHECK_OK(attn_mha_set_param(c->m, name, &src.t));
+        tt_free(&src);
+    }
+    c->batched = rng_int(r, 0, 4) != 0;
+    c->N = c->batched ? rng_int(r, 1, 3) : 1;
+    c->L = rng_int(r, 1, 7);
+    c->S = rng_int(r, 1, 7);
+    const attn_dtype dt = c->cfg.dtype;
+    int64_t qs[3], ks[3], vs[3];
+    int rank = c->batched ? 3 : 2;
+    if (!c->batched) {
+        qs[0] = c->L, qs[1] = E;
+        ks[0] = c->S, ks[1] = c->cfg.kdim;
+        vs[0] = c->S, vs[1] = c->cfg.vdim;
+    } else if (c->cfg.batch_first) {
+        qs[0] = ks[0] = vs[0] = c->N;
+        qs[1] = c->L, ks[1] = vs[1] = c->S;
+        qs[2] = E, ks[2] = c->cfg.kdim, vs[2] = c->cfg.vdim;
+    } else {
+        qs[1] = ks[1] = vs[1] = c->N;
+        qs[0] = c->L, ks[0] = vs[0] = c->S;
+        qs[2] = E, ks[2] = c->cfg.kdim, vs[2] = c->cfg.vdim;
+    }
+    int layout = rng_int(r, 0, 1) ? LAYOUT_RANDOM : LAYOUT_CONTIGUOUS;
+    tt_make(&c->query, r, dt, rank, qs, layout, 1, 0);
+    tt_make(&c->key, r, dt, rank, ks, layout, 1, 0);
+    tt_make(&c->value, r, dt, rank, vs, layout, 1, 0);
+    attn_mha_forward_params_init(&c->fp);
+    int kk = (int)rng_int(r, 0, 3);
+    if (kk >= 2) {
+        int64_t s2[2] = {c->N, c->S}, s1[1] = {c->S};
+        tt_make(&c->kpm, r, kk == 2 ? ATTN_DTYPE_BOOL : dt, c->batched ? 2 : 1,
+                c->batched ? s2 : s1, layout, 1, 0.3);
+        c->has_kpm = true;
+        c->fp.key_padding_mask = &c->kpm.t;
+    }
+    int mk = (int)rng_int(r, 0, 4);
+    if (mk >= 2) {
+        int64_t H_ = c->cfg.num_heads;
+        int64_t s2[2] = {c->L, c->S}, s3[3] = {(c->batched ? c->N : 1) * H_, c->L, c->S};
+        bool three = mk == 4 || rng_int(r, 0, 1);
+        attn_dtype mdt = rng_int(r, 0, 1) ? ATTN_DTYPE_BOOL : dt;
+        tt_make(&c->mask, r, mdt, three ? 3 : 2, three ? s3 : s2, layout, 1, 0.3);
+        if (mdt != ATTN_DTYPE_BOOL) { /* some -inf entries */
+            int64_t n = attn_tensor_numel(&c->mask.t), idx[3] = {0};
+            for (int64_t i = 0; i < n; i++) {
+                if (rng_int(r, 0, 4) == 0) tt_set(&c->mask.t, idx, -INFINITY);
+                for (int d = c->mask.t.rank - 1; d >= 0; d--) {
+                    if (++idx[d] < c->mask.t.shape[d]) break;
+                    idx[d] = 0;
+                }
+            }
+        }
+        c->has_mask = true;
+        c->fp.attn_mask = &c->mask.t;
+    }
+    c->causal = rng_int(r, 0, 3) == 0;
+    c->fp.is_causal = c->causal;
+    c->training = c->cfg.dropout > 0 && rng_int(r, 0, 1);
+    c->fp.training = c->training;
+    c->fp.seed = rng_next(r);
+    c->fp.rng_offset = rng_int(r, 0, 2);
+    c->need_weights = rng_int(r, 0, 1);
+    c->average = rng_int(r, 0, 1);
+    c->fp.average_attn_weights = c->average;
+    tt_make_output(&c->out, r, dt, rank, qs, layout);
+    if (c->need_weights) {
+        int wr;
+        int64_t ws[ATTN_MAX_RANK], os[ATTN_MAX_RANK];
+        int orank;
+        CHECK_OK(attn_mha_out_shapes(c->m, &c->query.t, &c->key.t, &c->fp, 1, &orank, os, &wr, ws));
+        tt_make_output(&c->weights, r, dt, wr, ws, layout);
+    }
+}
+
+static void free_case(mha_case *c) {
+    attn_mha_destroy(c->m);
+    test_tensor *all[] = {&c->query, &c->key, &c->value, &c->kpm, &c->mask, &c->out, &c->weights};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tt_free(all[i]);
+}
+
+static void random_modules(void) {
+    const int cases = 300;
+    unsigned long long seed = harness_seed() ^ 0x6666;
+    printf("random_modules: %d cases, seed %llu\n", cases, seed);
+    rng r = {seed};
+    int agree = 0;
+    for (int i = 0; i < cases; i++) {
+        mha_case c;
+        make_case(&c, &r);
+        attn_status st = attn_mha_forward(c.m, &c.query.t, &c.key.t, &c.value.t, &c.fp, &c.out.t,
+                                          c.need_weights ? &c.weights.t : NULL);
+        CHECK(st == ATTN_OK, "case %d: %s", i, attn_last_error());
+        if (st == ATTN_OK) {
+            double *ref_out, *ref_w;
+            oracle_mha(&c, &ref_out, &ref_w);
+            double *out = tt_dense(&c.out.t);
+            int64_t n = attn_tensor_numel(&c.out.t);
+            double mag = 0;
+            for (int64_t k = 0; k < n; k++) mag = fmax(mag, fabs(ref_out[k]));
+            double tol = (c.cfg.dtype == ATTN_DTYPE_F64 ? 1e-11 : 3e-5) * (1 + mag) *
+                         (c.training ? 1 / (1 - c.cfg.dropout) : 1);
+            double err = max_abs_diff(out, ref_out, n);
+            bool ok = err <= tol;
+            CHECK(ok, "case %d (%s, E=%lld H=%lld hd=%lld kdim=%lld vdim=%lld bias=%d bkv=%d "
+                      "zero=%d bf=%d batched=%d causal=%d kpm=%d mask=%d train=%d): out error "
+                      "%.3g > %.3g",
+                  i, attn_dtype_name(c.cfg.dtype), (long long)c.cfg.embed_dim,
+                  (long long)c.cfg.num_heads, (long long)c.cfg.head_dim, (long long)c.cfg.kdim,
+                  (long long)c.cfg.vdim, c.cfg.bias, c.cfg.add_bias_kv, c.cfg.add_zero_attn,
+                  c.cfg.batch_first, c.batched, c.causal, c.has_kpm, c.has_mask, c.training, err,
+                  tol);
+            if (c.need_weights) {
+                double *w = tt_dense(&c.weights.t);
+                double werr = max_abs_diff(w, ref_w, attn_tensor_numel(&c.weights.t));
+                double wtol = (c.cfg.dtype == ATTN_DTYPE_F64 ? 1e-11 : 3e-5) *
+                              (c.training ? 1 / (1 - c.cfg.dropout) : 1);
+                CHECK(werr <= wtol, "case %d: weights error %.3g", i, werr);
+                ok &= werr <= wtol;
+                free(w);
+            }
+            agree += ok;
+            free(out);
+            free(ref_out);
+            free(ref_w);
+        }
+        free_case(&c);
+    }
+    printf("  %d/%d modules agree with the oracle\n", agree, cases);
+}
+
+static void parameter_names_and_order(void) {
+    struct {
+        int64_t kdim;
+        int bias, bias_kv;
+        const char *names[8];
+    } cases[] = {
+        {0, 1, 0, {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}},
+        {0, 0, 0, {"in_proj_weight", "out_proj.weight"}},
+        {5, 1, 1, {"q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k",
+                   "bias_v", "out_proj.weight", "out_proj.bias"}},
+    };
+    for (int c = 0; c < 3; c++) {
+        attn_mha_config cfg;
+        attn_mha_config_init(&cfg, 8, 2);
+        cfg.kdim = cases[c].kdim;
+        cfg.bias = cases[c].bias;
+        cfg.add_bias_kv = cases[c].bias_kv;
+        attn_mha *m;
+        CHECK_OK(attn_mha_create(&cfg, &m));
+        int n = attn_mha_param_count(m), want = 0;
+        while (want < 8 && cases[c].names[want]) want++;
+        CHECK(n == want, "case %d: %d parameters, expected %d", c, n, want);
+        for (int i = 0; i < n && i < want; i++) {
+            const char *name;
+            CHECK_OK(attn_mha_param_at(m, i, &name, NULL));
+            CHECK(strcmp(name, cases[c].names[i]) == 0, "case %d: parameter %d is %s, expected %s",
+                  c, i, name, cases[c].names[i]);
+        }
+        attn_tensor v;
+        if (cases[c].kdim) {
+            CHECK_OK(attn_mha_param(m, "k_proj_weight", &v));
+            CHECK(v.rank == 2 && v.shape[0] == 8 && v.shape[1] == 5, "k_proj_weight shape");
+        }
+        if (cases[c].bias_kv) {
+            CHECK_OK(attn_mha_param(m, "bias_k", &v));
+            CHECK(v.rank == 3 && v.shape[0] == 1 && v.shape[1] == 1 && v.shape[2] == 8, "bias_k shape");
+        }
+        attn_mha_destroy(m);
+    }
+}
+
+/* Initial values follow torch's schemes: xavier-uniform in_proj, zero
+ * biases, out_proj uniform(+-1/sqrt(D)), normal bias_k/v with std 1/sqrt(D). */
+static void initialisation(void) {
+    attn_mha_config cfg;
+    attn_mha_config_init(&cfg, 64, 4);
+    cfg.add_bias_kv = 1;
+    cfg.dtype = ATTN_DTYPE_F64;
+    cfg.init_seed = 42;
+    attn_mha *m;
+    CHECK_OK(attn_mha_create(&cfg, &m));
+    attn_tensor v;
+    CHECK_OK(attn_mha_param(m, "in_proj_weight", &v));
+    double bound = sqrt(6.0 / (64 + 192)), mx = 0, var = 0;
+    int64_t n = attn_tensor_numel(&v);
+    for (int64_t i = 0; i < n; i++) {
+        double x = ((double *)v.data)[i];
+        mx = fmax(mx, fabs(x));
+        var += x * x / (double)n;
+    }
+    CHECK(mx <= bound && mx > 0.95 * bound, "in_proj max %.4f, bound %.4f", mx, bound);
+    CHECK(fabs(var - bound * bound / 3) < 0.05 * bound * bound, "in_proj variance %.5f", var);
+    CHECK_OK(attn_mha_param(m, "in_proj_bias", &v));
+    for (int i = 0; i < 192; i++) CHECK(((double *)v.data)[i] == 0, "in_proj_bias starts at 0");
+    CHECK_OK(attn_mha_param(m, "out_proj.weight", &v));
+    mx = 0;
+    for (int i = 0; i < 64 * 64; i++) mx = fmax(mx, fabs(((double *)v.data)[i]));
+    CHECK(mx <= 1 / 8.0 && mx > 0.9 / 8, "out_proj max %.4f", mx);
+    attn_mha *m2;
+    CHECK_OK(attn_mha_create(&cfg, &m2));
+    attn_tensor v2;
+    attn_mha_param(m2, "bias_k", &v2);
+    attn_mha_param(m, "bias_k", &v);
+    CHECK(memcmp(v.data, v2.data, 64 * sizeof(double)) == 0, "same init_seed, same parameters");
+    attn_mha_destroy(m);
+    attn_mha_destroy(m2);
+}
+
+HARNESS_MAIN(T(random_modules), T(parameter_names_and_order), T(initialisation))

@@ -1,0 +1,70 @@
+/*
+ * testutil.h — test-side tensors and the independent float64 oracle.
+ *
+ * The oracle shares no code with the library: it densifies every input by
+ * reading it through its strides, broadcasts by explicit index arithmetic,
+ * and draws dropout from its own Philox implementation.
+ */
+#ifndef ATTN_TESTUTIL_H
+#define ATTN_TESTUTIL_H
+
+#include <stdint.h>
+
+#include "harness.h"
+
+/* A tensor with a random memory layout over its own buffer. */
+typedef struct test_tensor {
+    attn_tensor t;
+    void *storage;
+} test_tensor;
+
+enum {
+    LAYOUT_CONTIGUOUS = 0,
+    LAYOUT_RANDOM = 1 /* permuted dims, gaps, reversed dims, zero-stride broadcasts */
+};
+
+/* Allocates and fills with N(0,1) * amplitude (floats) or Bernoulli(p_true)
+ * (bool). For LAYOUT_RANDOM, size-1 dims may also get odd strides. */
+void tt_make(test_tensor *x, rng *r, attn_dtype dtype, int rank, const int64_t *shape,
+             int layout, double amplitude, double p_true);
+/* Zero-filled output with a random (non-overlapping) layout. */
+void tt_make_output(test_tensor *x, rng *r, attn_dtype dtype, int rank, const int64_t *shape,
+                    int layout);
+void tt_free(test_tensor *x);
+
+/* Element access through the strides; idx has t->rank entries. */
+double tt_get(const attn_tensor *t, const int64_t *idx);
+void tt_set(const attn_tensor *t, const int64_t *idx, double value);
+/* A dense row-major double copy (caller frees). */
+double *tt_dense(const attn_tensor *t);
+
+/* Independent Philox-4x32-10. */
+void oracle_philox(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
+
+typedef struct oracle_sdpa_args {
+    const attn_tensor *q, *k, *v, *mask;
+    int mask_true_keeps;  /* 1: bool true = keep (SDPA); 0: true = masked (MHA) */
+    int causal;           /* 0 none, 1 top-left, 2 bottom-right */
+    int has_scale;
+    double scale;
+    int gqa;
+    double dropout_p;
+    uint64_t seed, rng_offset;
+} oracle_sdpa_args;
+
+typedef struct oracle_sdpa_result {
+    int rank;                    /* of out */
+    int64_t shape[ATTN_MAX_RANK];/* out shape (B..., L, Ev) */
+    int64_t nbatch, L, S, Ev;
+    double *out, *weights, *lse; /* dense, row-major */
+} oracle_sdpa_result;
+
+/* Returns 0 on success, -1 if the arguments do not broadcast (the oracle's
+ * own opinion, for cross-checking the library's validation). */
+int oracle_sdpa(const oracle_sdpa_args *a, oracle_sdpa_result *res);
+void oracle_free(oracle_sdpa_result *res);
+
+/* max |a - b| over n elements, treating equal infinities and NaN==NaN as 0. */
+double max_abs_diff(const double *a, const double *b, int64_t n);
+
+#endif
