@@ -26,21 +26,6 @@ static const char usage[] =
     "\n"
     "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
 
-int cli_fail(const char *what, attn_status status) {
-    const char *detail = attn_last_error();
-    fprintf(stderr, "attn: %s: %s\n", what, detail[0] ? detail : attn_strerror(status));
-    return CLI_RUNTIME;
-}
-
-const char *cli_shape(const attn_tensor *t, char *buf, size_t size) {
-    size_t used = (size_t)snprintf(buf, size, "(");
-    for (int d = 0; d < t->rank && used < size; d++)
-        used += (size_t)snprintf(buf + used, size - used, d ? ", %lld" : "%lld",
-                                 (long long)t->shape[d]);
-    if (used < size) snprintf(buf + used, size - used, ")");
-    return buf;
-}
-
 static int info(void) {
     attn_isa isa = attn_get_isa();
     printf("attn %s\nkernel path: %s\nthreads: %d\nsupported paths:", attn_version(),
