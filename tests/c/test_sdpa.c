@@ -640,6 +640,69 @@ static void dropout_statistics(void) {
 
 /* ---- threads ---- */
 
+/* Shapes that exercise the fused driver's scheduling: key chunks merged by
+ * log-sum-exp (decode with GQA), many query blocks with causal skipping,
+ * and the keys-in-columns layout. Random values, contiguous layout. */
+static void scheduling_shapes_are_thread_independent(void) {
+    struct {
+        int64_t B, H, Hk, L, S, E;
+        attn_causal causal;
+    } shapes[] = {
+        {1, 8, 2, 1, 4500, 64, ATTN_CAUSAL_NONE},        /* decode: GQA, key chunks */
+        {2, 4, 4, 3, 3000, 32, ATTN_CAUSAL_BOTTOM_RIGHT}, /* few rows, chunks, causal */
+        {1, 3, 3, 130, 300, 48, ATTN_CAUSAL_TOP_LEFT},    /* query blocks, causal skip */
+        {1, 2, 1, 97, 1100, 40, ATTN_CAUSAL_NONE},        /* GQA prefill, block tails */
+    };
+    rng r = {harness_seed() ^ 0x5151};
+    attn_isa paths[8];
+    int npaths = test_paths(paths);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int64_t qs[4] = {shapes[si].B, shapes[si].H, shapes[si].L, shapes[si].E};
+        int64_t ks[4] = {shapes[si].B, shapes[si].Hk, shapes[si].S, shapes[si].E};
+        test_tensor q, k, v, o;
+        tt_make(&q, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make(&k, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make(&v, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make_output(&o, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS);
+        attn_sdpa_params p;
+        attn_sdpa_params_init(&p);
+        p.causal = shapes[si].causal;
+        p.enable_gqa = shapes[si].Hk != shapes[si].H;
+        const size_t bytes = sizeof(float) * (size_t)attn_tensor_numel(&o.t);
+        for (int pi = 0; pi < npaths; pi++) {
+            CHECK_OK(attn_set_isa(paths[pi]));
+            float *first = malloc(bytes);
+            for (int threads = 1; threads <= 4; threads++) {
+                attn_set_num_threads(threads);
+                CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, &p, &o.t, NULL, NULL));
+                if (threads == 1)
+                    memcpy(first, o.t.data, bytes);
+                else
+                    CHECK(memcmp(first, o.t.data, bytes) == 0,
+                          "shape %zu, path %s: %d threads differ from 1", si,
+                          attn_isa_name(paths[pi]), threads);
+            }
+            /* and the result is right */
+            oracle_sdpa_args a = {&q.t, &k.t, &v.t, NULL, 1, (int)p.causal, 0, 0, p.enable_gqa,
+                                  0, 0, 0};
+            oracle_sdpa_result ref;
+            oracle_sdpa(&a, &ref);
+            double *out = tt_dense(&o.t);
+            const double err = max_abs_diff(out, ref.out, attn_tensor_numel(&o.t));
+            CHECK(err < 1e-4, "shape %zu, path %s: error %.3g", si, attn_isa_name(paths[pi]), err);
+            free(out);
+            oracle_free(&ref);
+            free(first);
+        }
+        tt_free(&q);
+        tt_free(&k);
+        tt_free(&v);
+        tt_free(&o);
+    }
+    attn_set_num_threads(0);
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 static void thread_count_independence(void) {
     rng r = {harness_seed() ^ 0x4444};
     attn_isa paths[8];
@@ -675,4 +738,4 @@ static void thread_count_independence(void) {
 HARNESS_MAIN(T(seed_example), T(random_configurations), T(weights_rows_sum_to_one),
              T(output_is_weights_times_values), T(key_permutation_invariance),
              T(fully_masked_rows), T(huge_logits), T(unit_sizes), T(dropout_statistics),
-             T(thread_count_independence))
+             T(thread_count_independence), T(scheduling_shapes_are_thread_independent))
