@@ -9,8 +9,13 @@
  *   attn_bench memory [--len L] [--dim E]
  *                                        one SDPA with L = S, H = 1; checks peak
  *                                        RSS <= inputs + outputs + 64 MiB
- *   attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N]
+ *   attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N] [--cpu-time]
  *                                        times attn alone (median ms, GFLOP/s)
+ *
+ * --cpu-time (with --threads 1) measures the calling thread's CPU time
+ * instead of wall time: on a shared machine it excludes the time the thread
+ * is preempted, which makes kernel tuning repeatable. `peak --cpu-time` does
+ * the same for the FMA probe, so their ratio is an efficiency.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, getrusage */
 #include <math.h>
@@ -39,9 +44,11 @@
 #define PEAK_AVX2(n) peak_fma_scalar(n)
 #endif
 
+static clockid_t timer = CLOCK_MONOTONIC; /* CLOCK_THREAD_CPUTIME_ID with --cpu-time */
+
 static double now(void) {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    clock_gettime(timer, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
@@ -236,6 +243,13 @@ int main(int argc, char **argv) {
     }
     const long threads = opt_long(argc, argv, "--threads", 0);
     if (threads > 0) attn_set_num_threads((int)threads);
+    if (has_flag(argc, argv, "--cpu-time")) {
+        if (attn_get_num_threads() != 1) {
+            fprintf(stderr, "attn_bench: --cpu-time needs --threads 1\n");
+            return 2;
+        }
+        timer = CLOCK_THREAD_CPUTIME_ID;
+    }
     if (strcmp(argv[1], "peak") == 0) return cmd_peak(argc - 2, argv + 2);
     if (strcmp(argv[1], "bandwidth") == 0) return cmd_bandwidth(argc - 2, argv + 2);
     if (strcmp(argv[1], "memory") == 0) return cmd_memory(argc - 2, argv + 2);

@@ -7,7 +7,11 @@
 
 double peak_fma_avx2(int64_t iters) {
     const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-6f);
-    __m256 a0 = b, a1 = c, a2 = b, a3 = c, a4 = b, a5 = c, a6 = b, a7 = c, a8 = b, a9 = c;
+    /* distinct starting values, so no two chains can be merged */
+    __m256 a0 = _mm256_set1_ps(1), a1 = _mm256_set1_ps(2), a2 = _mm256_set1_ps(3),
+           a3 = _mm256_set1_ps(4), a4 = _mm256_set1_ps(5), a5 = _mm256_set1_ps(6),
+           a6 = _mm256_set1_ps(7), a7 = _mm256_set1_ps(8), a8 = _mm256_set1_ps(9),
+           a9 = _mm256_set1_ps(10);
     for (int64_t i = 0; i < iters; i++) { /* 10 chains: > 5-cycle latency x 2 ports */
         STEP(a0); STEP(a1); STEP(a2); STEP(a3); STEP(a4);
         STEP(a5); STEP(a6); STEP(a7); STEP(a8); STEP(a9);

@@ -32,12 +32,16 @@
  *    each score a dot product over E; `cols` is nk padded to `col_step`.
  *
  * pv reads the weight of (row r, key j) at p[r * p_rs + j * p_cs], so it
- * serves both layouts. */
+ * serves both layouts, for any number of rows. */
 typedef struct attn__flash_kernels {
     const char *name;
-    int pv_rows;  /* query rows of a pv micro-tile (the driver passes 1..pv_rows) */
+    int pv_rows;  /* rows of a micro-tile: qk_direct takes 1..pv_rows at a time */
     int col_step; /* keys-in-columns layout: S columns are padded to this        */
 
+    /* Optional (NULL: the driver's portable loop): Qt[e][r] = scale · q[r·rs +
+     * e·cs] for r < nr, 0 for nr <= r < lanes; rows uniformly strided. */
+    void (*pack_qt_f)(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
+                      float *qt, int64_t lanes);
     void (*qkt_f)(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E,
                   int64_t nk, int64_t lanes, float *st, int64_t ldst);
     void (*softmax_t_f)(float *st, int64_t ldst, int64_t nk, int64_t lanes, float *m, float *l,
@@ -49,6 +53,8 @@ typedef struct attn__flash_kernels {
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
 
+    void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
+                      double scale, double *qt, int64_t lanes);
     void (*qkt_d)(const double *qt, int64_t ldqt, const double *k, int64_t ldk, int64_t E,
                   int64_t nk, int64_t lanes, double *st, int64_t ldst);
     void (*softmax_t_d)(double *st, int64_t ldst, int64_t nk, int64_t lanes, double *m,

@@ -18,10 +18,12 @@
 /* ---- exp2 on 8 lanes: same polynomial as attn__exp2f ---- */
 
 ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
-    /* Without vscalefps, 2^n is built in the exponent field, valid for
-     * n >= -126; lanes below that (masked keys are -inf) are set to an exact
-     * 0 afterwards. NaN passes through both steps. */
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-126.0f), x0);
+    /* Without vscalefps, 2^n is built in the exponent field. Lanes below
+     * -125 (masked keys are -inf) are set to an exact 0 afterwards, so no
+     * subnormal is produced (each costs a microcode assist on Intel cores);
+     * weights that small are below float32 resolution next to the row's
+     * largest weight (1). NaN passes through both steps. */
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-125.0f), x0);
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
     __m256 p = _mm256_set1_ps(0.0001534581097075715661f);
@@ -33,8 +35,8 @@ ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     p = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    /* keep lanes with x0 >= -126 or NaN (not-less-than is true for NaN) */
-    const __m256 keep = _mm256_cmp_ps(x0, _mm256_set1_ps(-126.0f), _CMP_NLT_UQ);
+    /* keep lanes with x0 >= -125 or NaN (not-less-than is true for NaN) */
+    const __m256 keep = _mm256_cmp_ps(x0, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ);
     return _mm256_and_ps(p, keep);
 }
 
@@ -213,21 +215,28 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
             pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 1, last);        \
         break;
 
-static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
-                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha) {
+/* Feature chunks outside, row tiles inside, so a V chunk stays in L1. */
+static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
+                 int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
+                 const float *alpha_all) {
     for (int64_t e = 0; e < Ev; e += 8 * VECS) {
         const int64_t left = Ev - e;
         const int nv = left > 8 ? 2 : 1;
         const int64_t in_last = left - 8 * (nv - 1);
         const __m256i last = lane_mask(in_last >= 8 ? 8 : in_last);
-        switch (rows) {
-            PV_CASE(6)
-            PV_CASE(5)
-            PV_CASE(4)
-            PV_CASE(3)
-            PV_CASE(2)
-            PV_CASE(1)
-        default: break;
+        for (int rr = 0; rr < rows_all; rr += ROWS) {
+            const int rows = rows_all - rr < ROWS ? rows_all - rr : ROWS;
+            const float *p = p_all + rr * p_rs, *alpha = alpha_all + rr;
+            float *o = o_all + rr * ldo;
+            switch (rows) {
+                PV_CASE(6)
+                PV_CASE(5)
+                PV_CASE(4)
+                PV_CASE(3)
+                PV_CASE(2)
+                PV_CASE(1)
+            default: break;
+            }
         }
     }
 }

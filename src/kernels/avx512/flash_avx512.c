@@ -11,6 +11,8 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
 
 #include "../../sdpa/flash.h"
 
@@ -20,10 +22,15 @@
 
 /* ---- exp2 on 16 lanes: same polynomial as attn__exp2f ---- */
 
+
 ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
-    /* -inf (a masked key) clamps to -150, whose power of two rounds to an
-     * exact 0; NaN passes through (vmaxps returns its second operand). */
-    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
+    /* Lanes below -125 (masked keys are -inf) give an exact 0 through the
+     * zeroing mask, so no subnormal is ever produced: on Intel cores a
+     * subnormal result costs a microcode assist per lane. Weights that small
+     * are below float32 resolution next to the row's largest weight (1).
+     * NaN keeps its lane: "not less than" is true for unordered operands. */
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(0.0001534581097075715661f);
@@ -33,7 +40,34 @@ ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402264624834060669f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182464599609375f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n); /* p * 2^n, exact, underflows to 0 */
+    return _mm512_maskz_scalef_ps(keep, p, n); /* p * 2^n, exact */
+}
+
+/* ---- Qt: a block of query rows, transposed ---- */
+
+/* One 16-lane gather per (e, 16 rows): far cheaper than a scalar transpose.
+ * Falls back to the portable loop when row offsets exceed 32 bits. */
+static void pack_qt_f(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
+                      float *qt, int64_t lanes) {
+    const int64_t span = (nr > 0 ? nr - 1 : 0) * (rs < 0 ? -rs : rs);
+    if (span > INT32_MAX / 4) {
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t r = 0; r < lanes; r++) qt[e * lanes + r] = r < nr ? q[r * rs + e * cs] * scale : 0;
+        return;
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t c = 0; c < lanes; c += 16) {
+        const __mmask16 live = nr - c >= 16 ? (__mmask16)0xffff
+                               : nr > c    ? (__mmask16)((1u << (nr - c)) - 1)
+                                           : 0;
+        const __m512i idx = _mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32((int)c)),
+                                               _mm512_set1_epi32((int)rs));
+        for (int64_t e = 0; e < E; e++) {
+            const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, q + e * cs, 4);
+            _mm512_storeu_ps(qt + e * lanes + c, _mm512_mul_ps(x, sc));
+        }
+    }
 }
 
 /* ---- St = K · Qt (queries in lanes) ---- */
@@ -96,28 +130,54 @@ static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, in
 }
 
 /* Online softmax down the columns of St: 16 queries per vector, so the
- * running max and sum need no horizontal reductions. */
-static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float *m, float *l,
-                        float *alpha) {
+ * running max and sum need no horizontal reductions. Three column vectors
+ * (48 queries) are walked together, so the max and sum chains of one run in
+ * the latency shadow of the others. */
+ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float *m, float *l,
+                                float *alpha, const int NV) {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-    for (int64_t c = 0; c < lanes; c += 16) {
-        __m512 mx = neg_inf;
-        for (int64_t j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + j * ldst + c));
-        const __m512 m_old = _mm512_loadu_ps(m + c);
-        const __m512 m_new = _mm512_max_ps(mx, m_old);
+    __m512 mx[QVECS], ref[QVECS], sum[QVECS];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) mx[v] = neg_inf;
+    for (int64_t j = 0; j < nk; j++)
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) {
+        const __m512 m_new = _mm512_max_ps(mx[v], _mm512_loadu_ps(m + 16 * v));
         /* a column that has seen nothing visible measures from 0 */
         const __mmask16 empty = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
-        const __m512 ref = _mm512_mask_blend_ps(empty, m_new, zero);
-        __m512 sum = zero;
-        for (int64_t j = 0; j < nk; j++) {
-            const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(st + j * ldst + c), ref));
-            _mm512_storeu_ps(st + j * ldst + c, p);
-            sum = _mm512_add_ps(sum, p);
+        ref[v] = _mm512_mask_blend_ps(empty, m_new, zero);
+        mx[v] = m_new;
+        sum[v] = zero;
+    }
+    for (int64_t j = 0; j < nk; j++)
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) {
+            float *at = st + j * ldst + 16 * v;
+            const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(at), ref[v]));
+            _mm512_storeu_ps(at, p);
+            sum[v] = _mm512_add_ps(sum[v], p);
         }
-        const __m512 a = exp2_ps(_mm512_sub_ps(m_old, ref));
-        _mm512_storeu_ps(alpha + c, a);
-        _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), a, sum));
-        _mm512_storeu_ps(m + c, m_new);
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) {
+        const __m512 a = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(m + 16 * v), ref[v]));
+        _mm512_storeu_ps(alpha + 16 * v, a);
+        _mm512_storeu_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * v), a, sum[v]));
+        _mm512_storeu_ps(m + 16 * v, mx[v]);
+    }
+}
+
+static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float *m, float *l,
+                        float *alpha) {
+    for (int64_t c = 0; c < lanes; c += 16 * QVECS) {
+        const int64_t nv = (lanes - c) / 16 < QVECS ? (lanes - c) / 16 : QVECS;
+        if (nv == 3)
+            softmax_cols(st + c, ldst, nk, m + c, l + c, alpha + c, 3);
+        else if (nv == 2)
+            softmax_cols(st + c, ldst, nk, m + c, l + c, alpha + c, 2);
+        else
+            softmax_cols(st + c, ldst, nk, m + c, l + c, alpha + c, 1);
     }
 }
 
@@ -171,25 +231,27 @@ static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float *m, f
 
 /* ---- O = alpha·O + P · V ---- */
 
-ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int64_t nk,
-                           float *o, int64_t ldo, const float *alpha, const int R, const int NV,
-                           __mmask16 last) {
+/* TAIL: the last vector is partial and uses `last` as a lane mask; full
+ * tiles use plain loads and stores (no mask register to keep live). */
+ALWAYS_INLINE __m512 load_part(const float *x, __mmask16 mk, bool partial) {
+    return partial ? _mm512_maskz_loadu_ps(mk, x) : _mm512_loadu_ps(x);
+}
+
+ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
+                           int64_t nk, float *o, int64_t ldo, const float *alpha, const int R,
+                           const int NV, __mmask16 last, const bool TAIL) {
     __m512 acc[ROWS][VECS], vv[VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
         const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 4
-        for (int vi = 0; vi < NV; vi++) {
-            const __mmask16 mk = vi == NV - 1 ? last : (__mmask16)0xffff;
-            acc[r][vi] = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, o + r * ldo + 16 * vi));
-        }
+        for (int vi = 0; vi < NV; vi++)
+            acc[r][vi] = _mm512_mul_ps(a, load_part(o + r * ldo + 16 * vi, last, TAIL && vi == NV - 1));
     }
     for (int64_t j = 0; j < nk; j++) {
 #pragma GCC unroll 4
-        for (int vi = 0; vi < NV; vi++) {
-            const __mmask16 mk = vi == NV - 1 ? last : (__mmask16)0xffff;
-            vv[vi] = _mm512_maskz_loadu_ps(mk, v + j * ldv + 16 * vi);
-        }
+        for (int vi = 0; vi < NV; vi++)
+            vv[vi] = load_part(v + j * ldv + 16 * vi, last, TAIL && vi == NV - 1);
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
             const __m512 pb = _mm512_set1_ps(p[r * p_rs + j * p_cs]);
@@ -201,36 +263,50 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int vi = 0; vi < NV; vi++) {
-            const __mmask16 mk = vi == NV - 1 ? last : (__mmask16)0xffff;
-            _mm512_mask_storeu_ps(o + r * ldo + 16 * vi, mk, acc[r][vi]);
+            if (TAIL && vi == NV - 1)
+                _mm512_mask_storeu_ps(o + r * ldo + 16 * vi, last, acc[r][vi]);
+            else
+                _mm512_storeu_ps(o + r * ldo + 16 * vi, acc[r][vi]);
         }
 }
 
-#define PV_CASE(R)                                                                              \
-    case R:                                                                                     \
-        switch (nv) {                                                                           \
-        case 4: pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 4, last); break;   \
-        case 3: pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 3, last); break;   \
-        case 2: pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 2, last); break;   \
-        default: pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 1, last); break;  \
-        }                                                                                       \
+#define PV_CALL(R, NV) \
+    (tail ? pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, NV, last, true) \
+          : pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, NV, last, false))
+#define PV_CASE(R)                                    \
+    case R:                                           \
+        switch (nv) {                                 \
+        case 4: PV_CALL(R, 4); break;                 \
+        case 3: PV_CALL(R, 3); break;                 \
+        case 2: PV_CALL(R, 2); break;                 \
+        default: PV_CALL(R, 1); break;                \
+        }                                             \
         break;
 
-static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
-                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha) {
+/* Feature chunks outside, row tiles inside: one chunk of the V block
+ * (keys x 64 features) stays in L1 while every row tile reads it. */
+static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
+                 int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
+                 const float *alpha_all) {
     for (int64_t e = 0; e < Ev; e += 16 * VECS) {
         const int64_t left = Ev - e;
         const int nv = (int)(left >= 16 * VECS ? VECS : (left + 15) / 16);
         const int64_t in_last = left - 16 * (nv - 1);
-        const __mmask16 last = (__mmask16)(in_last >= 16 ? 0xffff : (1u << in_last) - 1);
-        switch (rows) {
-            PV_CASE(6)
-            PV_CASE(5)
-            PV_CASE(4)
-            PV_CASE(3)
-            PV_CASE(2)
-            PV_CASE(1)
-        default: break;
+        const bool tail = in_last < 16;
+        const __mmask16 last = (__mmask16)(tail ? (1u << in_last) - 1 : 0xffff);
+        for (int rr = 0; rr < rows_all; rr += ROWS) {
+            const int rows = rows_all - rr < ROWS ? rows_all - rr : ROWS;
+            const float *p = p_all + rr * p_rs, *alpha = alpha_all + rr;
+            float *o = o_all + rr * ldo;
+            switch (rows) {
+                PV_CASE(6)
+                PV_CASE(5)
+                PV_CASE(4)
+                PV_CASE(3)
+                PV_CASE(2)
+                PV_CASE(1)
+            default: break;
+            }
         }
     }
 }
@@ -239,6 +315,7 @@ const attn__flash_kernels attn__flash_avx512 = {
     .name = "avx512",
     .pv_rows = ROWS,
     .col_step = 16,
+    .pack_qt_f = pack_qt_f,
     .qkt_f = qkt_f,
     .softmax_t_f = softmax_t_f,
     .qk_direct_f = qk_direct_f,

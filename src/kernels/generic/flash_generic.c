@@ -19,7 +19,9 @@
 
 float attn__exp2f(float x) {
     if (isnan(x)) return x;
-    if (x < -150.0f) return 0.0f; /* also -inf: a masked key weighs exactly 0 */
+    /* Below -125 (and -inf: a masked key) the weight is an exact 0, as in the
+     * vector kernels, which avoid subnormal results (slow on Intel cores). */
+    if (x < -125.0f) return 0.0f;
     if (x > 128.0f) return INFINITY;
     float n = floorf(x + 0.5f), f = x - n;
     float p = EXP2_C6;
