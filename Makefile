@@ -11,13 +11,15 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build test test-c test-asan clean help
+.PHONY: all demo build test test-c test-asan test-python python clean help
 
 all: build
 
 help:
 	@echo "make demo        build and run the demo"
-	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan)"
+	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan), the Python suite"
+	@echo "make python      pip install the Python package attn (warnings are errors)"
+	@echo "make test-python the Python package against PyTorch 2.13 (ATTN_TEST_SEED=N)"
 	@echo "make clean       remove build trees"
 
 build:
@@ -30,7 +32,7 @@ demo: build
 
 # ---- tests ----
 
-test: test-c test-asan
+test: test-c test-asan test-python
 
 # Quick tier: warnings are errors; ctest prints its own summary.
 test-c: build
@@ -44,5 +46,15 @@ test-asan:
 	@cmake --build $(ASAN_BUILD) -j $(JOBS)
 	@cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# Python tier: the package built from this tree, then the conformance suite
+# against real PyTorch (pinned by bootstrap.sh); pytest prints its summary.
+python:
+	@./scripts/bootstrap.sh build python
+	@$(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore -q \
+		--no-build-isolation --config-settings=cmake.define.ATTN_WERROR=ON .
+
+test-python: python
+	@$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) build-python
