@@ -75,8 +75,8 @@ class MultiheadAttention:
     - ``head_dim``: project to num_heads * head_dim features, so that
       num_heads need not divide embed_dim.
     - ``seed``: parameters start as torch's initialisation schemes would draw
-      them, from this seed, and the n-th call that applies dropout (training
-      mode, dropout > 0; counting from 0 since construction) draws its mask
+      them, from this seed, and the n-th successful call that applies dropout
+      (training mode, dropout > 0; counting from 0 since construction) draws its mask
       from (seed, rng_offset=n), so modules built with the same seed and
       called the same way give the same results. With ``seed=None`` both are
       fresh random draws.
@@ -303,14 +303,16 @@ class MultiheadAttention:
                 seed = random_seed()
             else:
                 seed, offset = self._seed, self._calls
-                self._calls += 1
         try:
-            return self._handle.forward(
+            result = self._handle.forward(
                 q, k, v, kpm, mask, need_w, average, causal, dropping, seed, offset, np.empty
             )
         except ValueError as e:
             msg = str(e).replace("batch_first=0", "batch_first=False")
             raise ValueError(msg.replace("batch_first=1", "batch_first=True")) from None
+        if dropping:
+            self._calls += 1  # only calls that ran count
+        return result
 
     __call__ = forward
 

@@ -241,6 +241,8 @@ def test_mha_call_n_uses_rng_offset_n(rng):
     _, w0 = m(x, y, z, average_attn_weights=False)
     m.train()
     for n in range(3):
+        with pytest.raises(ValueError):  # a failed call does not count
+            m(x, y[:, :1], z, average_attn_weights=False)
         _, w = m(x, y, z, average_attn_weights=False)
         assert w.shape == (2, 3, 5, 7)
         assert np.array_equal(w != 0, expected_keep(w.shape, 0.4, seed, rng_offset=n) & (w0 > 0))
