@@ -42,8 +42,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"float64: worst relative error "
             f"{s['worst_rel64']:.3g} vs torch"
             + (
-                f", {s['worst_exact64']:.3g} vs the exact result (bar: 1e-12; torch's own "
-                f"error allowed in {s['allowance_used']} checks)"
+                f", {s['worst_exact64']:.3g} vs the exact result (bar: 1e-12 relative; the "
+                f"float64 rounding floor needed in {s['floor_used']} checks, torch's own "
+                f"error in {s['allowance_used']})"
                 if kind == "sdpa"
                 else " (bar: 1e-12)"
             )
