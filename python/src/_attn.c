@@ -131,15 +131,11 @@ static int copy_contiguous(buffer_view *v, Py_ssize_t numel) {
 static int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
     memset(v, 0, sizeof *v);
     if (PyObject_GetBuffer(obj, &v->buf, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
+        PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
                      "%s must be an array (a NumPy array or another object with the strided "
                      "buffer protocol), not %.200s",
                      name, Py_TYPE(obj)->tp_name);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
         return -1;
     }
     v->held = 1;
@@ -178,10 +174,12 @@ static int view_get(PyObject *obj, const char *name, int writable, buffer_view *
         memcpy(v->strides, b->strides, sizeof(Py_ssize_t) * (size_t)b->ndim);
     }
     Py_ssize_t numel = 1;
+    int huge = 0; /* numel overflowed: a broadcast view too large to copy */
     int exact = ((uintptr_t)b->buf % (uintptr_t)item) == 0;
     for (int d = 0; d < b->ndim; d++) {
         t->shape[d] = (int64_t)b->shape[d];
-        numel *= b->shape[d] > 0 ? b->shape[d] : 0;
+        if (b->shape[d] <= 0) numel = 0;
+        else if (__builtin_mul_overflow(numel, b->shape[d], &numel)) huge = 1;
         /* A stride on a dimension of size 1 is never used. */
         if (b->shape[d] > 1 && v->strides[d] % item != 0) exact = 0;
     }
@@ -194,6 +192,10 @@ static int view_get(PyObject *obj, const char *name, int writable, buffer_view *
     if (writable) {
         PyErr_Format(PyExc_ValueError, "%s: output buffers must be aligned to their items",
                      name);
+        goto fail;
+    }
+    if (huge) {
+        PyErr_Format(PyExc_MemoryError, "%s is misaligned and too large to copy", name);
         goto fail;
     }
     if (copy_contiguous(v, numel) < 0) goto fail;
