@@ -11,13 +11,16 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build test test-c test-asan clean help
+.PHONY: all demo build test test-c test-asan test-python test-python-asan python clean help
 
 all: build
 
 help:
 	@echo "make demo        build and run the demo"
-	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan)"
+	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan), the Python suite"
+	@echo "make python      pip install the Python package attn (warnings are errors)"
+	@echo "make test-python the Python package against PyTorch 2.13 (ATTN_TEST_SEED=N)"
+	@echo "make test-python-asan  the Python suite on an ASan+UBSan build of the extension"
 	@echo "make clean       remove build trees"
 
 build:
@@ -30,7 +33,7 @@ demo: build
 
 # ---- tests ----
 
-test: test-c test-asan
+test: test-c test-asan test-python
 
 # Quick tier: warnings are errors; ctest prints its own summary.
 test-c: build
@@ -44,5 +47,31 @@ test-asan:
 	@cmake --build $(ASAN_BUILD) -j $(JOBS)
 	@cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# Python tier: the package built from this tree, then the conformance suite
+# against real PyTorch (pinned by bootstrap.sh); pytest prints its summary.
+python:
+	@./scripts/bootstrap.sh build python
+	@$(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore -q \
+		--no-build-isolation --config-settings=cmake.define.ATTN_WERROR=ON .
+
+test-python: python
+	@$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+
+# The Python suite on the extension and library built with ASan + UBSan
+# (not part of `make test`: it takes a few minutes). Python itself is not
+# instrumented, so the runtimes are preloaded and leak checks are off.
+PY_ASAN_BUILD ?= build-python-asan
+test-python-asan:
+	@./scripts/bootstrap.sh build python
+	@cmake -S . -B $(PY_ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DATTN_WERROR=ON -DATTN_SANITIZE=ON \
+		-DATTN_BUILD_PYTHON=ON -DATTN_BUILD_TESTS=OFF -DATTN_BUILD_TOOLS=OFF \
+		-DATTN_BUILD_BENCH=OFF -DPython_EXECUTABLE=$$(command -v $(PYTHON)) $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(PY_ASAN_BUILD) -j $(JOBS) --target _attn
+	@rm -rf $(PY_ASAN_BUILD)/pkg && mkdir -p $(PY_ASAN_BUILD)/pkg/attn
+	@cp python/attn/*.py $(PY_ASAN_BUILD)/python/_attn*.so $(PY_ASAN_BUILD)/pkg/attn/
+	@LD_PRELOAD="$$(cc -print-file-name=libasan.so) $$(cc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 PYTHONPATH=$(PY_ASAN_BUILD)/pkg \
+		$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) build-python $(PY_ASAN_BUILD)

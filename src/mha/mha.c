@@ -361,12 +361,17 @@ static attn_status resolve_shapes(const attn_mha *m, const attn_tensor *query,
     s->N = s->query.shape[0];
     s->L = s->query.shape[1];
     s->S = s->key.shape[1];
-    if (s->key.shape[0] != s->N || (value != NULL && s->value.shape[0] != s->N))
+    if (value == NULL && s->key.shape[0] != s->N) /* attn_mha_out_shapes: no value */
+        return attn__fail(ATTN_ERR_SHAPE,
+                          "query and key must have the same batch size; got %lld and %lld "
+                          "(batch_first=%d)",
+                          (long long)s->N, (long long)s->key.shape[0], c->batch_first);
+    if (value != NULL && (s->key.shape[0] != s->N || s->value.shape[0] != s->N))
         return attn__fail(ATTN_ERR_SHAPE,
                           "query, key and value must have the same batch size; got %lld, "
                           "%lld and %lld (batch_first=%d)",
                           (long long)s->N, (long long)s->key.shape[0],
-                          (long long)(value ? s->value.shape[0] : s->N), c->batch_first);
+                          (long long)s->value.shape[0], c->batch_first);
     if (value != NULL && s->value.shape[1] != s->S)
         return attn__fail(ATTN_ERR_SHAPE,
                           "key has %lld positions but value has %lld: they must match",

@@ -332,6 +332,14 @@ static void mha_forward_errors(void) {
     bad = tx;
     bad.shape[1] = 2; /* batch differs */
     CHECK_STATUS(attn_mha_forward(m, &tx, &bad, &tx, NULL, &ty, NULL), ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("got 3, 2 and 3");
+    /* attn_mha_out_shapes sees no value, so its message must not invent one
+     * (it used to report the query's batch size as the value's). */
+    int orank, wrank;
+    int64_t oshape[ATTN_MAX_RANK], wshape[ATTN_MAX_RANK];
+    CHECK_STATUS(attn_mha_out_shapes(m, &tx, &bad, NULL, 1, &orank, oshape, &wrank, wshape),
+                 ATTN_ERR_SHAPE);
+    CHECK_MESSAGE("query and key must have the same batch size; got 3 and 2");
     bad = tx;
     bad.rank = 4;
     CHECK_STATUS(attn_mha_forward(m, &bad, &tx, &tx, NULL, &ty, NULL), ATTN_ERR_SHAPE);

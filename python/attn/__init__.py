@@ -1,0 +1,52 @@
+"""attn — exact scaled dot-product and multi-head attention for the CPU, with
+PyTorch 2.13's semantics and names.
+
+    import attn
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mha = attn.MultiheadAttention(embed_dim=64, num_heads=8, batch_first=True)
+    mha.load_state_dict(torch_mha.state_dict())
+    y, w = mha(x, x, x)
+
+Inputs are NumPy arrays, torch CPU tensors or anything NumPy can view, float32
+or float64, with any strides (read in place, not copied); outputs are NumPy
+arrays. The GIL is released while the kernels run. See docs/python.md.
+"""
+
+from . import _attn
+from ._mha import MultiheadAttention
+from ._sdpa import scaled_dot_product_attention
+from ._arrays import check_int as _check_int
+
+__version__ = _attn.version()
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "MultiheadAttention",
+    "set_num_threads",
+    "get_num_threads",
+    "kernel_info",
+    "__version__",
+]
+
+
+def set_num_threads(num_threads):
+    """Threads each call uses (>= 1); 0 restores the default: the environment
+    variable ATTN_NUM_THREADS if set, else the number of processors. Results
+    do not depend on it."""
+    _attn.set_num_threads(_check_int(num_threads, "num_threads", minimum=0))
+
+
+def get_num_threads():
+    """Threads each call uses."""
+    return _attn.get_num_threads()
+
+
+def kernel_info():
+    """Which kernel path calls take, which paths this CPU and OS support, the
+    thread count and the library version, as a dict."""
+    return {
+        "isa": _attn.isa(),
+        "supported_isas": _attn.supported_isas(),
+        "num_threads": _attn.get_num_threads(),
+        "version": _attn.version(),
+    }

@@ -1,0 +1,139 @@
+"""Argument normalisation shared by attn's public functions.
+
+Arrays come in as NumPy arrays, torch CPU tensors or anything ``np.asarray``
+accepts, and leave as NumPy arrays *viewing the same memory*: strides are kept,
+nothing is copied, except an array in a foreign byte order (converted to
+native order). Scalars are checked here so that errors name the Python
+argument and say what was expected.
+"""
+
+import numbers
+import os
+
+import numpy as np
+
+FLOAT = "float"  # float32 or float64
+MASK = "mask"  # bool, float32 or float64
+PARAM = "param"  # any real number type; converted to the module's dtype
+
+
+def _is_torch_tensor(x):
+    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(x).__mro__)
+
+
+def _expected(kind):
+    if kind == FLOAT:
+        return "float32 or float64"
+    if kind == MASK:
+        return "bool, float32 or float64"
+    return "a real number type"
+
+
+def as_array(x, name, kind):
+    """A NumPy view of `x` (no copy), with its dtype checked for `kind`."""
+    if isinstance(x, np.ndarray):
+        a = x
+    elif _is_torch_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name} is on device '{x.device}'; attn computes on the CPU, "
+                f"so pass {name}.cpu()"
+            )
+        t = x.detach()
+        try:
+            a = t.resolve_conj().resolve_neg().numpy()
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(
+                f"{name} is a torch tensor of dtype {t.dtype} and layout {t.layout}; "
+                f"expected a strided tensor of {_expected(kind)}"
+            ) from e
+    else:
+        if x is None:
+            raise TypeError(f"{name} must be an array, not None")
+        try:
+            a = np.asarray(x)
+        except Exception as e:  # ragged lists and the like
+            raise TypeError(f"{name} must be an array; np.asarray failed: {e}") from e
+    dt = a.dtype
+    ok = {
+        FLOAT: dt.kind == "f" and dt.itemsize in (4, 8),
+        MASK: dt.kind == "b" or (dt.kind == "f" and dt.itemsize in (4, 8)),
+        PARAM: dt.kind in "fiu",
+    }[kind]
+    if not ok:
+        raise TypeError(f"{name} has dtype {dt}; expected {_expected(kind)}")
+    if not dt.isnative:
+        a = a.astype(dt.newbyteorder("="))
+    return a
+
+
+def check_bool(x, name):
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, not {type(x).__name__}")
+
+
+def check_probability(x, name):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1], not {type(x).__name__}")
+    p = float(x)
+    if not 0.0 <= p <= 1.0:  # NaN fails too
+        raise ValueError(f"{name} is {p}; expected a probability in [0, 1]")
+    return p
+
+
+def check_scale(x, name="scale"):
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be None or a float, not {type(x).__name__}")
+    s = float(x)
+    if not np.isfinite(s):
+        raise ValueError(f"{name} is {s}; expected a finite number (or None for 1/sqrt(E))")
+    return s
+
+
+def check_int(x, name, minimum=1, optional=False):
+    if x is None and optional:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        what = "None or an int" if optional else "an int"
+        raise TypeError(f"{name} must be {what}, not {type(x).__name__}")
+    n = int(x)
+    if n < minimum:
+        raise ValueError(f"{name} is {n}; expected an int >= {minimum}")
+    if n >= 2**63:
+        raise ValueError(f"{name} is {n}; expected an int < 2**63")
+    return n
+
+
+def check_seed(x, name="seed"):
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be None or an int in [0, 2**64), not {type(x).__name__}")
+    s = int(x)
+    if not 0 <= s < 2**64:
+        raise ValueError(f"{name} is {s}; expected None or an int in [0, 2**64)")
+    return s
+
+
+def random_seed():
+    """A fresh 64-bit seed from the operating system."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def check_dtype(dtype):
+    """The NumPy dtype for a module's `dtype=`: a NumPy dtype, its name, or a
+    torch dtype (torch.float32, torch.float64)."""
+    if dtype is None:
+        return np.dtype(np.float32)
+    if not isinstance(dtype, str) and str(dtype).startswith("torch."):
+        dtype = str(dtype)[len("torch."):]
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.type not in (np.float32, np.float64):
+        raise TypeError(f"dtype is {dtype}; expected float32 or float64")
+    return dt.newbyteorder("=")

@@ -1,0 +1,327 @@
+"""attn.MultiheadAttention: torch.nn.MultiheadAttention's names and behaviour
+over libattn's attn_mha."""
+
+import collections
+import collections.abc
+import math
+
+import numpy as np
+
+from . import _attn
+from ._arrays import (
+    FLOAT,
+    MASK,
+    PARAM,
+    as_array,
+    check_bool,
+    check_dtype,
+    check_int,
+    check_probability,
+    check_seed,
+    random_seed,
+)
+
+_IncompatibleKeys = collections.namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+def _param_property(name, doc):
+    def get(self):
+        return self._params.get(name)
+
+    def set(self, value):
+        self._set_param(name, value)
+
+    return property(get, set, doc=doc)
+
+
+class _OutProj:
+    """``m.out_proj``: the output projection's ``weight`` (embed_dim, D) and
+    ``bias`` (embed_dim), as on torch's ``out_proj`` Linear."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    weight = property(
+        lambda self: self._owner._params["out_proj.weight"],
+        lambda self, value: self._owner._set_param("out_proj.weight", value),
+    )
+    bias = property(
+        lambda self: self._owner._params.get("out_proj.bias"),
+        lambda self, value: self._owner._set_param("out_proj.bias", value),
+    )
+
+    @property
+    def in_features(self):
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self):
+        return self.weight.shape[0]
+
+    def __repr__(self):
+        return (
+            f"Linear(in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None})"
+        )
+
+
+class MultiheadAttention:
+    """Multi-head attention with the parameters, options and results of
+    ``torch.nn.MultiheadAttention`` (PyTorch 2.13), computed by libattn.
+
+    The arguments are torch's. ``dtype`` (float32 by default; NumPy or torch
+    dtypes) sets the dtype of the parameters, inputs and outputs; ``device``
+    may only be None or "cpu". Beyond torch:
+
+    - ``head_dim``: project to num_heads * head_dim features, so that
+      num_heads need not divide embed_dim.
+    - ``seed``: parameters start as torch's initialisation schemes would draw
+      them, from this seed, and the n-th successful call that applies dropout
+      (training mode, dropout > 0; counting from 0 since construction) draws its mask
+      from (seed, rng_offset=n), so modules built with the same seed and
+      called the same way give the same results. With ``seed=None`` both are
+      fresh random draws.
+
+    Parameters are NumPy arrays under torch's names that view the module's own
+    storage (``m.in_proj_weight[...] = x`` changes the module):
+    ``in_proj_weight`` (3D, E) when kdim == vdim == embed_dim, else
+    ``q_proj_weight`` (D, E), ``k_proj_weight`` (D, kdim), ``v_proj_weight``
+    (D, vdim); ``in_proj_bias`` (3D) when bias; ``bias_k``, ``bias_v``
+    (1, 1, D) when add_bias_kv; ``out_proj.weight`` (E, D) and
+    ``out_proj.bias`` (E); D = num_heads * head_dim. Absent ones are None.
+
+    Like a new torch module, a new attn module is in training mode: dropout
+    applies until ``eval()``.
+    """
+
+    in_proj_weight = _param_property("in_proj_weight", "(3D, embed_dim), or None")
+    q_proj_weight = _param_property("q_proj_weight", "(D, embed_dim), or None")
+    k_proj_weight = _param_property("k_proj_weight", "(D, kdim), or None")
+    v_proj_weight = _param_property("v_proj_weight", "(D, vdim), or None")
+    in_proj_bias = _param_property("in_proj_bias", "(3D,), or None")
+    bias_k = _param_property("bias_k", "(1, 1, D), or None")
+    bias_v = _param_property("bias_v", "(1, 1, D), or None")
+
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        dropout=0.0,
+        bias=True,
+        add_bias_kv=False,
+        add_zero_attn=False,
+        kdim=None,
+        vdim=None,
+        batch_first=False,
+        device=None,
+        dtype=None,
+        *,
+        head_dim=None,
+        seed=None,
+    ):
+        self._init_args = dict(
+            embed_dim=embed_dim, num_heads=num_heads, dropout=dropout, bias=bias,
+            add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim,
+            batch_first=batch_first, device=device, dtype=dtype, head_dim=head_dim, seed=seed,
+        )
+        embed_dim = check_int(embed_dim, "embed_dim")
+        num_heads = check_int(num_heads, "num_heads")
+        dropout = check_probability(dropout, "dropout")
+        bias = check_bool(bias, "bias")
+        add_bias_kv = check_bool(add_bias_kv, "add_bias_kv")
+        add_zero_attn = check_bool(add_zero_attn, "add_zero_attn")
+        kdim = check_int(kdim, "kdim", optional=True)
+        vdim = check_int(vdim, "vdim", optional=True)
+        batch_first = check_bool(batch_first, "batch_first")
+        if device is not None and str(device) != "cpu":
+            raise ValueError(f"device is {device!r}; attn runs on the CPU (device=None or 'cpu')")
+        dt = check_dtype(dtype)
+        head_dim = check_int(head_dim, "head_dim", optional=True)
+        seed = check_seed(seed)
+
+        self._handle = _attn.MHA(
+            embed_dim,
+            num_heads,
+            head_dim=head_dim or 0,
+            kdim=kdim or 0,
+            vdim=vdim or 0,
+            bias=bias,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
+            batch_first=batch_first,
+            dropout=dropout,
+            dtype=dt.name,
+            init_seed=random_seed() if seed is None else seed,
+        )
+        cfg = self._handle.config()
+        storage = np.asarray(memoryview(self._handle))
+        self._params = {}
+        for name, shape, offset in self._handle.param_layout():
+            n = math.prod(shape)
+            self._params[name] = storage[offset : offset + n].reshape(shape)
+        self._seed = seed
+        self._calls = 0  # training-mode calls so far: the dropout rng_offset
+
+        self.embed_dim = embed_dim
+        self.kdim = cfg["kdim"]
+        self.vdim = cfg["vdim"]
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.head_dim = cfg["head_dim"]
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.add_zero_attn = add_zero_attn
+        self.dtype = dt
+        self.training = True
+        self.out_proj = _OutProj(self)
+        self._init_args["dtype"] = dt.name  # a picklable form of the dtype
+        self._init_args["device"] = None
+
+    # ---- copy and pickle: the configuration, the parameters, the mode ----
+
+    def __getstate__(self):
+        return {"args": self._init_args, "state": self.state_dict(),
+                "training": self.training, "calls": self._calls}
+
+    def __setstate__(self, st):
+        self.__init__(**st["args"])
+        self.load_state_dict(st["state"])
+        self.training = st["training"]
+        self._calls = st["calls"]
+
+    # ---- parameters ----
+
+    def _set_param(self, name, value):
+        if name not in self._params:
+            raise ValueError(
+                f"this module has no parameter '{name}'; it has: {', '.join(self._params)}"
+            )
+        a = as_array(value, name, PARAM)
+        dst = self._params[name]
+        if a.shape != dst.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(a.shape)}; this module expects {tuple(dst.shape)}"
+            )
+        dst[...] = a
+
+    def named_parameters(self):
+        """(name, array) pairs in state_dict() order; the arrays are live views."""
+        return iter(self._params.items())
+
+    def parameters(self):
+        return iter(self._params.values())
+
+    def state_dict(self):
+        """A dict of copies of the parameters, keyed and ordered exactly like
+        ``torch.nn.MultiheadAttention.state_dict()``."""
+        return {name: p.copy() for name, p in self._params.items()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copies parameters from a mapping of arrays or tensors keyed like
+        ``torch.nn.MultiheadAttention.state_dict()`` (values are converted to
+        this module's dtype). With ``strict`` (the default), a missing or
+        unexpected key is a ValueError naming it; a wrong shape is always a
+        ValueError naming the key. Nothing is copied unless every entry fits.
+        Returns ``(missing_keys, unexpected_keys)`` like torch."""
+        if not isinstance(state_dict, collections.abc.Mapping):
+            raise TypeError(
+                f"state_dict must be a mapping of names to arrays, not {type(state_dict).__name__}"
+            )
+        missing = [k for k in self._params if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._params]
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append("missing key(s) " + ", ".join(repr(k) for k in missing))
+            if unexpected:
+                parts.append("unexpected key(s) " + ", ".join(repr(k) for k in unexpected))
+            raise ValueError(
+                "load_state_dict: "
+                + "; ".join(parts)
+                + f". This module's keys are: {', '.join(self._params)}"
+            )
+        staged = []
+        for name, dst in self._params.items():
+            if name not in state_dict:
+                continue
+            a = as_array(state_dict[name], name, PARAM)
+            if a.shape != dst.shape:
+                raise ValueError(
+                    f"load_state_dict: {name} has shape {tuple(a.shape)} in the state dict, "
+                    f"but this module's {name} has shape {tuple(dst.shape)}"
+                )
+            staged.append((dst, a))
+        for dst, a in staged:
+            dst[...] = a
+        return _IncompatibleKeys(missing, unexpected)
+
+    # ---- mode ----
+
+    def train(self, mode=True):
+        self.training = check_bool(mode, "mode")
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # ---- forward ----
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
+        """Returns ``(attn_output, attn_output_weights or None)`` like torch.
+
+        query (L, N, E) / (N, L, E) with batch_first / (L, E) unbatched; key
+        and value (S, N, kdim|vdim) likewise. key_padding_mask (N, S) or (S):
+        bool True = ignore the key, or float (added). attn_mask (L, S) or
+        (N * num_heads, L, S): bool True = not allowed to attend, or float
+        (added). The weights, after dropout, are averaged over heads unless
+        ``average_attn_weights=False``. ``is_causal`` applies a causal mask
+        (combined with any attn_mask; torch takes it only as a hint about
+        attn_mask). Rows whose keys are all masked give an attention output
+        of 0 and weights 0, where torch gives NaN.
+        """
+        q = as_array(query, "query", FLOAT)
+        k = as_array(key, "key", FLOAT)
+        v = as_array(value, "value", FLOAT)
+        kpm = None if key_padding_mask is None else as_array(key_padding_mask, "key_padding_mask", MASK)
+        mask = None if attn_mask is None else as_array(attn_mask, "attn_mask", MASK)
+        need_w = check_bool(need_weights, "need_weights")
+        average = check_bool(average_attn_weights, "average_attn_weights")
+        causal = check_bool(is_causal, "is_causal")
+        dropping = self.training and self.dropout > 0.0
+        seed, offset = 0, 0
+        if dropping:
+            if self._seed is None:
+                seed = random_seed()
+            else:
+                seed, offset = self._seed, self._calls
+        try:
+            result = self._handle.forward(
+                q, k, v, kpm, mask, need_w, average, causal, dropping, seed, offset, np.empty
+            )
+        except ValueError as e:
+            msg = str(e).replace("batch_first=0", "batch_first=False")
+            raise ValueError(msg.replace("batch_first=1", "batch_first=True")) from None
+        if dropping:
+            self._calls += 1  # only calls that ran count
+        return result
+
+    __call__ = forward
+
+    def __repr__(self):
+        extra = ""
+        if self.head_dim * self.num_heads != self.embed_dim:
+            extra = f", head_dim={self.head_dim}"
+        return (
+            f"MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+            f"{extra}, dtype={self.dtype.name}, training={self.training}\n"
+            f"  (out_proj): {self.out_proj!r}\n)"
+        )

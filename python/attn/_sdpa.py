@@ -1,0 +1,113 @@
+"""attn.scaled_dot_product_attention: torch.nn.functional's signature over
+libattn's attn_sdpa()."""
+
+import re
+
+import numpy as np
+
+from . import _attn
+from ._arrays import (
+    FLOAT,
+    MASK,
+    as_array,
+    check_bool,
+    check_probability,
+    check_scale,
+    check_seed,
+    random_seed,
+)
+
+_CAUSAL = {"top-left": 1, "bottom-right": 2}
+
+# The C library names its operands q, k and v; Python callers know them as
+# query, key and value.
+_C_OPERAND = re.compile(r"(?<![\w.])([qkv])(?!\w)")
+_PY_NAME = {"q": "query", "k": "key", "v": "value"}
+
+
+def _python_names(message):
+    return _C_OPERAND.sub(lambda m: _PY_NAME[m.group(1)], message)
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    causal_alignment="top-left",
+    seed=None,
+    return_weights=False,
+    return_lse=False,
+):
+    """Scaled dot-product attention with the semantics of PyTorch 2.13's
+    ``torch.nn.functional.scaled_dot_product_attention``::
+
+        out = dropout(softmax(scale * query @ key.T + mask)) @ value
+
+    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev): float32
+    or float64 NumPy arrays, torch CPU tensors or anything ``np.asarray``
+    takes, with any strides (read in place). Batch dimensions broadcast.
+
+    attn_mask: broadcastable to (..., Hq, L, S); bool (True = the key takes
+    part) or float (added to the scores; -inf removes the key).
+    is_causal: query i sees key j iff j <= i (``causal_alignment="top-left"``,
+    PyTorch's) or j <= i + S - L (``"bottom-right"``, for KV caches). Unlike
+    PyTorch, a mask and is_causal may be combined: a key takes part only if
+    both allow it.
+    scale: default 1/sqrt(E); any finite value. enable_gqa: Hq may be a
+    multiple of H (grouped-query attention, no copies).
+    dropout_p: drops each weight with probability p and scales the kept ones
+    by 1/(1-p). The mask is a pure function of ``seed`` (a fresh random seed
+    per call when None), so a given seed always gives the same result.
+
+    A row whose keys are all masked out gives 0 (PyTorch >= 2.5 does too).
+
+    Returns ``out`` (..., Hq, L, Ev) as a NumPy array, or a tuple
+    ``(out, weights, lse)`` holding whichever extras were asked for:
+    ``return_weights`` gives the attention weights (..., Hq, L, S) after
+    dropout (so out == weights @ value), ``return_lse`` the natural-log
+    log-sum-exp of each row's scores (..., Hq, L), before dropout (-inf for a
+    fully masked row).
+    """
+    q = as_array(query, "query", FLOAT)
+    k = as_array(key, "key", FLOAT)
+    v = as_array(value, "value", FLOAT)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"query, key and value must share one dtype; got {q.dtype}, {k.dtype} "
+            f"and {v.dtype}"
+        )
+    mask = None
+    if attn_mask is not None:
+        mask = as_array(attn_mask, "attn_mask", MASK)
+        if mask.ndim == 0:  # a scalar broadcasts like any size-1 array
+            mask = mask.reshape(1)
+    p = check_probability(dropout_p, "dropout_p")
+    causal = check_bool(is_causal, "is_causal")
+    if not isinstance(causal_alignment, str) or causal_alignment not in _CAUSAL:
+        raise ValueError(
+            f"causal_alignment is {causal_alignment!r}; expected 'top-left' or 'bottom-right'"
+        )
+    s = check_scale(scale)
+    gqa = check_bool(enable_gqa, "enable_gqa")
+    seed = check_seed(seed)
+    want_w = check_bool(return_weights, "return_weights")
+    want_lse = check_bool(return_lse, "return_lse")
+    if seed is None:
+        seed = random_seed() if p > 0.0 else 0
+
+    try:
+        out, weights, lse = _attn.sdpa(
+            q, k, v, mask, _CAUSAL[causal_alignment] if causal else 0, s, gqa, p, seed, 0,
+            want_w, want_lse, np.empty,
+        )
+    except (ValueError, TypeError) as e:
+        raise type(e)(_python_names(str(e))) from None
+    if not (want_w or want_lse):
+        return out
+    return (out,) + ((weights,) if want_w else ()) + ((lse,) if want_lse else ())

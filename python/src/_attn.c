@@ -1,0 +1,728 @@
+/*
+ * _attn.c — the CPython extension attn._attn: libattn behind the buffer
+ * protocol. Written against the CPython C API only (no NumPy C API).
+ *
+ * Inputs are any objects that export a strided buffer (NumPy arrays, torch
+ * CPU tensors viewed through NumPy, memoryviews). Their byte strides become
+ * attn_tensor element strides, so transposed, sliced, reversed (negative
+ * stride) and broadcast (zero stride) inputs are read where they lie. Only a
+ * buffer that cannot be described in elements — a stride that is not a
+ * multiple of the item size, or a misaligned base address — is copied first.
+ *
+ * Outputs are allocated by a callable the Python layer passes in (numpy.empty),
+ * after the library has validated the inputs and computed the output shapes,
+ * and are written through their buffers. The GIL is released while kernels run.
+ *
+ * The thin Python layer (attn/__init__.py and friends) normalises arguments
+ * and gives PyTorch's signatures; this file maps statuses to exceptions:
+ * ATTN_ERR_DTYPE -> TypeError, ATTN_ERR_NOMEM -> MemoryError,
+ * ATTN_ERR_UNSUPPORTED -> RuntimeError, everything else -> ValueError.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#include "attn.h"
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static PyObject *raise_status(attn_status st) {
+    PyObject *type;
+    switch (st) {
+    case ATTN_ERR_DTYPE: type = PyExc_TypeError; break;
+    case ATTN_ERR_NOMEM: type = PyExc_MemoryError; break;
+    case ATTN_ERR_UNSUPPORTED: type = PyExc_RuntimeError; break;
+    default: type = PyExc_ValueError; break;
+    }
+    const char *msg = attn_last_error();
+    PyErr_SetString(type, (msg != NULL && msg[0] != '\0') ? msg : attn_strerror(st));
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Buffers as attn_tensor views                                              */
+/* ------------------------------------------------------------------------ */
+
+typedef struct buffer_view {
+    Py_buffer buf;
+    int held;                           /* buf must be released */
+    void *copy;                         /* PyMem block when the buffer was copied */
+    Py_ssize_t strides[ATTN_MAX_RANK];  /* byte strides (buf's, or C order) */
+    attn_tensor t;
+} buffer_view;
+
+/* Stands in for the data pointer of a buffer that has none (an empty
+ * buffer), so the library reports the empty shape rather than a NULL. */
+static double empty_data;
+
+/* Number of inputs copied because their layout could not be described in
+ * elements; read by the tests through _copies(). */
+static Py_ssize_t copies_made;
+
+static int host_is_little_endian(void) {
+    const uint16_t one = 1;
+    return *(const unsigned char *)&one == 1;
+}
+
+/* The attn dtype of a struct-module format string, or 0. */
+static attn_dtype dtype_from_format(const char *fmt, Py_ssize_t itemsize) {
+    if (fmt == NULL) return 0; /* plain bytes */
+    if (*fmt == '@' || *fmt == '=') {
+        fmt++;
+    } else if (*fmt == '<' || *fmt == '>' || *fmt == '!') {
+        int little = *fmt == '<';
+        if (little != host_is_little_endian()) return 0; /* foreign byte order */
+        fmt++;
+    }
+    if (fmt[0] == '\0' || fmt[1] != '\0') return 0;
+    switch (fmt[0]) {
+    case 'f': return itemsize == 4 ? ATTN_DTYPE_F32 : 0;
+    case 'd': return itemsize == 8 ? ATTN_DTYPE_F64 : 0;
+    case '?': return itemsize == 1 ? ATTN_DTYPE_BOOL : 0;
+    }
+    return 0;
+}
+
+static void view_release(buffer_view *v) {
+    if (v->held) PyBuffer_Release(&v->buf);
+    v->held = 0;
+    PyMem_Free(v->copy);
+    v->copy = NULL;
+}
+
+/* Copies a byte-strided buffer into a C-contiguous block, element by
+ * element (memcpy, so misaligned sources are fine). */
+static int copy_contiguous(buffer_view *v, Py_ssize_t numel) {
+    const Py_buffer *b = &v->buf;
+    const Py_ssize_t item = b->itemsize;
+    if (numel > PY_SSIZE_T_MAX / item) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    char *dst = PyMem_Malloc((size_t)(numel * item));
+    if (dst == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t idx[ATTN_MAX_RANK] = {0};
+    for (Py_ssize_t n = 0; n < numel; n++) {
+        const char *src = b->buf;
+        for (int d = 0; d < b->ndim; d++) src += idx[d] * v->strides[d];
+        memcpy(dst + n * item, src, (size_t)item);
+        for (int d = b->ndim - 1; d >= 0; d--) {
+            if (++idx[d] < b->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+    v->copy = dst;
+    copies_made++;
+    return 0;
+}
+
+/*
+ * Fills *v from `obj`. Inputs are read-only requests and may be copied when
+ * their layout cannot be expressed in elements; outputs (writable) never are.
+ * On failure an exception is set and nothing is held.
+ */
+static int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
+    memset(v, 0, sizeof *v);
+    if (PyObject_GetBuffer(obj, &v->buf, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be an array (a NumPy array or another object with the strided "
+                     "buffer protocol), not %.200s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    v->held = 1;
+    const Py_buffer *b = &v->buf;
+    attn_dtype dt = dtype_from_format(b->format, b->itemsize);
+    if (dt == 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s has element format '%s' (%zd bytes); expected native float32 ('f'), "
+                     "float64 ('d') or bool ('?')",
+                     name, b->format ? b->format : "B", b->itemsize);
+        goto fail;
+    }
+    if (b->ndim > ATTN_MAX_RANK) {
+        PyErr_Format(PyExc_ValueError, "%s has %d dimensions; attn supports at most %d", name,
+                     b->ndim, ATTN_MAX_RANK);
+        goto fail;
+    }
+    if (b->suboffsets != NULL) { /* never granted without PyBUF_INDIRECT */
+        PyErr_Format(PyExc_TypeError, "%s is an indirect (PIL-style) buffer", name);
+        goto fail;
+    }
+    attn_tensor *t = &v->t;
+    memset(t, 0, sizeof *t);
+    t->dtype = dt;
+    t->rank = b->ndim;
+    t->data = b->buf != NULL ? b->buf : (void *)&empty_data;
+
+    const Py_ssize_t item = b->itemsize;
+    if (b->strides == NULL) { /* an exporter may leave C-contiguous strides out */
+        Py_ssize_t stride = item;
+        for (int d = b->ndim - 1; d >= 0; d--) {
+            v->strides[d] = stride;
+            stride *= b->shape[d];
+        }
+    } else {
+        memcpy(v->strides, b->strides, sizeof(Py_ssize_t) * (size_t)b->ndim);
+    }
+    Py_ssize_t numel = 1;
+    int huge = 0; /* numel overflowed: a broadcast view too large to copy */
+    int exact = ((uintptr_t)b->buf % (uintptr_t)item) == 0;
+    for (int d = 0; d < b->ndim; d++) {
+        t->shape[d] = (int64_t)b->shape[d];
+        if (b->shape[d] <= 0) numel = 0;
+        else if (__builtin_mul_overflow(numel, b->shape[d], &numel)) huge = 1;
+        /* A stride on a dimension of size 1 is never used. */
+        if (b->shape[d] > 1 && v->strides[d] % item != 0) exact = 0;
+    }
+    if (numel == 0) exact = 1; /* nothing to read; the library rejects it */
+    if (exact) {
+        for (int d = 0; d < b->ndim; d++)
+            t->strides[d] = b->shape[d] > 1 ? (int64_t)(v->strides[d] / item) : 0;
+        return 0;
+    }
+    if (writable) {
+        PyErr_Format(PyExc_ValueError, "%s: output buffers must be aligned to their items",
+                     name);
+        goto fail;
+    }
+    if (huge) {
+        PyErr_Format(PyExc_MemoryError, "%s is misaligned and too large to copy", name);
+        goto fail;
+    }
+    if (copy_contiguous(v, numel) < 0) goto fail;
+    t->data = v->copy;
+    int64_t stride = 1;
+    for (int d = b->ndim - 1; d >= 0; d--) {
+        t->strides[d] = stride;
+        stride *= t->shape[d];
+    }
+    return 0;
+fail:
+    view_release(v);
+    return -1;
+}
+
+/* An optional input: Py_None leaves *present at 0. */
+static int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present) {
+    *present = 0;
+    memset(v, 0, sizeof *v);
+    if (obj == Py_None) return 0;
+    if (view_get(obj, name, 0, v) < 0) return -1;
+    *present = 1;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Outputs                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static PyObject *shape_tuple(int rank, const int64_t *shape) {
+    PyObject *t = PyTuple_New(rank);
+    if (t == NULL) return NULL;
+    for (int d = 0; d < rank; d++) {
+        PyObject *n = PyLong_FromLongLong((long long)shape[d]);
+        if (n == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, d, n);
+    }
+    return t;
+}
+
+/* Calls empty(shape, dtype_name) and takes a writable view of the result. */
+static PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
+                            const char *name, buffer_view *v) {
+    PyObject *shp = shape_tuple(rank, shape);
+    if (shp == NULL) return NULL;
+    PyObject *arr = PyObject_CallFunction(empty, "Os", shp, attn_dtype_name(dt));
+    Py_DECREF(shp);
+    if (arr == NULL) return NULL;
+    if (view_get(arr, name, 1, v) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    int ok = v->t.dtype == dt && v->t.rank == rank;
+    for (int d = 0; ok && d < rank; d++) ok = v->t.shape[d] == shape[d];
+    if (!ok) {
+        view_release(v);
+        Py_DECREF(arr);
+        PyErr_Format(PyExc_RuntimeError, "the output allocator returned a wrong %s buffer", name);
+        return NULL;
+    }
+    return arr;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Argument converters                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* A uint64 from any Python int in [0, 2**64). */
+static int convert_u64(PyObject *obj, void *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "expected an int, not %.200s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    unsigned long long x = PyLong_AsUnsignedLongLong(obj);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "expected an int in [0, 2**64)");
+        return 0;
+    }
+    *(uint64_t *)out = (uint64_t)x;
+    return 1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* sdpa                                                                      */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(sdpa_doc,
+             "sdpa(query, key, value, attn_mask, causal, scale, enable_gqa, dropout_p, seed,\n"
+             "     rng_offset, want_weights, want_lse, empty) -> (out, weights, lse)\n\n"
+             "attn_sdpa() on buffers. causal: 0 none, 1 top-left, 2 bottom-right;\n"
+             "scale: None or a float; empty(shape, dtype_name) allocates the outputs.\n"
+             "weights and lse are None unless asked for. Error messages use the C names\n"
+             "q, k, v; attn.scaled_dot_product_attention translates them.");
+
+static PyObject *py_sdpa(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oq, *ok, *ov, *omask, *oscale, *empty;
+    int causal, gqa, want_w, want_lse;
+    double dropout_p;
+    uint64_t seed = 0, rng_offset = 0;
+    if (!PyArg_ParseTuple(args, "OOOOiOpdO&O&ppO:sdpa", &oq, &ok, &ov, &omask, &causal, &oscale,
+                          &gqa, &dropout_p, convert_u64, &seed, convert_u64, &rng_offset,
+                          &want_w, &want_lse, &empty))
+        return NULL;
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    p.causal = (attn_causal)causal;
+    p.enable_gqa = gqa;
+    p.dropout_p = dropout_p;
+    p.seed = seed;
+    p.rng_offset = rng_offset;
+    if (oscale != Py_None) {
+        p.has_scale = 1;
+        p.scale = PyFloat_AsDouble(oscale);
+        if (p.scale == -1.0 && PyErr_Occurred()) return NULL;
+    }
+
+    buffer_view q, k, v, mask, out, w, lse;
+    int has_mask = 0;
+    memset(&out, 0, sizeof out);
+    memset(&w, 0, sizeof w);
+    memset(&lse, 0, sizeof lse);
+    PyObject *r_out = NULL, *r_w = NULL, *r_lse = NULL, *result = NULL;
+    if (view_get(oq, "q", 0, &q) < 0) return NULL;
+    if (view_get(ok, "k", 0, &k) < 0) {
+        view_release(&q);
+        return NULL;
+    }
+    if (view_get(ov, "v", 0, &v) < 0) {
+        view_release(&q);
+        view_release(&k);
+        return NULL;
+    }
+    if (view_get_optional(omask, "attn_mask", &mask, &has_mask) < 0) goto done;
+    if (has_mask) p.attn_mask = &mask.t;
+
+    /* Validate everything and learn the shapes before allocating. */
+    int rank;
+    int64_t shape[ATTN_MAX_RANK];
+    attn_status st = attn_sdpa_out_shape(&q.t, &k.t, &v.t, &p, &rank, shape);
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    const attn_dtype dt = q.t.dtype;
+    r_out = new_output(empty, rank, shape, dt, "out", &out);
+    if (r_out == NULL) goto done;
+    if (want_w) {
+        int64_t ws[ATTN_MAX_RANK];
+        memcpy(ws, shape, sizeof ws);
+        ws[rank - 1] = k.t.shape[k.t.rank - 2]; /* S */
+        r_w = new_output(empty, rank, ws, dt, "weights", &w);
+        if (r_w == NULL) goto done;
+    }
+    if (want_lse) {
+        r_lse = new_output(empty, rank - 1, shape, dt, "lse", &lse);
+        if (r_lse == NULL) goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_sdpa(&q.t, &k.t, &v.t, &p, &out.t, want_w ? &w.t : NULL, want_lse ? &lse.t : NULL);
+    Py_END_ALLOW_THREADS
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    result = Py_BuildValue("(OOO)", r_out, r_w ? r_w : Py_None, r_lse ? r_lse : Py_None);
+done:
+    view_release(&q);
+    view_release(&k);
+    view_release(&v);
+    view_release(&mask);
+    view_release(&out);
+    view_release(&w);
+    view_release(&lse);
+    Py_XDECREF(r_out);
+    Py_XDECREF(r_w);
+    Py_XDECREF(r_lse);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* MHA: the module object                                                    */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * _attn.MHA owns one attn_mha. Its parameters live in one contiguous block
+ * of the module's storage, which the object exports through the buffer
+ * protocol as a 1-D array; the Python layer slices it into parameter views
+ * (param_layout() gives each one's name, shape and element offset), so
+ * writing to m.in_proj_weight writes the module's own weights. A NumPy view
+ * keeps the object, and so the storage, alive.
+ */
+typedef struct MHAObject {
+    PyObject_HEAD
+    attn_mha *mha;
+    attn_mha_config cfg; /* derived fields filled in */
+    void *base;          /* first parameter: the start of the storage */
+    Py_ssize_t numel;    /* elements in all parameters */
+} MHAObject;
+
+static void mha_dealloc(MHAObject *self) {
+    attn_mha_destroy(self->mha);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int mha_init(MHAObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"embed_dim", "num_heads", "head_dim", "kdim", "vdim",
+                             "bias", "add_bias_kv", "add_zero_attn", "batch_first",
+                             "dropout", "dtype", "init_seed", NULL};
+    long long embed_dim, num_heads, head_dim = 0, kdim = 0, vdim = 0;
+    int bias = 1, add_bias_kv = 0, add_zero_attn = 0, batch_first = 0;
+    double dropout = 0.0;
+    const char *dtype = "float32";
+    uint64_t init_seed = 0;
+    if (self->mha != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "MHA objects cannot be initialised twice");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL|LLLppppdsO&:MHA", kwlist, &embed_dim,
+                                     &num_heads, &head_dim, &kdim, &vdim, &bias, &add_bias_kv,
+                                     &add_zero_attn, &batch_first, &dropout, &dtype, convert_u64,
+                                     &init_seed))
+        return -1;
+    attn_mha_config c;
+    attn_mha_config_init(&c, embed_dim, num_heads);
+    c.head_dim = head_dim;
+    c.kdim = kdim;
+    c.vdim = vdim;
+    c.bias = bias;
+    c.add_bias_kv = add_bias_kv;
+    c.add_zero_attn = add_zero_attn;
+    c.batch_first = batch_first;
+    c.dropout = dropout;
+    c.init_seed = init_seed;
+    if (strcmp(dtype, "float32") == 0) {
+        c.dtype = ATTN_DTYPE_F32;
+    } else if (strcmp(dtype, "float64") == 0) {
+        c.dtype = ATTN_DTYPE_F64;
+    } else {
+        PyErr_Format(PyExc_TypeError, "dtype is %s; expected float32 or float64", dtype);
+        return -1;
+    }
+    attn_mha *m = NULL;
+    attn_status st;
+    Py_BEGIN_ALLOW_THREADS /* initialising a large module takes a while */
+    st = attn_mha_create(&c, &m);
+    Py_END_ALLOW_THREADS
+    if (st != ATTN_OK) {
+        raise_status(st);
+        return -1;
+    }
+    self->mha = m;
+    attn_mha_get_config(m, &self->cfg);
+    self->numel = 0;
+    for (int i = 0; i < attn_mha_param_count(m); i++) {
+        attn_tensor t;
+        attn_mha_param_at(m, i, NULL, &t);
+        if (i == 0) self->base = t.data;
+        self->numel += (Py_ssize_t)attn_tensor_numel(&t);
+    }
+    return 0;
+}
+
+static int mha_ready(MHAObject *self) {
+    if (self->mha != NULL) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "MHA object was not initialised");
+    return 0;
+}
+
+static int mha_getbuffer(MHAObject *self, Py_buffer *view, int flags) {
+    if (self->mha == NULL) {
+        PyErr_SetString(PyExc_BufferError, "MHA object was not initialised");
+        view->obj = NULL;
+        return -1;
+    }
+    const Py_ssize_t item = (Py_ssize_t)attn_dtype_size(self->cfg.dtype);
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->base, self->numel * item, 0, flags) < 0)
+        return -1;
+    if (flags & PyBUF_FORMAT) view->format = self->cfg.dtype == ATTN_DTYPE_F32 ? "f" : "d";
+    view->itemsize = item;
+    if (flags & PyBUF_ND) view->shape = &self->numel;
+    if ((flags & PyBUF_STRIDES) == PyBUF_STRIDES) view->strides = &view->itemsize;
+    return 0;
+}
+
+static PyBufferProcs mha_as_buffer = {(getbufferproc)mha_getbuffer, NULL};
+
+static PyObject *mha_param_layout(MHAObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (!mha_ready(self)) return NULL;
+    const int n = attn_mha_param_count(self->mha);
+    const size_t item = attn_dtype_size(self->cfg.dtype);
+    PyObject *list = PyList_New(n);
+    if (list == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        const char *name;
+        attn_tensor t;
+        attn_mha_param_at(self->mha, i, &name, &t);
+        PyObject *shape = shape_tuple(t.rank, t.shape);
+        Py_ssize_t offset = (Py_ssize_t)(((char *)t.data - (char *)self->base) / (ptrdiff_t)item);
+        PyObject *entry = shape ? Py_BuildValue("(sNn)", name, shape, offset) : NULL;
+        if (entry == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, entry);
+    }
+    return list;
+}
+
+static PyObject *mha_config(MHAObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (!mha_ready(self)) return NULL;
+    const attn_mha_config *c = &self->cfg;
+    return Py_BuildValue("{sLsLsLsLsLsOsOsOsOsdss}", "embed_dim", (long long)c->embed_dim,
+                         "num_heads", (long long)c->num_heads, "head_dim", (long long)c->head_dim,
+                         "kdim", (long long)c->kdim, "vdim", (long long)c->vdim, "bias",
+                         c->bias ? Py_True : Py_False, "add_bias_kv",
+                         c->add_bias_kv ? Py_True : Py_False, "add_zero_attn",
+                         c->add_zero_attn ? Py_True : Py_False, "batch_first",
+                         c->batch_first ? Py_True : Py_False, "dropout", c->dropout, "dtype",
+                         attn_dtype_name(c->dtype));
+}
+
+PyDoc_STRVAR(mha_forward_doc,
+             "forward(query, key, value, key_padding_mask, attn_mask, need_weights,\n"
+             "        average_attn_weights, is_causal, training, seed, rng_offset, empty)\n"
+             "-> (out, weights or None)");
+
+static PyObject *mha_forward(MHAObject *self, PyObject *args) {
+    PyObject *oq, *ok, *ov, *okpm, *omask, *empty;
+    int need_w, average, causal, training;
+    uint64_t seed = 0, rng_offset = 0;
+    if (!mha_ready(self)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOppppO&O&O:forward", &oq, &ok, &ov, &okpm, &omask, &need_w,
+                          &average, &causal, &training, convert_u64, &seed, convert_u64,
+                          &rng_offset, &empty))
+        return NULL;
+    attn_mha_forward_params fp;
+    attn_mha_forward_params_init(&fp);
+    fp.average_attn_weights = average;
+    fp.is_causal = causal;
+    fp.training = training;
+    fp.seed = seed;
+    fp.rng_offset = rng_offset;
+
+    buffer_view q, k, v, kpm, mask, out, w;
+    int has_kpm = 0, has_mask = 0;
+    memset(&k, 0, sizeof k);
+    memset(&v, 0, sizeof v);
+    memset(&kpm, 0, sizeof kpm);
+    memset(&mask, 0, sizeof mask);
+    memset(&out, 0, sizeof out);
+    memset(&w, 0, sizeof w);
+    PyObject *r_out = NULL, *r_w = NULL, *result = NULL;
+    if (view_get(oq, "query", 0, &q) < 0) return NULL;
+    if (view_get(ok, "key", 0, &k) < 0 || view_get(ov, "value", 0, &v) < 0 ||
+        view_get_optional(okpm, "key_padding_mask", &kpm, &has_kpm) < 0 ||
+        view_get_optional(omask, "attn_mask", &mask, &has_mask) < 0)
+        goto done;
+    if (has_kpm) fp.key_padding_mask = &kpm.t;
+    if (has_mask) fp.attn_mask = &mask.t;
+
+    int orank, wrank = 0;
+    int64_t oshape[ATTN_MAX_RANK], wshape[ATTN_MAX_RANK];
+    attn_status st =
+        attn_mha_out_shapes(self->mha, &q.t, &k.t, &fp, need_w, &orank, oshape, &wrank, wshape);
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    r_out = new_output(empty, orank, oshape, self->cfg.dtype, "out", &out);
+    if (r_out == NULL) goto done;
+    if (need_w) {
+        r_w = new_output(empty, wrank, wshape, self->cfg.dtype, "weights", &w);
+        if (r_w == NULL) goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_mha_forward(self->mha, &q.t, &k.t, &v.t, &fp, &out.t, need_w ? &w.t : NULL);
+    Py_END_ALLOW_THREADS
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    result = Py_BuildValue("(OO)", r_out, r_w ? r_w : Py_None);
+done:
+    view_release(&q);
+    view_release(&k);
+    view_release(&v);
+    view_release(&kpm);
+    view_release(&mask);
+    view_release(&out);
+    view_release(&w);
+    Py_XDECREF(r_out);
+    Py_XDECREF(r_w);
+    return result;
+}
+
+static PyMethodDef mha_methods[] = {
+    {"param_layout", (PyCFunction)mha_param_layout, METH_NOARGS,
+     "[(name, shape, element offset)] of the parameters, in state_dict() order"},
+    {"config", (PyCFunction)mha_config, METH_NOARGS,
+     "the configuration, with head_dim, kdim and vdim resolved"},
+    {"forward", (PyCFunction)mha_forward, METH_VARARGS, mha_forward_doc},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject MHAType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "attn._attn.MHA",
+    .tp_basicsize = sizeof(MHAObject),
+    .tp_dealloc = (destructor)mha_dealloc,
+    .tp_as_buffer = &mha_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "MHA(embed_dim, num_heads, head_dim=0, kdim=0, vdim=0, bias=True,\n"
+              "    add_bias_kv=False, add_zero_attn=False, batch_first=False, dropout=0.0,\n"
+              "    dtype='float32', init_seed=0)\n\n"
+              "An attn_mha. Exports its parameter storage as a 1-D buffer.",
+    .tp_methods = mha_methods,
+    .tp_init = (initproc)mha_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ------------------------------------------------------------------------ */
+/* Process-wide settings                                                     */
+/* ------------------------------------------------------------------------ */
+
+static PyObject *py_version(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyUnicode_FromString(attn_version());
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > 4096) {
+        PyErr_Format(PyExc_ValueError, "num_threads is %ld; expected 1 to 4096, or 0 for the "
+                     "default", n);
+        return NULL;
+    }
+    attn_set_num_threads((int)n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyLong_FromLong(attn_get_num_threads());
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyUnicode_FromString(attn_isa_name(attn_get_isa()));
+}
+
+static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    PyObject *list = PyList_New(0);
+    if (list == NULL) return NULL;
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        PyObject *name = PyUnicode_FromString(attn_isa_name((attn_isa)i));
+        if (name == NULL || PyList_Append(list, name) < 0) {
+            Py_XDECREF(name);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    return list;
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_AVX512; i++)
+        if (strcmp(name, attn_isa_name((attn_isa)i)) == 0) {
+            attn_status st = attn_set_isa((attn_isa)i);
+            if (st != ATTN_OK) return raise_status(st);
+            Py_RETURN_NONE;
+        }
+    PyErr_Format(PyExc_ValueError, "isa is '%s'; expected auto, ref, generic, avx2 or avx512",
+                 name);
+    return NULL;
+}
+
+static PyObject *py_copies(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyLong_FromSsize_t(copies_made);
+}
+
+static PyMethodDef module_methods[] = {
+    {"sdpa", py_sdpa, METH_VARARGS, sdpa_doc},
+    {"version", py_version, METH_NOARGS, "the linked library's version string"},
+    {"set_num_threads", py_set_num_threads, METH_O, "attn_set_num_threads(n); 0 = default"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},
+    {"isa", py_isa, METH_NOARGS, "the kernel path calls take now"},
+    {"supported_isas", py_supported_isas, METH_NOARGS, "the paths this CPU and OS can run"},
+    {"set_isa", py_set_isa, METH_O, "force a kernel path by name ('auto' restores the best)"},
+    {"_copies", py_copies, METH_NOARGS,
+     "how many input buffers had to be copied (misaligned or odd strides)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_attn",
+    "libattn for Python: exact scaled dot-product and multi-head attention.", -1,
+    module_methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__attn(void) {
+    if (PyType_Ready(&MHAType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) return NULL;
+    Py_INCREF(&MHAType);
+    if (PyModule_AddObject(m, "MHA", (PyObject *)&MHAType) < 0 ||
+        PyModule_AddStringConstant(m, "__version__", attn_version()) < 0) {
+        Py_DECREF(&MHAType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

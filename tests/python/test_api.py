@@ -1,0 +1,355 @@
+"""The package's surface: version, threads, kernel info, input handling
+(torch tensors, strides read in place, copies only where unavoidable), the
+GIL, return values, and MultiheadAttention's parameters and state_dict."""
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn
+from attn import _attn
+
+HEADER = os.path.join(os.path.dirname(__file__), "..", "..", "include", "attn.h")
+
+
+def test_version_is_the_library_version():
+    header = open(HEADER).read()
+    want = re.search(r'#define ATTN_VERSION_STRING "([^"]+)"', header).group(1)
+    assert attn.__version__ == want == "0.1.0"
+    assert importlib.metadata.version("attn") == want
+
+
+def test_kernel_info():
+    info = attn.kernel_info()
+    assert set(info) == {"isa", "supported_isas", "num_threads", "version"}
+    assert info["isa"] in info["supported_isas"]
+    assert "ref" in info["supported_isas"]
+    assert info["num_threads"] == attn.get_num_threads() >= 1
+    assert info["version"] == attn.__version__
+
+
+def test_threads_roundtrip_and_default():
+    before = attn.get_num_threads()
+    try:
+        attn.set_num_threads(3)
+        assert attn.get_num_threads() == 3
+        attn.set_num_threads(0)  # back to the default
+        assert attn.get_num_threads() == before
+    finally:
+        attn.set_num_threads(0)
+    code = "import attn; print(attn.get_num_threads(), attn.kernel_info()['num_threads'])"
+    env = dict(os.environ, ATTN_NUM_THREADS="3")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["3", "3"], out.stderr
+
+
+def test_every_kernel_path_gives_the_same_result(rng):
+    q = rng.standard_normal((2, 3, 9, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 11, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 11, 5)).astype(np.float32)
+    mask = rng.random((9, 11)) < 0.7
+    results = {}
+    try:
+        for isa in _attn.supported_isas():
+            _attn.set_isa(isa)
+            assert attn.kernel_info()["isa"] == isa
+            results[isa] = attn.scaled_dot_product_attention(
+                q, k, v, mask, is_causal=True, return_weights=True, return_lse=True)
+    finally:
+        _attn.set_isa("auto")
+    ref = results["ref"]
+    for isa, r in results.items():
+        for a, b in zip(r, ref):
+            np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-7, err_msg=isa)
+
+
+def test_returns(rng):
+    q = rng.standard_normal((3, 4, 8))
+    k = rng.standard_normal((3, 6, 8))
+    v = rng.standard_normal((3, 6, 2))
+    out = attn.scaled_dot_product_attention(q, k, v)
+    assert isinstance(out, np.ndarray) and out.shape == (3, 4, 2) and out.dtype == np.float64
+    assert out.flags.c_contiguous
+    o, w = attn.scaled_dot_product_attention(q, k, v, return_weights=True)
+    o2, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    o3, w3, lse3 = attn.scaled_dot_product_attention(q, k, v, return_weights=True,
+                                                     return_lse=True)
+    assert w.shape == (3, 4, 6) and lse.shape == (3, 4)
+    for a in (o, o2, o3):
+        assert np.array_equal(a, out)
+    assert np.array_equal(w, w3) and np.array_equal(lse, lse3)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-14)
+    np.testing.assert_allclose(out, w @ v, rtol=1e-13, atol=1e-14)
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(8)
+    np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-13, atol=1e-14)
+
+
+def test_torch_tensors_in_numpy_out(rng):
+    q = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 4, 7, dtype=torch.float64).transpose(-1, -2)  # non-contiguous
+    v = torch.randn(3, 7, 1, dtype=torch.float64).expand(3, 7, 6)  # zero stride
+    mask = torch.rand(5, 7) < 0.8
+    mask[:, 0] = True
+    out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert isinstance(out, np.ndarray) and out.shape == (2, 3, 5, 6)
+    ref = F.scaled_dot_product_attention(q.detach(), k, v.contiguous(), attn_mask=mask)
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-14)
+    m = attn.MultiheadAttention(6, 2, dtype=torch.float64)
+    y, w = m(torch.randn(4, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64),
+             torch.randn(5, 6, dtype=torch.float64))
+    assert isinstance(y, np.ndarray) and y.shape == (4, 6) and w.shape == (4, 5)
+
+
+def test_scalar_and_list_masks(rng):
+    q = rng.standard_normal((2, 4, 8))
+    ref = attn.scaled_dot_product_attention(q, q, q)
+    assert np.array_equal(attn.scaled_dot_product_attention(q, q, q, np.bool_(True)), ref)
+    assert np.array_equal(attn.scaled_dot_product_attention(q, q, q, 0.0), ref)
+    assert np.array_equal(attn.scaled_dot_product_attention(q, q, q, [True] * 4), ref)
+    zero = attn.scaled_dot_product_attention(q, q, q, False)  # every key masked: 0
+    assert not zero.any()
+
+
+def test_foreign_byte_order_is_converted(rng):
+    q = rng.standard_normal((2, 4, 8)).astype(">f8")
+    ref = attn.scaled_dot_product_attention(q.astype("<f8"), q.astype("<f8"), q.astype("<f8"))
+    out = attn.scaled_dot_product_attention(q, q, q, attn_mask=np.zeros(4, ">f4"))
+    assert out.dtype == np.float64 and out.dtype.isnative
+    assert np.array_equal(out, ref)
+
+
+def _strided_inputs(rng):
+    base = rng.standard_normal((8, 2, 64, 32)).astype(np.float32)
+    q = np.swapaxes(base, 0, 1)  # (2, 8, 64, 32), permuted
+    k = base[:, :, ::-1, :].swapaxes(0, 1)  # negative stride
+    v = np.broadcast_to(rng.standard_normal((1, 8, 64, 16)).astype(np.float32), (2, 8, 64, 16))
+    mask = np.broadcast_to(rng.random((64, 1)) < 2, (64, 64))
+    return q, k, v, mask
+
+
+def test_strided_inputs_are_read_in_place(rng):
+    """Permuted, reversed and broadcast (zero-stride) inputs are not copied:
+    the extension's copy counter stays put, and the Python heap grows by the
+    output only."""
+    q, k, v, mask = _strided_inputs(rng)
+    before = _attn._copies()
+    ref = attn.scaled_dot_product_attention(*(np.ascontiguousarray(a) for a in (q, k, v, mask)))
+    tracemalloc.start()
+    out = attn.scaled_dot_product_attention(q, k, v, mask)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert _attn._copies() == before
+    assert peak < out.nbytes + 64 * 1024, f"peak {peak} bytes for a {out.nbytes}-byte output"
+    assert np.array_equal(out, ref)
+
+
+def test_misaligned_input_is_copied(rng):
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    raw = np.zeros(q.nbytes + 1, np.uint8)
+    odd = raw[1:].view(np.float32).reshape(q.shape)
+    odd[...] = q
+    assert not odd.flags.aligned
+    before = _attn._copies()
+    out = attn.scaled_dot_product_attention(odd, q, q)
+    assert _attn._copies() == before + 1
+    assert np.array_equal(out, attn.scaled_dot_product_attention(q, q, q))
+
+
+def test_any_buffer_exporter(rng):
+    """The extension reads any strided buffer, e.g. a memoryview."""
+    q = rng.standard_normal((2, 4, 8))
+    out = attn.scaled_dot_product_attention(memoryview(q), q, q)
+    assert np.array_equal(out, attn.scaled_dot_product_attention(q, q, q))
+
+
+def test_gil_is_released(rng):
+    """While one thread runs a long attention call, another keeps running
+    Python code."""
+    q = rng.standard_normal((1, 2, 512, 64))
+    k = rng.standard_normal((1, 2, 4096, 64))
+    t0 = time.perf_counter()
+    attn.scaled_dot_product_attention(q, k, k)
+    duration = time.perf_counter() - t0
+    ticks = []
+    worker = threading.Thread(target=attn.scaled_dot_product_attention, args=(q, k, k))
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+        time.sleep(0.001)
+    worker.join()
+    gaps = np.diff(ticks) if len(ticks) > 1 else np.array([duration])
+    # With the GIL held for the whole call, this loop could not tick at all.
+    assert len(ticks) > 5 and gaps.max() < 0.5 * duration + 0.05, (len(ticks), gaps.max(), duration)
+
+
+def test_concurrent_calls_agree(rng):
+    q = rng.standard_normal((4, 2, 32, 16)).astype(np.float32)
+    m = attn.MultiheadAttention(16, 4, dropout=0.2, seed=1).eval()
+    x = rng.standard_normal((10, 3, 16)).astype(np.float32)
+    want_sdpa = attn.scaled_dot_product_attention(q, q, q, dropout_p=0.2, seed=9)
+    want_mha = m(x, x, x)
+    results = []
+
+    def work():
+        for _ in range(5):
+            results.append((attn.scaled_dot_product_attention(q, q, q, dropout_p=0.2, seed=9),
+                            m(x, x, x)))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 20
+    for s, (o, w) in results:
+        assert np.array_equal(s, want_sdpa)
+        assert np.array_equal(o, want_mha[0]) and np.array_equal(w, want_mha[1])
+
+
+# ---------------------------------------------------------------------------
+# MultiheadAttention: parameters, state_dict, modes
+# ---------------------------------------------------------------------------
+
+CONFIGS = [
+    dict(embed_dim=8, num_heads=2),
+    dict(embed_dim=8, num_heads=2, bias=False),
+    dict(embed_dim=8, num_heads=4, add_bias_kv=True),
+    dict(embed_dim=6, num_heads=3, kdim=4, vdim=5),
+    dict(embed_dim=6, num_heads=1, kdim=6, vdim=2, add_bias_kv=True, bias=False),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_parameters_mirror_torch(cfg):
+    tm = torch.nn.MultiheadAttention(**cfg)
+    m = attn.MultiheadAttention(**cfg)
+    assert list(m.state_dict()) == list(tm.state_dict())
+    assert [n for n, _ in m.named_parameters()] == list(tm.state_dict())
+    for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                 "in_proj_bias", "bias_k", "bias_v"):
+        t, a = getattr(tm, name), getattr(m, name)
+        assert (t is None) == (a is None), name
+        if t is not None:
+            assert a.shape == tuple(t.shape) and a.dtype == np.float32
+    assert m.out_proj.weight.shape == tuple(tm.out_proj.weight.shape)
+    assert (m.out_proj.bias is None) == (tm.out_proj.bias is None)
+    for name in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "batch_first",
+                 "_qkv_same_embed_dim", "dropout", "training"):
+        assert getattr(m, name) == getattr(tm, name), name
+    # Our state_dict loads into torch, and torch's into ours.
+    tm.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
+    m2 = attn.MultiheadAttention(**cfg)
+    m2.load_state_dict(tm.state_dict())
+    for k, v in m.state_dict().items():
+        assert np.array_equal(m2.state_dict()[k], v)
+
+
+def test_parameters_are_live_views_and_state_dict_copies(rng):
+    m = attn.MultiheadAttention(8, 2, dtype=np.float64, seed=0).eval()
+    x = rng.standard_normal((3, 8))
+    y0, _ = m(x, x, x)
+    sd = m.state_dict()
+    sd["out_proj.bias"][:] = 5.0  # a copy: the module is unchanged
+    assert np.array_equal(m(x, x, x)[0], y0)
+    assert not m.out_proj.bias.any()  # torch's initialisation: zero biases
+    m.out_proj.bias[:] = 1.0  # a view: the module changes
+    y1, _ = m(x, x, x)
+    np.testing.assert_allclose(y1 - y0, 1.0, atol=1e-12)
+    m.in_proj_weight = np.zeros((24, 8))  # assignment copies into the module
+    assert not m.in_proj_weight.any()
+    y2, w2 = m(x, x, x)
+    np.testing.assert_allclose(w2, 1 / 3)  # all scores 0: uniform weights
+    assert m.out_proj.weight.base is not None  # still a view of the module's storage
+
+
+def test_load_state_dict_strict_false_and_conversion():
+    m = attn.MultiheadAttention(4, 2)
+    tm = torch.nn.MultiheadAttention(4, 2, dtype=torch.float64)
+    sd = tm.state_dict()
+    del sd["in_proj_bias"]
+    sd["extra"] = torch.zeros(1)
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    assert missing == ["in_proj_bias"] and unexpected == ["extra"]
+    np.testing.assert_array_equal(m.in_proj_weight, tm.in_proj_weight.detach().numpy()
+                                  .astype(np.float32))
+    m.load_state_dict({k: v.tolist() for k, v in m.state_dict().items()})  # nested lists too
+
+
+def test_modes_and_init():
+    m = attn.MultiheadAttention(16, 4, seed=5)
+    assert m.training is True
+    assert m.eval() is m and m.training is False
+    assert m.train() is m and m.training is True
+    assert m.train(False) is m and not m.training
+    same = attn.MultiheadAttention(16, 4, seed=5)
+    for (n, a), (_, b) in zip(m.named_parameters(), same.named_parameters()):
+        assert np.array_equal(a, b), n
+    # torch's schemes: xavier_uniform in_proj, zero biases, Linear out_proj.
+    bound = np.sqrt(6 / (48 + 16))
+    assert np.abs(m.in_proj_weight).max() <= bound and np.abs(m.in_proj_weight).max() > bound / 2
+    assert not m.in_proj_bias.any() and not m.out_proj.bias.any()
+    assert np.abs(m.out_proj.weight).max() <= 1 / np.sqrt(16)
+    for dtype in (np.float64, "float64", torch.float64, torch.double, "double"):
+        assert attn.MultiheadAttention(4, 2, dtype=dtype).in_proj_weight.dtype == np.float64
+    assert attn.MultiheadAttention(4, 2, dtype=torch.float32).dtype == np.float32
+    assert attn.MultiheadAttention(4, 2, device="cpu").dtype == np.float32
+    assert "MultiheadAttention(embed_dim=16, num_heads=4" in repr(m)
+
+
+def test_explicit_head_dim_matches_torch_composition(rng):
+    """Beyond torch: num_heads * head_dim != embed_dim. Checked against the
+    same computation written with torch operations in float64."""
+    E, H, hd, kdim = 10, 3, 4, 7
+    m = attn.MultiheadAttention(E, H, kdim=kdim, head_dim=hd, dtype=np.float64, seed=3,
+                                batch_first=True, add_bias_kv=True).eval()
+    for p in m.parameters():
+        p[...] = rng.standard_normal(p.shape) * 0.5
+    N, L, S = 2, 5, 6
+    x = rng.standard_normal((N, L, E))
+    y = rng.standard_normal((N, S, kdim))
+    z = rng.standard_normal((N, S, E))
+    kpm = rng.random((N, S)) < 0.3
+    out, w = m(x, y, z, key_padding_mask=kpm, average_attn_weights=False)
+    t = {k: torch.from_numpy(v) for k, v in m.state_dict().items()}
+    D = H * hd
+    Q = F.linear(torch.from_numpy(x), t["q_proj_weight"], t["in_proj_bias"][:D])
+    K = F.linear(torch.from_numpy(y), t["k_proj_weight"], t["in_proj_bias"][D:2 * D])
+    V = F.linear(torch.from_numpy(z), t["v_proj_weight"], t["in_proj_bias"][2 * D:])
+    K = torch.cat([K, t["bias_k"].expand(N, 1, D)], 1)
+    V = torch.cat([V, t["bias_v"].expand(N, 1, D)], 1)
+    keep = torch.cat([~torch.from_numpy(kpm), torch.ones(N, 1, dtype=torch.bool)], 1)
+    heads = lambda a: a.view(N, -1, H, hd).transpose(1, 2)  # noqa: E731
+    O, W = torch.ops.aten._scaled_dot_product_attention_math(
+        heads(Q), heads(K), heads(V),
+        torch.zeros(N, 1, 1, S + 1, dtype=torch.float64).masked_fill(~keep[:, None, None], -np.inf))
+    ref = F.linear(O.transpose(1, 2).reshape(N, L, D), t["out_proj.weight"], t["out_proj.bias"])
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(w, W.numpy(), rtol=1e-12, atol=1e-14)
+    assert m.in_proj_weight is None and m.q_proj_weight.shape == (D, E)
+    assert m.out_proj.weight.shape == (E, D) and m.head_dim == hd
+
+
+def test_copy_and_pickle(rng):
+    import copy
+    import pickle
+
+    m = attn.MultiheadAttention(8, 2, dropout=0.25, kdim=3, vdim=3, dtype=torch.float64, seed=4)
+    x, y = rng.standard_normal((5, 8)), rng.standard_normal((6, 3))
+    m(x, y, y)  # one dropout call: the next uses rng_offset 1
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert clone.dtype == np.float64 and clone.kdim == 3 and clone.training
+        for (n, a), (_, b) in zip(m.named_parameters(), clone.named_parameters()):
+            assert np.array_equal(a, b) and not np.shares_memory(a, b), n
+        assert np.array_equal(clone(x, y, y)[0], copy.deepcopy(m)(x, y, y)[0])
+    clone.out_proj.bias[:] = 1
+    assert not m.out_proj.bias.any()

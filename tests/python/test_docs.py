@@ -1,0 +1,34 @@
+"""The examples in docs/python.md run, and the two columns of the
+PyTorch <-> attn example agree."""
+
+import os
+import re
+
+import numpy as np
+import torch
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "python.md")
+
+
+def python_blocks():
+    return re.findall(r"```python\n(.*?)```", open(DOC).read(), flags=re.S)
+
+
+def test_side_by_side_example_agrees():
+    torch_code, attn_code, beyond_code = python_blocks()[:3]
+    torch.manual_seed(0)
+    ns = {}
+    exec(torch_code, ns)
+    with torch.no_grad():
+        t_out, t_y, t_w = ns["out"], *ns["mha"](ns["x"], ns["x"], ns["x"],
+                                                  key_padding_mask=ns["pad"])
+    exec(attn_code, ns)
+    assert isinstance(ns["out"], np.ndarray) and ns["out"].shape == (2, 8, 128, 32)
+    assert ns["y"].shape == (4, 100, 512) and ns["w"].shape == (4, 100, 100)
+    # float32: both within float32 rounding of the exact result.
+    np.testing.assert_allclose(ns["out"], t_out.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ns["y"], t_y.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ns["w"], t_w.numpy(), rtol=1e-4, atol=1e-6)
+    exec(beyond_code, ns)
+    assert ns["w"].shape == (2, 8, 128, 256) and ns["lse"].shape == (2, 8, 128)
+    assert ns["m"].head_dim == 32 and ns["m"].q_proj_weight is None
