@@ -40,7 +40,8 @@ void attn__gemm_abt_tiled(attn_dtype dtype, int64_t m, int64_t n, int64_t k, con
     const size_t es = attn_dtype_size(dtype);
     const int64_t tm = (m + TILE_M - 1) / TILE_M, tn = (n + TILE_N - 1) / TILE_N;
     const int threads = attn__threads();
-    const bool nest = attn__blas_nests_in_openmp() && tm * tn > 1 && threads > 1;
+    const bool nest = attn__blas_nests_in_openmp() && tm * tn > 1 && threads > 1 &&
+                      (double)m * (double)n * (double)k >= ATTN_PARALLEL_MIN_WORK;
     if (!nest) {
         attn__gemm_abt(dtype, m, n, k, a, lda, b, ldb, accumulate ? 1.0 : 0.0, c, ldc);
         return;

@@ -81,6 +81,11 @@ const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *sha
 
 int attn__threads(void); /* the count for the current call, >= 1 */
 
+/* Below this many multiply-adds a call stays on the calling thread: waking a
+ * thread pool costs more than the work (and with two OpenMP runtimes in one
+ * process, as with PyTorch loaded, their idle spinning costs milliseconds). */
+#define ATTN_PARALLEL_MIN_WORK (1 << 18)
+
 /* ---- CPU features and kernel choice (cpu.c) ---- */
 
 typedef struct attn__cpu_features {

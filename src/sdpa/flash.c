@@ -13,6 +13,7 @@
  * chunks whose partial results are merged by log-sum-exp in chunk order; the
  * split depends only on the shape, never on the thread count.
  */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -49,10 +50,15 @@ static int64_t group_size(const attn__sdpa_plan *p) {
     return 1;
 }
 
+/* The largest |score| (natural units) a float32 row keeps in the fused
+ * kernels; rows above it get float64 scores (see finish_row). */
+#define F32_SCORE_LIMIT 256.0
+
 enum {
     LANES = 48,         /* query rows per block, queries-in-lanes layout  */
     BC_DIRECT = 256,    /* keys per block, keys-in-columns layout         */
     DIRECT_ROWS = 16,   /* use keys-in-columns up to this many rows       */
+    TINY_WORK = 1 << 15, /* ... or this many multiply-adds per head group */
     CHUNK_MIN = 1024,   /* keys per chunk, at least                       */
     MAX_CHUNKS = 64,    /* chunks per query block, at most                */
     SPLIT_BELOW = 16    /* split keys when there are fewer query blocks   */
@@ -63,7 +69,11 @@ static flash_work plan_work(const attn__sdpa_plan *p) {
     w.G = group_size(p);
     w.ngroups = p->nbatch / w.G;
     w.nrows = w.G * p->L;
-    w.direct = w.nrows <= DIRECT_ROWS && p->k.cs == 1;
+    /* Keys in columns for few rows (decoding: K read once, in place when it
+     * has unit column stride) and for tiny problems, where speed is moot and
+     * its float64-accumulated scores keep the result within rounding of the
+     * exact one (float32 scores would dominate the error there). */
+    w.direct = w.nrows <= DIRECT_ROWS || w.nrows * p->S * p->E <= TINY_WORK;
     w.BR = w.direct ? w.nrows : LANES;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
     /* keys per block: the block's scores (BC x LANES), Qt (E x LANES) and a
@@ -85,6 +95,8 @@ static flash_work plan_work(const attn__sdpa_plan *p) {
 /* Per-row bookkeeping for one query block. */
 typedef struct flash_row {
     int64_t b, i;                       /* batch index, query position     */
+    int64_t best;                       /* key of the largest score so far,
+                                           -1 (tracked when lse is asked) */
     int64_t q, out, lse, weights;       /* element offsets                 */
     int64_t mask[ATTN__MAX_MASKS];      /* mask row offsets                */
     int64_t limit;                      /* last visible key (causal), or S-1 */
@@ -152,7 +164,7 @@ static flash_scratch_size scratch_size(const attn__sdpa_plan *p, const flash_wor
     z.vp = p->v.cs == 1 ? 0 : w->BC * p->Ev;   /* V rows, likewise              */
     z.s = w->direct ? kern->pv_rows * cols : w->BC * LANES;
     z.o = w->BR * p->Ev;
-    z.stat = 3 * w->BR;                        /* m, l, alpha                   */
+    z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
     z.keep = cols;
     return z;
 }
@@ -166,18 +178,26 @@ typedef uint64_t bits_d;
 #define REAL float
 #define SFX(name) name##_f
 #define EXP2 attn__exp2f
+#define NEXTAFTER nextafterf
+#define EPSILON FLT_EPSILON
 #include "flash_driver.inc"
 #undef REAL
 #undef SFX
 #undef EXP2
+#undef NEXTAFTER
+#undef EPSILON
 
 #define REAL double
 #define SFX(name) name##_d
 #define EXP2 attn__exp2d
+#define NEXTAFTER nextafter
+#define EPSILON DBL_EPSILON
 #include "flash_driver.inc"
 #undef REAL
 #undef SFX
 #undef EXP2
+#undef NEXTAFTER
+#undef EPSILON
 
 attn_status attn__sdpa_flash(const attn__sdpa_plan *plan, const attn__flash_kernels *kernels) {
     return plan->dtype == ATTN_DTYPE_F32 ? flash_run_f(plan, kernels) : flash_run_d(plan, kernels);

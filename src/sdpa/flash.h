@@ -9,12 +9,18 @@
  * the driver calls on small contiguous tiles:
  *
  *   qkt / qk_direct   scores of a block of queries against a block of keys
- *   softmax(_t)       P = 2^(S - m_new) in place; updates the running max m
+ *   softmax(_t)       P = 2^(c·S - m_new) in place; updates the running max m
  *                     and sum l, and returns alpha = 2^(m_old - m_new)
  *   pv                O = alpha·O + P · V, V rows with unit column stride
  *
- * Scores are kept in base-2 units (Q is pre-scaled by log2 e), so softmax
- * needs exp2 only. A key masked out has score -inf and weight exactly 0.
+ * Scores are raw dot products; softmax scales them by c = scale·log2 e,
+ * carried as a pair c + c_lo (c_lo the rounding error of c), with two FMAs
+ * per score: x = (s·c - ref) + s·c_lo, the first term exact before its
+ * one rounding (relative to the small x). So neither the rounding of the
+ * constant (which would scale every score difference by the same relative
+ * error) nor that of the score reaches x; and the softmax needs exp2 only. A tile that had
+ * masks applied is already in those units (c = 1). A key masked out has
+ * x = -inf and weight exactly 0.
  */
 #ifndef ATTN_SDPA_FLASH_H
 #define ATTN_SDPA_FLASH_H
@@ -29,7 +35,9 @@
  *    keys x lanes. The online softmax then works down columns: the running
  *    max and sum of each query are vectors, with no horizontal reductions.
  *  - keys in columns (few query rows, decoding): S = Q · Kᵀ is rows x keys,
- *    each score a dot product over E; `cols` is nk padded to `col_step`.
+ *    each score a dot product over E summed in float64 (the layout is
+ *    memory-bound, so it costs nothing) and rounded once; `cols` is nk
+ *    padded to `col_step`.
  *
  * pv reads the weight of (row r, key j) at p[r * p_rs + j * p_cs], so it
  * serves both layouts, for any number of rows. */
@@ -44,12 +52,12 @@ typedef struct attn__flash_kernels {
                       float *qt, int64_t lanes);
     void (*qkt_f)(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E,
                   int64_t nk, int64_t lanes, float *st, int64_t ldst);
-    void (*softmax_t_f)(float *st, int64_t ldst, int64_t nk, int64_t lanes, float *m, float *l,
-                        float *alpha);
+    void (*softmax_t_f)(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float c_lo,
+                        float *m, float *l, float *alpha);
     void (*qk_direct_f)(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, float *s, int64_t lds);
-    void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float *m, float *l,
-                      float *alpha);
+    void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float c_lo,
+                      float *m, float *l, float *alpha);
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
 
@@ -57,12 +65,12 @@ typedef struct attn__flash_kernels {
                       double scale, double *qt, int64_t lanes);
     void (*qkt_d)(const double *qt, int64_t ldqt, const double *k, int64_t ldk, int64_t E,
                   int64_t nk, int64_t lanes, double *st, int64_t ldst);
-    void (*softmax_t_d)(double *st, int64_t ldst, int64_t nk, int64_t lanes, double *m,
-                        double *l, double *alpha);
+    void (*softmax_t_d)(double *st, int64_t ldst, int64_t nk, int64_t lanes, double c,
+                        double c_lo, double *m, double *l, double *alpha);
     void (*qk_direct_d)(const double *q, int64_t ldq, const double *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, double *s, int64_t lds);
-    void (*softmax_d)(double *s, int64_t lds, int rows, int64_t cols, double *m, double *l,
-                      double *alpha);
+    void (*softmax_d)(double *s, int64_t lds, int rows, int64_t cols, double c, double c_lo,
+                      double *m, double *l, double *alpha);
     void (*pv_d)(const double *p, int64_t p_rs, int64_t p_cs, const double *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha);
 } attn__flash_kernels;
@@ -73,11 +81,11 @@ typedef struct attn__flash_kernels {
     void attn__generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,      \
                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst); \
     void attn__generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,      \
-                                       REAL *m, REAL *l, REAL *alpha);                         \
+                                       REAL c, REAL c_lo, REAL *m, REAL *l, REAL *alpha);      \
     void attn__generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk, \
                                        int64_t E, int rows, int64_t nk, REAL *s, int64_t lds); \
-    void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL *m,    \
-                                     REAL *l, REAL *alpha);                                    \
+    void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,     \
+                                     REAL c_lo, REAL *m, REAL *l, REAL *alpha);                \
     void attn__generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,      \
                                 int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,        \
                                 int64_t ldo, const REAL *alpha);

@@ -119,7 +119,9 @@ attn_status attn__sdpa_reference(const attn__sdpa_plan *p) {
         attn__free(visible);
         return ATTN_ERR_NOMEM;
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1 && threads > 1)
+    const double work = (double)rows * (double)p->S * (double)(p->E + p->Ev);
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (rows > 1 && threads > 1 && work >= ATTN_PARALLEL_MIN_WORK)
     for (int64_t r = 0; r < rows; r++) {
 #ifdef _OPENMP
         size_t t = (size_t)omp_get_thread_num();

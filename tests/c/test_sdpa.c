@@ -573,7 +573,7 @@ static void unit_sizes(void) {
     attn_tensor_init(&tw, &w, ATTN_DTYPE_F64, 2, one);
     attn_tensor_init(&tl, &l, ATTN_DTYPE_F64, 1, ls);
     CHECK_OK(attn_sdpa(&tq, &tk, &tv, NULL, &to, &tw, &tl));
-    CHECK(o == 5 && w == 1 && fabs(l + 6) < 1e-14, "got out %g weight %g lse %.17g", o, w, l);
+    CHECK(o == 5 && w == 1 && fabs(l + 6) < 1e-14, "got out %.17g weight %.17g lse %.17g", o, w, l);
 }
 
 /* ---- dropout ---- */

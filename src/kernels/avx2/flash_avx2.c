@@ -105,67 +105,85 @@ static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, in
         }
 }
 
-/* Online softmax down the columns of St, 8 queries per vector. */
-static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float *m, float *l,
-                        float *alpha) {
+/* Online softmax down the columns of St, 8 queries per vector; x = s·c - ref
+ * in one FMA (see the AVX-512 kernel). */
+static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float c_lo,
+                        float *m, float *l, float *alpha) {
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
-    for (int64_t c = 0; c < lanes; c += 8) {
-        __m256 mx = neg_inf;
-        for (int64_t j = 0; j < nk; j++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + j * ldst + c));
-        const __m256 m_old = _mm256_loadu_ps(m + c);
-        const __m256 m_new = _mm256_max_ps(mx, m_old);
+    const __m256 cv = _mm256_set1_ps(c), clo = _mm256_set1_ps(c_lo);
+    for (int64_t col = 0; col < lanes; col += 8) {
+        __m256 mx = _mm256_set1_ps(c >= 0 ? -INFINITY : INFINITY);
+        if (c >= 0)
+            for (int64_t j = 0; j < nk; j++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + j * ldst + col));
+        else
+            for (int64_t j = 0; j < nk; j++) mx = _mm256_min_ps(mx, _mm256_loadu_ps(st + j * ldst + col));
+        const __m256 m_old = _mm256_loadu_ps(m + col);
+        const __m256 m_new = _mm256_max_ps(_mm256_fmadd_ps(mx, cv, _mm256_mul_ps(mx, clo)), m_old);
         const __m256 empty = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
         const __m256 ref = _mm256_blendv_ps(m_new, zero, empty);
         __m256 sum = zero;
         for (int64_t j = 0; j < nk; j++) {
-            const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(st + j * ldst + c), ref));
-            _mm256_storeu_ps(st + j * ldst + c, p);
+            const __m256 sv = _mm256_loadu_ps(st + j * ldst + col);
+            const __m256 p = exp2_ps(_mm256_fmadd_ps(sv, clo, _mm256_fmsub_ps(sv, cv, ref)));
+            _mm256_storeu_ps(st + j * ldst + col, p);
             sum = _mm256_add_ps(sum, p);
         }
         const __m256 a = exp2_ps(_mm256_sub_ps(m_old, ref));
-        _mm256_storeu_ps(alpha + c, a);
-        _mm256_storeu_ps(l + c, _mm256_fmadd_ps(_mm256_loadu_ps(l + c), a, sum));
-        _mm256_storeu_ps(m + c, m_new);
+        _mm256_storeu_ps(alpha + col, a);
+        _mm256_storeu_ps(l + col, _mm256_fmadd_ps(_mm256_loadu_ps(l + col), a, sum));
+        _mm256_storeu_ps(m + col, m_new);
     }
+}
+
+/* S = Q · Kᵀ with K read in place, for blocks with few rows (decoding):
+ * memory-bound, so the products are summed in float64 (see the AVX-512
+ * kernel) and each score is rounded once. */
+ALWAYS_INLINE double hsum_pd(__m256d v) {
+    __m128d x = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(x, _mm_unpackhi_pd(x, x)));
 }
 
 static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, float *s, int64_t lds) {
-    const int64_t full = E / 8 * 8;
-    const __m256i tail = lane_mask(E - full);
+    const int64_t full = E / 4 * 4;
     for (int64_t j = 0; j < nk; j++) {
         const float *kj = k + j * ldk;
-        __m256 acc[ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t e = 0; e < full; e += 8) {
-            const __m256 kv = _mm256_loadu_ps(kj + e);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r]);
+        __m256d acc[ROWS];
+        double tail[ROWS];
+        for (int r = 0; r < rows; r++) {
+            acc[r] = _mm256_setzero_pd();
+            tail[r] = 0;
         }
-        if (E > full) {
-            const __m256 kv = _mm256_maskload_ps(kj + full, tail);
+        for (int64_t e = 0; e < full; e += 4) {
+            const __m256d kv = _mm256_cvtps_pd(_mm_loadu_ps(kj + e));
             for (int r = 0; r < rows; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(q + r * ldq + full, tail), kv, acc[r]);
+                acc[r] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(q + r * ldq + e)), kv, acc[r]);
         }
-        for (int r = 0; r < rows; r++) s[r * lds + j] = hsum(acc[r]);
+        for (int64_t e = full; e < E; e++)
+            for (int r = 0; r < rows; r++) tail[r] += (double)q[r * ldq + e] * (double)kj[e];
+        for (int r = 0; r < rows; r++) s[r * lds + j] = (float)(hsum_pd(acc[r]) + tail[r]);
     }
 }
 
-/* ---- online softmax ---- */
+/* ---- online softmax, one row per query (keys-in-columns layout) ---- */
 
-static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float *m, float *l,
-                      float *alpha) {
+static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, float c_lo, float *m,
+                      float *l, float *alpha) {
+    const __m256 cv = _mm256_set1_ps(c), clo = _mm256_set1_ps(c_lo);
     for (int r = 0; r < rows; r++) {
         float *sr = s + r * lds;
         __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < cols; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + j));
+        for (int64_t j = 0; j < cols; j += 8)
+            mv = _mm256_max_ps(mv, _mm256_fmadd_ps(_mm256_loadu_ps(sr + j), cv,
+                                                    _mm256_mul_ps(_mm256_loadu_ps(sr + j), clo)));
         const float block_max = hmax(mv);
         const float m_new = block_max > m[r] ? block_max : m[r];
         const float ref = m_new == -INFINITY ? 0.0f : m_new;
         const __m256 refv = _mm256_set1_ps(ref);
         __m256 sum = _mm256_setzero_ps();
         for (int64_t j = 0; j < cols; j += 8) {
-            const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + j), refv));
+            const __m256 sv = _mm256_loadu_ps(sr + j);
+            const __m256 p = exp2_ps(_mm256_fmadd_ps(sv, clo, _mm256_fmsub_ps(sv, cv, refv)));
             _mm256_storeu_ps(sr + j, p);
             sum = _mm256_add_ps(sum, p);
         }

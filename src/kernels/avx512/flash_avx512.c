@@ -132,19 +132,31 @@ static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, in
 /* Online softmax down the columns of St: 16 queries per vector, so the
  * running max and sum need no horizontal reductions. Three column vectors
  * (48 queries) are walked together, so the max and sum chains of one run in
- * the latency shadow of the others. */
-ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float *m, float *l,
-                                float *alpha, const int NV) {
+ * the latency shadow of the others. Scores are scaled here, x = s·c - ref
+ * in one FMA; the block's largest x comes from the largest s when c >= 0 and
+ * from the smallest when c < 0. */
+ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float c, float c_lo,
+                                float *m, float *l, float *alpha, const int NV) {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    const __m512 cv = _mm512_set1_ps(c), clo = _mm512_set1_ps(c_lo);
     __m512 mx[QVECS], ref[QVECS], sum[QVECS];
 #pragma GCC unroll 3
-    for (int v = 0; v < NV; v++) mx[v] = neg_inf;
-    for (int64_t j = 0; j < nk; j++)
+    for (int v = 0; v < NV; v++) mx[v] = _mm512_set1_ps(c >= 0 ? -INFINITY : INFINITY);
+    if (c >= 0) {
+        for (int64_t j = 0; j < nk; j++)
 #pragma GCC unroll 3
-        for (int v = 0; v < NV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+            for (int v = 0; v < NV; v++)
+                mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+    } else {
+        for (int64_t j = 0; j < nk; j++)
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++)
+                mx[v] = _mm512_min_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+    }
 #pragma GCC unroll 3
     for (int v = 0; v < NV; v++) {
-        const __m512 m_new = _mm512_max_ps(mx[v], _mm512_loadu_ps(m + 16 * v));
+        const __m512 top = _mm512_fmadd_ps(mx[v], cv, _mm512_mul_ps(mx[v], clo));
+        const __m512 m_new = _mm512_max_ps(top, _mm512_loadu_ps(m + 16 * v));
         /* a column that has seen nothing visible measures from 0 */
         const __mmask16 empty = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
         ref[v] = _mm512_mask_blend_ps(empty, m_new, zero);
@@ -155,7 +167,8 @@ ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float *m, f
 #pragma GCC unroll 3
         for (int v = 0; v < NV; v++) {
             float *at = st + j * ldst + 16 * v;
-            const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(at), ref[v]));
+            const __m512 sv = _mm512_loadu_ps(at);
+            const __m512 p = exp2_ps(_mm512_fmadd_ps(sv, clo, _mm512_fmsub_ps(sv, cv, ref[v])));
             _mm512_storeu_ps(at, p);
             sum[v] = _mm512_add_ps(sum[v], p);
         }
@@ -168,58 +181,68 @@ ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float *m, f
     }
 }
 
-static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float *m, float *l,
-                        float *alpha) {
-    for (int64_t c = 0; c < lanes; c += 16 * QVECS) {
-        const int64_t nv = (lanes - c) / 16 < QVECS ? (lanes - c) / 16 : QVECS;
+static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float c_lo,
+                        float *m, float *l, float *alpha) {
+    for (int64_t col = 0; col < lanes; col += 16 * QVECS) {
+        const int64_t nv = (lanes - col) / 16 < QVECS ? (lanes - col) / 16 : QVECS;
         if (nv == 3)
-            softmax_cols(st + c, ldst, nk, m + c, l + c, alpha + c, 3);
+            softmax_cols(st + col, ldst, nk, c, c_lo, m + col, l + col, alpha + col, 3);
         else if (nv == 2)
-            softmax_cols(st + c, ldst, nk, m + c, l + c, alpha + c, 2);
+            softmax_cols(st + col, ldst, nk, c, c_lo, m + col, l + col, alpha + col, 2);
         else
-            softmax_cols(st + c, ldst, nk, m + c, l + c, alpha + c, 1);
+            softmax_cols(st + col, ldst, nk, c, c_lo, m + col, l + col, alpha + col, 1);
     }
 }
 
-/* S = Q · Kᵀ with K read in place: one dot product per (row, key), each a
- * 16-lane accumulation over E and a horizontal sum. Used for few rows. */
+/* S = Q · Kᵀ with K read in place: one dot product per (row, key), for
+ * blocks with few rows (decoding), where the kernel streams K from memory
+ * and has arithmetic to spare. So the products are summed in float64 (8
+ * lanes, then a horizontal sum) and each score is rounded once to float32. */
 static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, float *s, int64_t lds) {
-    const int64_t full = E / 16 * 16;
+    const int64_t full = E / 8 * 8;
+    /* AVX-512F only (no VL): a masked 16-lane load, low 8 lanes used */
     const __mmask16 tail = (__mmask16)((1u << (E - full)) - 1);
     for (int64_t j = 0; j < nk; j++) {
         const float *kj = k + j * ldk;
-        __m512 acc[ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t e = 0; e < full; e += 16) {
-            const __m512 kv = _mm512_loadu_ps(kj + e);
+        __m512d acc[ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_pd();
+        for (int64_t e = 0; e < full; e += 8) {
+            const __m512d kv = _mm512_cvtps_pd(_mm256_loadu_ps(kj + e));
             for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * ldq + e), kv, acc[r]);
+                acc[r] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(q + r * ldq + e)), kv, acc[r]);
         }
         if (tail) {
-            const __m512 kv = _mm512_maskz_loadu_ps(tail, kj + full);
+            const __m512d kv =
+                _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_maskz_loadu_ps(tail, kj + full)));
             for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + r * ldq + full), kv, acc[r]);
+                acc[r] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(
+                                             _mm512_maskz_loadu_ps(tail, q + r * ldq + full))),
+                                         kv, acc[r]);
         }
-        for (int r = 0; r < rows; r++) s[r * lds + j] = _mm512_reduce_add_ps(acc[r]);
+        for (int r = 0; r < rows; r++) s[r * lds + j] = (float)_mm512_reduce_add_pd(acc[r]);
     }
 }
 
-/* ---- online softmax ---- */
+/* ---- online softmax, one row per query (keys-in-columns layout) ---- */
 
-static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float *m, float *l,
-                      float *alpha) {
+static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, float c_lo, float *m,
+                      float *l, float *alpha) {
+    const __m512 cv = _mm512_set1_ps(c), clo = _mm512_set1_ps(c_lo);
     for (int r = 0; r < rows; r++) {
         float *sr = s + r * lds;
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < cols; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + j));
+        for (int64_t j = 0; j < cols; j += 16)
+            mv = _mm512_max_ps(mv, _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), cv,
+                                                    _mm512_mul_ps(_mm512_loadu_ps(sr + j), clo)));
         const float block_max = _mm512_reduce_max_ps(mv);
         const float m_new = block_max > m[r] ? block_max : m[r];
         const float ref = m_new == -INFINITY ? 0.0f : m_new;
         const __m512 refv = _mm512_set1_ps(ref);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < cols; j += 16) {
-            const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), refv));
+            const __m512 sv = _mm512_loadu_ps(sr + j);
+            const __m512 p = exp2_ps(_mm512_fmadd_ps(sv, clo, _mm512_fmsub_ps(sv, cv, refv)));
             _mm512_storeu_ps(sr + j, p);
             sum = _mm512_add_ps(sum, p);
         }

@@ -36,7 +36,7 @@ float attn__exp2f(float x) {
 
 double attn__exp2d(double x) { return exp2(x); }
 
-#define DEFINE_GENERIC(REAL, SFX, EXP2)                                                          \
+#define DEFINE_GENERIC(REAL, SFX, EXP2, FMA)                                                          \
     /* St[j][r] = sum_e K[j][e] Qt[e][r]: keys down, queries across. */                          \
     void attn__generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,       \
                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst) { \
@@ -52,16 +52,17 @@ double attn__exp2d(double x) { return exp2(x); }
     }                                                                                            \
     /* Online softmax down each column (query) of St; see the row-wise one. */                   \
     void attn__generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,       \
-                                       REAL *m, REAL *l, REAL *alpha) {                          \
+                                       REAL c, REAL c_lo, REAL *m, REAL *l, REAL *alpha) {       \
         for (int64_t r = 0; r < lanes; r++) {                                                    \
             REAL block_max = -(REAL)INFINITY;                                                    \
             for (int64_t j = 0; j < nk; j++)                                                     \
-                if (st[j * ldst + r] > block_max) block_max = st[j * ldst + r];                  \
+                if (FMA(st[j * ldst + r], c, st[j * ldst + r] * c_lo) > block_max)              \
+                    block_max = FMA(st[j * ldst + r], c, st[j * ldst + r] * c_lo);               \
             const REAL m_new = block_max > m[r] ? block_max : m[r];                              \
             const REAL ref = m_new == -(REAL)INFINITY ? 0 : m_new;                               \
             REAL sum = 0;                                                                        \
             for (int64_t j = 0; j < nk; j++) {                                                   \
-                st[j * ldst + r] = EXP2(st[j * ldst + r] - ref);                                 \
+                st[j * ldst + r] = EXP2(FMA(st[j * ldst + r], c_lo, FMA(st[j * ldst + r], c, -ref))); \
                 sum += st[j * ldst + r];                                                         \
             }                                                                                    \
             alpha[r] = EXP2(m[r] - ref);                                                         \
@@ -69,30 +70,33 @@ double attn__exp2d(double x) { return exp2(x); }
             m[r] = m_new;                                                                        \
         }                                                                                        \
     }                                                                                            \
+    /* Few rows (decoding): summed in float64, rounded once (see AVX-512). */                    \
     void attn__generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk,   \
                                        int64_t E, int rows, int64_t nk, REAL *s, int64_t lds) {  \
         for (int r = 0; r < rows; r++)                                                           \
             for (int64_t j = 0; j < nk; j++) {                                                   \
-                REAL acc = 0;                                                                    \
-                for (int64_t e = 0; e < E; e++) acc += q[r * ldq + e] * k[j * ldk + e];          \
-                s[r * lds + j] = acc;                                                            \
+                double acc = 0;                                                                  \
+                for (int64_t e = 0; e < E; e++)                                                  \
+                    acc += (double)q[r * ldq + e] * (double)k[j * ldk + e];                      \
+                s[r * lds + j] = (REAL)acc;                                                      \
             }                                                                                    \
     }                                                                                            \
     /* Online softmax step for each row: m <- max(m, max_j s), p = 2^(s - m),                    \
-     * l <- l * alpha + sum_j p with alpha = 2^(m_old - m_new). While a row has                  \
+     * l <- l * alpha + sum_j p with alpha = 2^(m_old - m_new), in units of x = s * c.           \
+     * While a row has                                                                           \
      * seen nothing visible (m = -inf) its reference point is 0, so -inf                         \
      * scores give exactly 0 and never -inf - -inf. */                                           \
-    void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL *m,      \
-                                     REAL *l, REAL *alpha) {                                     \
+    void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,       \
+                                     REAL c_lo, REAL *m, REAL *l, REAL *alpha) {                 \
         for (int r = 0; r < rows; r++) {                                                         \
             REAL *sr = s + r * lds, block_max = -(REAL)INFINITY;                                 \
             for (int64_t j = 0; j < cols; j++)                                                   \
-                if (sr[j] > block_max) block_max = sr[j];                                        \
+                if (FMA(sr[j], c, sr[j] * c_lo) > block_max) block_max = FMA(sr[j], c, sr[j] * c_lo); \
             const REAL m_new = block_max > m[r] ? block_max : m[r];                              \
             const REAL ref = m_new == -(REAL)INFINITY ? 0 : m_new;                               \
             REAL sum = 0;                                                                        \
             for (int64_t j = 0; j < cols; j++) {                                                 \
-                sr[j] = EXP2(sr[j] - ref);                                                       \
+                sr[j] = EXP2(FMA(sr[j], c_lo, FMA(sr[j], c, -ref)));                             \
                 sum += sr[j];                                                                    \
             }                                                                                    \
             alpha[r] = EXP2(m[r] - ref);                                                         \
@@ -114,8 +118,8 @@ double attn__exp2d(double x) { return exp2(x); }
         }                                                                                        \
     }
 
-DEFINE_GENERIC(float, f, attn__exp2f)
-DEFINE_GENERIC(double, d, attn__exp2d)
+DEFINE_GENERIC(float, f, attn__exp2f, fmaf)
+DEFINE_GENERIC(double, d, attn__exp2d, fma)
 
 const attn__flash_kernels attn__flash_generic = {
     .name = "generic",
