@@ -7,17 +7,21 @@ MAKEFLAGS += --no-print-directory
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= fuzz_npy fuzz_sdpa fuzz_mha
 PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build test test-c test-asan clean help
+.PHONY: all demo build test test-c test-asan fuzz fuzz-build clean help
 
 all: build
 
 help:
 	@echo "make demo        build and run the demo"
 	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan)"
+	@echo "make fuzz        build the libFuzzer targets (clang) and run each FUZZ_SECONDS (60)"
 	@echo "make clean       remove build trees"
 
 build:
@@ -44,5 +48,18 @@ test-asan:
 	@cmake --build $(ASAN_BUILD) -j $(JOBS)
 	@cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# Fuzz tier: libFuzzer + ASan + UBSan with clang, in its own build tree.
+# OpenMP is off there: one thread per input keeps executions fast and
+# reproducible (the thread pool is covered by the concurrency tests).
+fuzz-build:
+	@./scripts/bootstrap.sh build fuzz
+	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DATTN_FUZZ=ON -DATTN_OPENMP=OFF -DATTN_WERROR=ON -DATTN_BUILD_TESTS=OFF \
+		-DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(FUZZ_BUILD) -j $(JOBS)
+
+fuzz: fuzz-build
+	@./scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)
