@@ -535,7 +535,9 @@ static attn_status mask_views(const attn_mha *m, const mha_shapes *s,
             am->shape[1] = H;
             am->strides[1] = t->strides[0];
             am->shape[0] = s->batched ? s->N : 1;
-            am->strides[0] = t->strides[0] * H;
+            /* With one batch the stride is never used, and stride * H may
+             * not fit; with N >= 2 it does (the view spans stride * (N*H - 1)). */
+            am->strides[0] = am->shape[0] == 1 ? 0 : t->strides[0] * H;
         }
     }
     if (p->key_padding_mask != NULL) {

@@ -31,4 +31,49 @@ static void span_of_int64_max_elements(void) {
     CHECK_STATUS(attn_sdpa_out_shape(&q, &k, &v, NULL, &rank, shape), ATTN_ERR_OVERFLOW);
 }
 
-HARNESS_MAIN(T(span_of_int64_max_elements))
+/* Review: a 3-D MHA attn_mask (N*H, L, S) is viewed as (N, H, L, S) with
+ * batch stride strides[0] * H. With one batch (N = 1 or unbatched) that
+ * product was computed although unused, and overflows for a legal view whose
+ * span strides[0] * (H - 1) fits. With every allocation refused, the call
+ * stops at its workspace, before it would touch the (fictitious) mask. */
+static long refused;
+static void *refuse_alloc(void *ctx, size_t size) {
+    (void)ctx;
+    (void)size;
+    refused++;
+    return NULL;
+}
+static void refuse_release(void *ctx, void *p) {
+    (void)ctx;
+    (void)p;
+}
+
+static void mha_3d_mask_stride_times_heads(void) {
+    attn_mha_config c;
+    attn_mha_config_init(&c, 6, 3);
+    attn_mha *m = NULL;
+    CHECK_OK(attn_mha_create(&c, &m));
+    if (m == NULL) return;
+    static float x[6], y[6];
+    static unsigned char mask[1];
+    for (int batched = 0; batched < 2; batched++) {
+        int64_t xs3[3] = {1, 1, 6}, xs2[2] = {1, 6}, ms[3] = {3, 1, 1};
+        attn_tensor tx, ty, tm;
+        attn_tensor_init(&tx, x, ATTN_DTYPE_F32, batched ? 3 : 2, batched ? xs3 : xs2);
+        attn_tensor_init(&ty, y, ATTN_DTYPE_F32, batched ? 3 : 2, batched ? xs3 : xs2);
+        attn_tensor_init(&tm, mask, ATTN_DTYPE_BOOL, 3, ms);
+        tm.strides[0] = INT64_MAX / 2; /* span INT64_MAX - 1: legal */
+        attn_mha_forward_params fp;
+        attn_mha_forward_params_init(&fp);
+        fp.attn_mask = &tm;
+        attn_allocator none = {refuse_alloc, refuse_release, NULL};
+        attn_set_allocator(&none);
+        refused = 0;
+        CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_NOMEM);
+        attn_set_allocator(NULL);
+        CHECK(refused > 0, "no allocation was attempted");
+    }
+    attn_mha_destroy(m);
+}
+
+HARNESS_MAIN(T(span_of_int64_max_elements), T(mha_3d_mask_stride_times_heads))
