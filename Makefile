@@ -7,6 +7,7 @@ MAKEFLAGS += --no-print-directory
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+TSAN_BUILD ?= build-tsan
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= fuzz_npy fuzz_sdpa fuzz_mha
@@ -14,13 +15,14 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build test test-c test-asan fuzz fuzz-build clean help
+.PHONY: all demo build test test-c test-asan test-tsan fuzz fuzz-build clean help
 
 all: build
 
 help:
 	@echo "make demo        build and run the demo"
 	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan)"
+	@echo "make test-tsan   the concurrency test under ThreadSanitizer (no OpenMP)"
 	@echo "make fuzz        build the libFuzzer targets (clang) and run each FUZZ_SECONDS (60)"
 	@echo "make clean       remove build trees"
 
@@ -48,6 +50,17 @@ test-asan:
 	@cmake --build $(ASAN_BUILD) -j $(JOBS)
 	@cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# ThreadSanitizer tier: 8 caller threads race through SDPA and MHA. The
+# library is built without OpenMP: GCC's libgomp is not instrumented, so its
+# barriers look like races to TSan (see docs/RELIABILITY.md).
+test-tsan:
+	@./scripts/bootstrap.sh build
+	@cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DATTN_WERROR=ON -DATTN_TSAN=ON \
+		-DATTN_OPENMP=OFF -DATTN_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test_concurrency
+	@cd $(TSAN_BUILD) && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 $(TSAN_OPTIONS)" \
+		ATTN_CONCURRENCY_ITERS=200 ctest --output-on-failure -R '^test_concurrency$$'
+
 # Fuzz tier: libFuzzer + ASan + UBSan with clang, in its own build tree.
 # OpenMP is off there: one thread per input keeps executions fast and
 # reproducible (the thread pool is covered by the concurrency tests).
@@ -62,4 +75,4 @@ fuzz: fuzz-build
 	@./scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)
