@@ -15,7 +15,7 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build test test-c test-asan test-tsan fuzz fuzz-build clean help
+.PHONY: all demo build test test-c test-asan test-tsan test-valgrind fuzz fuzz-build clean help
 
 all: build
 
@@ -23,6 +23,7 @@ help:
 	@echo "make demo        build and run the demo"
 	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan)"
 	@echo "make test-tsan   the concurrency test under ThreadSanitizer (no OpenMP)"
+	@echo "make test-valgrind  the attn tool (demo, sdpa on fixtures) under valgrind memcheck"
 	@echo "make fuzz        build the libFuzzer targets (clang) and run each FUZZ_SECONDS (60)"
 	@echo "make clean       remove build trees"
 
@@ -60,6 +61,12 @@ test-tsan:
 	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test_concurrency
 	@cd $(TSAN_BUILD) && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 $(TSAN_OPTIONS)" \
 		ATTN_CONCURRENCY_ITERS=200 ctest --output-on-failure -R '^test_concurrency$$'
+
+# Valgrind tier: the attn tool, built as users get it (Release, OpenMP,
+# OpenBLAS), under memcheck: zero errors, no definite or indirect leaks.
+test-valgrind: build
+	@./scripts/bootstrap.sh valgrind
+	@./scripts/valgrind_cli.sh $(BUILD)
 
 # Fuzz tier: libFuzzer + ASan + UBSan with clang, in its own build tree.
 # OpenMP is off there: one thread per input keeps executions fast and
