@@ -18,6 +18,8 @@
 
 static char path[64];
 
+static void remove_file(void) { remove(path); }
+
 static void write_file(const char *p, const uint8_t *data, size_t size) {
     FILE *f = fopen(p, "wb");
     FZ_ASSERT(f != NULL, "cannot create %s", p);
@@ -58,6 +60,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (path[0] == '\0') {
         fz_install_allocator((size_t)1 << 26);
         snprintf(path, sizeof path, "/tmp/attn_fuzz_npy_%ld.npy", (long)getpid());
+        atexit(remove_file);
     }
     attn_tensor t;
     attn_status st = attn_npy_parse(data, size, &t);
