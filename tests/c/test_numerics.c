@@ -3,7 +3,7 @@
  *  - NaN/Inf in a masked-out key, value or float-mask entry (bool mask,
  *    -inf float mask, causal) never reaches the output;
  *  - NaN in a query or in a visible key / float-mask entry makes its row
- *    NaN and leaves the other rows bit-for-bit unchanged; NaN/Inf in a
+ *    NaN and leaves the other rows unchanged; NaN/Inf in a
  *    visible value reaches exactly that value's column;
  *  - a key whose weight is exactly 0 (underflow, dropout) contributes
  *    nothing, even with a NaN or Inf value;
@@ -13,6 +13,9 @@
  *  - sizes whose byte count overflows 64 bits are rejected with a status.
  * Every test runs on every kernel path this machine supports (attn_set_isa),
  * in float32 and float64: nothing here is specific to the reference kernel.
+ * "Unchanged" is bit for bit on the reference path; a fused path may move a
+ * value by rounding (1e-12 relative in float64, 1e-5 in float32) when it
+ * reroutes around a non-finite input, never make it NaN/Inf.
  */
 #include "testutil.h"
 
@@ -86,10 +89,24 @@ static void random_prob(prob *pr, rng *r, int64_t L, int64_t S, int64_t E, int64
     attn_sdpa_params_init(&pr->p);
 }
 
+/* "Unchanged": a fused kernel may take another route (its reference
+ * fallback, say) when an input it never uses holds NaN/Inf, so outside the
+ * reference path values may move by rounding; but a non-finite value must
+ * be exactly where the baseline has one. On the reference path: bit for bit. */
+static double tol;
+static bool same_value(double a, double b) {
+    if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);
+    if (!isfinite(a) || !isfinite(b)) return a == b;
+    return fabs(a - b) <= tol * (1 + fabs(b));
+}
+static bool same_values(const double *a, const double *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!same_value(a[i], b[i])) return false;
+    return true;
+}
 static bool row_same(const result *a, const result *b, const prob *pr, int64_t i) {
-    return memcmp(a->out + i * pr->Ev, b->out + i * pr->Ev, sizeof(double) * (size_t)pr->Ev) == 0 &&
-           memcmp(a->w + i * pr->S, b->w + i * pr->S, sizeof(double) * (size_t)pr->S) == 0 &&
-           memcmp(&a->lse[i], &b->lse[i], sizeof(double)) == 0;
+    return same_values(a->out + i * pr->Ev, b->out + i * pr->Ev, pr->Ev) &&
+           same_values(a->w + i * pr->S, b->w + i * pr->S, pr->S) && same_value(a->lse[i], b->lse[i]);
 }
 static bool all_same(const result *a, const result *b, const prob *pr) {
     for (int64_t i = 0; i < pr->L; i++)
@@ -114,6 +131,7 @@ static void each_path(void (*fn)(attn_dtype, const char *)) {
         for (int d = 0; d < 2; d++) {
             attn_dtype dt = d ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
             snprintf(where, sizeof where, "%s/%s", attn_isa_name((attn_isa)i), attn_dtype_name(dt));
+            tol = i == ATTN_ISA_REF ? 0.0 : dt == ATTN_DTYPE_F64 ? 1e-12 : 1e-5;
             fn(dt, where);
         }
     }
@@ -216,7 +234,7 @@ static void visible_nan_case(attn_dtype dt, const char *where) {
                 if (e == 1)
                     ok &= pz == 0 ? isnan(x) : x == INFINITY;
                 else
-                    ok &= memcmp(&x, &b, sizeof x) == 0;
+                    ok &= same_value(x, b);
             }
         CHECK(ok, "%s: %s in value (3, 1) must reach column 1 only", where, POISON_NAME[pz]);
     }
