@@ -38,6 +38,9 @@ for part in "${want[@]}"; do
         need_pkg gcc command -v cc
         need_pkg make command -v make
         need_pkg libopenblas-dev have_header cblas.h -lopenblas
+        # OpenBLAS's OpenMP build shares attn's thread pool (see CMakeLists.txt).
+        [ "$(uname -m)" = x86_64 ] && need_pkg libopenblas-openmp-dev \
+            test -e /usr/include/x86_64-linux-gnu/openblas-openmp/cblas.h
         need_pkg pkg-config command -v pkg-config
         command -v cmake >/dev/null 2>&1 || need_pkg cmake false
         ;;

@@ -63,14 +63,22 @@ const attn__cpu_features *attn__cpu(void) {
     return &table[i];
 }
 
+/* A path is supported when its kernels were compiled in (ATTN_HAVE_*) and
+ * the CPU and OS can run them. */
 int attn_isa_supported(attn_isa isa) {
     const attn__cpu_features *f = attn__cpu();
+    (void)f;
     switch (isa) {
     case ATTN_ISA_AUTO:
     case ATTN_ISA_REF:
     case ATTN_ISA_GENERIC: return 1;
+#ifdef ATTN_HAVE_AVX2
     case ATTN_ISA_AVX2: return f->avx2_fma;
+#endif
+#ifdef ATTN_HAVE_AVX512
     case ATTN_ISA_AVX512: return f->avx512f;
+#endif
+    default: break;
     }
     return 0;
 }

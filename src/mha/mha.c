@@ -442,16 +442,16 @@ static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, c
         for (int64_t n = 0; n < N; n++)
             for (int64_t t = 0; t < T; t++)
                 memcpy((char *)y + (size_t)(n * ysN + t * ysT) * es, bias, (size_t)dout * es);
-    const double beta = bias != NULL ? 1.0 : 0.0;
+    const bool acc = bias != NULL;
     if (N == 1 || (xsN * N == xsT && ysN * N == ysT && xsN >= F)) /* time-major rows */
-        attn__gemm_abt(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, beta, y,
-                       N == 1 ? ysT : ysN);
+        attn__gemm_abt_tiled(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, acc, y,
+                             N == 1 ? ysT : ysN);
     else if (xsT * T == xsN && ysT * T == ysN) /* batch-major rows */
-        attn__gemm_abt(dt, N * T, dout, F, xdata, xsT, w, F, beta, y, ysT);
+        attn__gemm_abt_tiled(dt, N * T, dout, F, xdata, xsT, w, F, acc, y, ysT);
     else
         for (int64_t n = 0; n < N; n++)
-            attn__gemm_abt(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, beta,
-                           (char *)y + (size_t)(n * ysN) * es, ysT);
+            attn__gemm_abt_tiled(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, acc,
+                                 (char *)y + (size_t)(n * ysN) * es, ysT);
     attn__free(packed);
     return ATTN_OK;
 }
@@ -570,6 +570,14 @@ static attn_status mask_views(const attn_mha *m, const mha_shapes *s,
     return ATTN_OK;
 }
 
+/* Whether two views show the same elements in the same order. */
+static bool same_view(const attn_tensor *a, const attn_tensor *b) {
+    if (a->data != b->data || a->dtype != b->dtype || a->rank != b->rank) return false;
+    for (int d = 0; d < a->rank; d++)
+        if (a->shape[d] != b->shape[d] || a->strides[d] != b->strides[d]) return false;
+    return true;
+}
+
 /* Mean over heads: (N, H, L, S) contiguous -> the caller's (N, L, S) view. */
 static void average_heads(attn_dtype dt, const void *all, int64_t N, int64_t H, int64_t L,
                           int64_t S, const attn_tensor *w, bool batched) {
@@ -639,27 +647,41 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     const attn_tensor *am_use = params->attn_mask ? &am : NULL;
     const attn_tensor *kpm_use = params->key_padding_mask ? &kpm : NULL;
 
-    /* Workspace: projected Q (N, L, D), K and V (N, Sx, D), attention
-     * output O (N, L, D) and, for averaged weights, all heads' weights. */
+    /* Workspace: projected Q (N, L, D), K and V (N, Sx, D), the attention
+     * output O (N, L, D) and, for averaged weights, all heads' weights. The
+     * layout follows the query: sequence-major inputs keep sequence-major
+     * buffers, so a (L, N, E) input is one GEMM. For self-attention (one
+     * tensor as query, key and value) Q, K and V are the three column
+     * blocks of one (rows, 3D) product with in_proj_weight, as in torch. */
     const bool seq_major = s.query.strides[0] < s.query.strides[1] && N > 1;
-    void *Qp = attn__alloc((size_t)(N * L * D) * es);
-    void *Kp = attn__alloc((size_t)(N * Sx * D) * es);
-    void *Vp = attn__alloc((size_t)(N * Sx * D) * es);
+    const bool fused_qkv = m->packed && Sx == S && same_view(query, key) && same_view(key, value);
+    const int64_t width = fused_qkv ? 3 * D : D; /* columns per row of Q/K/V */
+    const int64_t qsN = seq_major ? width : L * width, qsT = seq_major ? N * width : width;
+    const int64_t ksN = seq_major ? width : Sx * width, ksT = seq_major ? N * width : width;
+    const int64_t osN = seq_major ? D : L * D, osT = seq_major ? N * D : D;
+    const int64_t qkv_elems = fused_qkv ? N * L * 3 * D : N * L * D + 2 * N * Sx * D;
+    char *qkv = attn__alloc((size_t)qkv_elems * es);
     void *Op = attn__alloc((size_t)(N * L * D) * es);
     void *Wall = NULL;
     attn_tensor am_pad, kpm_pad;
     void *am_pad_data = NULL, *kpm_pad_data = NULL;
     if (weights != NULL && average) Wall = attn__alloc_array((size_t)(N * H * L), (size_t)Sx * es);
-    st = (Qp && Kp && Vp && Op && (Wall || !(weights && average))) ? ATTN_OK : ATTN_ERR_NOMEM;
+    st = (qkv && Op && (Wall || !(weights && average))) ? ATTN_OK : ATTN_ERR_NOMEM;
+    char *Qp = qkv, *Kp, *Vp;
+    if (fused_qkv) {
+        Kp = qkv + (size_t)D * es;
+        Vp = qkv + (size_t)(2 * D) * es;
+    } else {
+        Kp = qkv + (size_t)(N * L * D) * es;
+        Vp = Kp + (size_t)(N * Sx * D) * es;
+    }
 
-    /* Layout follows the query: sequence-major inputs keep sequence-major
-     * buffers, so a (L, N, E) input is one GEMM. */
-    const int64_t qsN = seq_major ? D : L * D, qsT = seq_major ? N * D : D;
-    const int64_t ksN = seq_major ? D : Sx * D, ksT = seq_major ? N * D : D;
     const char *w_all =
         param_data(m, find_param(m, m->packed ? "in_proj_weight" : "q_proj_weight"));
     const char *bias_all = c->bias ? param_data(m, find_param(m, "in_proj_bias")) : NULL;
-    if (st == ATTN_OK) {
+    if (st == ATTN_OK && fused_qkv) {
+        st = project(dt, &s.query, w_all, bias_all, 3 * D, Qp, qsN, qsT);
+    } else if (st == ATTN_OK) {
         const char *Wq = w_all, *Wk, *Wv;
         if (m->packed) {
             Wk = w_all + (size_t)(D * E) * es;
@@ -712,9 +734,9 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         attn_tensor_init(&kh, Kp, dt, 4, kshape);
         attn_tensor_init(&vh, Vp, dt, 4, kshape);
         attn_tensor_init(&oh, Op, dt, 4, qshape);
-        int64_t qst[4] = {qsN, hd, qsT, 1}, kst[4] = {ksN, hd, ksT, 1};
+        int64_t qst[4] = {qsN, hd, qsT, 1}, kst[4] = {ksN, hd, ksT, 1}, ost[4] = {osN, hd, osT, 1};
         memcpy(qh.strides, qst, sizeof qst);
-        memcpy(oh.strides, qst, sizeof qst);
+        memcpy(oh.strides, ost, sizeof ost);
         memcpy(kh.strides, kst, sizeof kst);
         memcpy(vh.strides, kst, sizeof kst);
         attn_tensor *w_use = NULL;
@@ -765,8 +787,8 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         attn_tensor o3, outv = to_ntf(out, s.batched, c->batch_first);
         int64_t oshape[3] = {N, L, D};
         attn_tensor_init(&o3, Op, dt, 3, oshape);
-        o3.strides[0] = qsN;
-        o3.strides[1] = qsT;
+        o3.strides[0] = osN;
+        o3.strides[1] = osT;
         const char *Wo = param_data(m, find_param(m, "out_proj.weight"));
         const char *bo = c->bias ? param_data(m, find_param(m, "out_proj.bias")) : NULL;
         bool direct = outv.strides[2] == 1 && outv.strides[0] >= 0 && outv.strides[1] >= 0 &&
@@ -790,9 +812,7 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     if (st == ATTN_OK && weights != NULL && average)
         average_heads(dt, Wall, N, H, L, Sx, weights, s.batched);
 
-    attn__free(Qp);
-    attn__free(Kp);
-    attn__free(Vp);
+    attn__free(qkv);
     attn__free(Op);
     attn__free(Wall);
     attn__free(am_pad_data);

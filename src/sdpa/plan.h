@@ -67,6 +67,11 @@ attn_status attn__sdpa_execute(const attn__sdpa_plan *plan);
 
 /* The float64-accumulating reference kernel: the oracle. */
 attn_status attn__sdpa_reference(const attn__sdpa_plan *plan);
+/* One query row of it (out, weights and lse of row i of batch b); `s` and
+ * `visible` have room for S entries. The fused kernels hand it the rows
+ * whose fused result is not finite, so NaN/Inf rules hold on every path. */
+void attn__sdpa_reference_row(const attn__sdpa_plan *plan, int64_t b, int64_t i, double *s,
+                              bool *visible);
 
 /* Element offset of operand `op` for batch index `b` (linear, row-major over
  * plan->bshape). */

@@ -38,7 +38,7 @@ static bool key_visible(const attn__sdpa_plan *p, const int64_t *mask_off, int64
 }
 
 /* Computes one query row; `s` has room for S doubles. */
-static void reference_row(const attn__sdpa_plan *p, int64_t b, int64_t i, double *s,
+void attn__sdpa_reference_row(const attn__sdpa_plan *p, int64_t b, int64_t i, double *s,
                           bool *visible) {
     const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
     const int64_t ko = attn__batch_offset(p, &p->k, b);
@@ -126,7 +126,7 @@ attn_status attn__sdpa_reference(const attn__sdpa_plan *p) {
 #else
         size_t t = 0;
 #endif
-        reference_row(p, r / p->L, r % p->L, scores + t * per_thread, visible + t * per_thread);
+        attn__sdpa_reference_row(p, r / p->L, r % p->L, scores + t * per_thread, visible + t * per_thread);
     }
     attn__free(scores);
     attn__free(visible);

@@ -12,7 +12,7 @@ typedef struct mha_case {
     bool batched, need_weights, average, causal, training;
     int64_t N, L, S;
     test_tensor query, key, value, kpm, mask, out, weights;
-    bool has_kpm, has_mask;
+    bool has_kpm, has_mask, self_attention;
     attn_mha_forward_params fp;
 } mha_case;
 
@@ -203,7 +203,7 @@ static void make_case(mha_case *c, rng *r) {
     c->batched = rng_int(r, 0, 4) != 0;
     c->N = c->batched ? rng_int(r, 1, 3) : 1;
     c->L = rng_int(r, 1, 7);
-    c->S = rng_int(r, 1, 7);
+    c->S = rng_int(r, 0, 2) == 0 ? c->L : rng_int(r, 1, 7);
     const attn_dtype dt = c->cfg.dtype;
     int64_t qs[3], ks[3], vs[3];
     int rank = c->batched ? 3 : 2;
@@ -222,8 +222,16 @@ static void make_case(mha_case *c, rng *r) {
     }
     int layout = rng_int(r, 0, 1) ? LAYOUT_RANDOM : LAYOUT_CONTIGUOUS;
     tt_make(&c->query, r, dt, rank, qs, layout, 1, 0);
-    tt_make(&c->key, r, dt, rank, ks, layout, 1, 0);
-    tt_make(&c->value, r, dt, rank, vs, layout, 1, 0);
+    /* Self-attention (one tensor as query, key and value) whenever the shapes
+     * allow it: attn then projects Q, K and V with one GEMM. Key and value
+     * are views of the query's storage (their own storage stays NULL). */
+    c->self_attention = c->cfg.kdim == E && c->cfg.vdim == E && c->S == c->L;
+    if (c->self_attention) {
+        c->key.t = c->value.t = c->query.t;
+    } else {
+        tt_make(&c->key, r, dt, rank, ks, layout, 1, 0);
+        tt_make(&c->value, r, dt, rank, vs, layout, 1, 0);
+    }
     attn_mha_forward_params_init(&c->fp);
     int kk = (int)rng_int(r, 0, 3);
     if (kk >= 2) {

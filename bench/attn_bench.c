@@ -1,0 +1,245 @@
+/*
+ * attn_bench — the C side of the benchmark: machine probes and the runs
+ * that need no Python. bench/run.py calls it for the probes, in the same run
+ * as the attn-vs-PyTorch comparison. Every command prints one JSON object.
+ *
+ *   attn_bench peak [--threads N]       measured FMA peak, GFLOP/s
+ *   attn_bench bandwidth [--threads N] [--mib M]
+ *                                        streaming read bandwidth, GB/s
+ *   attn_bench memory [--len L] [--dim E]
+ *                                        one SDPA with L = S, H = 1; checks peak
+ *                                        RSS <= inputs + outputs + 64 MiB
+ *   attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N]
+ *                                        times attn alone (median ms, GFLOP/s)
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, getrusage */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "attn.h"
+#include "peak.h"
+
+/* The vector probes exist when the build compiled them (as the kernels). */
+#ifdef ATTN_BENCH_AVX512
+#define PEAK_AVX512(n) peak_fma_avx512(n)
+#else
+#define PEAK_AVX512(n) peak_fma_scalar(n)
+#endif
+#ifdef ATTN_BENCH_AVX2
+#define PEAK_AVX2(n) peak_fma_avx2(n)
+#else
+#define PEAK_AVX2(n) peak_fma_scalar(n)
+#endif
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Value of "--name V" in argv, or fallback. */
+static long opt_long(int argc, char **argv, const char *name, long fallback) {
+    for (int i = 0; i + 1 < argc; i++)
+        if (strcmp(argv[i], name) == 0) return strtol(argv[i + 1], NULL, 10);
+    return fallback;
+}
+static int has_flag(int argc, char **argv, const char *name) {
+    for (int i = 0; i < argc; i++)
+        if (strcmp(argv[i], name) == 0) return 1;
+    return 0;
+}
+
+/* ---- peak: all threads run FMA chains at once; best of several rounds ---- */
+
+static int cmd_peak(int argc, char **argv) {
+    const int threads = (int)opt_long(argc, argv, "--threads", attn_get_num_threads());
+    const char *isa = attn_isa_supported(ATTN_ISA_AVX512) ? "avx512"
+                      : attn_isa_supported(ATTN_ISA_AVX2) ? "avx2"
+                                                          : "scalar";
+    double best = 0;
+    for (int round = 0; round < 7; round++) {
+        double flops = 0;
+        const double t0 = now();
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+        {
+            const int64_t iters = 4000000;
+            flops += strcmp(isa, "avx512") == 0 ? PEAK_AVX512(iters)
+                     : strcmp(isa, "avx2") == 0 ? PEAK_AVX2(iters)
+                                                 : peak_fma_scalar(iters / 4);
+        }
+        const double g = flops / (now() - t0) / 1e9;
+        if (g > best) best = g;
+    }
+    printf("{\"isa\": \"%s\", \"threads\": %d, \"gflops\": %.2f}\n", isa, threads, best);
+    return 0;
+}
+
+/* ---- bandwidth: every thread streams its share of a large buffer ---- */
+
+static int cmd_bandwidth(int argc, char **argv) {
+    const int threads = (int)opt_long(argc, argv, "--threads", attn_get_num_threads());
+    const int64_t n = opt_long(argc, argv, "--mib", 512) * (1 << 20) / 4;
+    float *x = malloc((size_t)n * sizeof(float));
+    if (x == NULL) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) x[i] = 1.0f; /* first touch by the reading thread */
+    double best = 0, sink = 0;
+    for (int round = 0; round < 5; round++) {
+        const double t0 = now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+        {
+#ifdef _OPENMP
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+            const int t = 0, nt = 1;
+#endif
+            const int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+            sink += bandwidth_read(x + lo, hi - lo);
+        }
+        const double g = (double)n * 4 / (now() - t0) / 1e9;
+        if (g > best) best = g;
+    }
+    free(x);
+    printf("{\"threads\": %d, \"mib\": %lld, \"gbps\": %.2f, \"check\": %.0f}\n", threads,
+           (long long)(n * 4 >> 20), best, sink / 5);
+    return 0;
+}
+
+/* ---- memory: the fused kernel's footprint at a length the math path cannot do ---- */
+
+static double rss_mib(void) {
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return (double)u.ru_maxrss / 1024.0; /* Linux: KiB */
+}
+
+static float *filled(int64_t n, unsigned seed) {
+    float *x = malloc((size_t)n * sizeof(float));
+    if (x == NULL) return NULL;
+    unsigned s = seed;
+    for (int64_t i = 0; i < n; i++) {
+        s = s * 1664525u + 1013904223u;
+        x[i] = (float)(s >> 8) / 16777216.0f - 0.5f;
+    }
+    return x;
+}
+
+static int cmd_memory(int argc, char **argv) {
+    const int64_t L = opt_long(argc, argv, "--len", 65536), E = opt_long(argc, argv, "--dim", 64);
+    const double baseline = rss_mib();
+    const int64_t n = L * E;
+    float *q = filled(n, 1), *k = filled(n, 2), *v = filled(n, 3), *o = filled(n, 4);
+    if (!q || !k || !v || !o) return 1;
+    int64_t shape[4] = {1, 1, L, E};
+    attn_tensor tq, tk, tv, to;
+    attn_tensor_init(&tq, q, ATTN_DTYPE_F32, 4, shape);
+    attn_tensor_init(&tk, k, ATTN_DTYPE_F32, 4, shape);
+    attn_tensor_init(&tv, v, ATTN_DTYPE_F32, 4, shape);
+    attn_tensor_init(&to, o, ATTN_DTYPE_F32, 4, shape);
+    const double before = rss_mib();
+    const double t0 = now();
+    attn_status st = attn_sdpa(&tq, &tk, &tv, NULL, &to, NULL, NULL);
+    const double secs = now() - t0;
+    if (st != ATTN_OK) {
+        fprintf(stderr, "attn_bench memory: %s\n", attn_last_error());
+        return 1;
+    }
+    double checksum = 0;
+    for (int64_t i = 0; i < n; i += 997) checksum += o[i];
+    const double peak = rss_mib();
+    const double io_mib = 4.0 * (double)n * 4 / (1 << 20);
+    const double budget = io_mib + 64;
+    const double used = peak - baseline;
+    printf("{\"L\": %lld, \"E\": %lld, \"seconds\": %.2f, \"baseline_rss_mib\": %.1f, "
+           "\"rss_before_call_mib\": %.1f, \"peak_rss_mib\": %.1f, \"inputs_outputs_mib\": %.1f, "
+           "\"used_mib\": %.1f, \"budget_mib\": %.1f, \"within_budget\": %s, "
+           "\"scores_matrix_mib\": %.0f, \"checksum\": %.6f}\n",
+           (long long)L, (long long)E, secs, baseline, before, peak, io_mib, used, budget,
+           used <= budget ? "true" : "false", (double)L * (double)L * 4 / (1 << 20), checksum);
+    free(q);
+    free(k);
+    free(v);
+    free(o);
+    return used <= budget ? 0 : 1;
+}
+
+/* ---- sdpa: attn alone, seeded inputs, median of N after warm-up ---- */
+
+static int cmd_sdpa(int argc, char **argv) {
+    if (argc < 5) {
+        fprintf(stderr, "usage: attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N]\n");
+        return 2;
+    }
+    const int64_t B = atol(argv[0]), H = atol(argv[1]), L = atol(argv[2]), S = atol(argv[3]),
+                  E = atol(argv[4]);
+    const int64_t Hk = opt_long(argc, argv, "--kv-heads", H);
+    const int reps = (int)opt_long(argc, argv, "--reps", 10);
+    const int causal = has_flag(argc, argv, "--causal");
+    int64_t qs[4] = {B, H, L, E}, ks[4] = {B, Hk, S, E};
+    float *q = filled(B * H * L * E, 1), *k = filled(B * Hk * S * E, 2),
+          *v = filled(B * Hk * S * E, 3), *o = filled(B * H * L * E, 4);
+    double *ms = malloc(sizeof(double) * (size_t)reps);
+    if (!q || !k || !v || !o || !ms) return 1;
+    attn_tensor tq, tk, tv, to;
+    attn_tensor_init(&tq, q, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&tk, k, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&tv, v, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&to, o, ATTN_DTYPE_F32, 4, qs);
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    p.causal = causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
+    p.enable_gqa = Hk != H;
+    if (attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL) != ATTN_OK) { /* warm-up */
+        fprintf(stderr, "attn_bench sdpa: %s\n", attn_last_error());
+        return 1;
+    }
+    for (int r = 0; r < reps; r++) {
+        const double t0 = now();
+        attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL);
+        ms[r] = (now() - t0) * 1e3;
+    }
+    qsort(ms, (size_t)reps, sizeof(double), cmp_double);
+    const double flops = 4.0 * (double)(B * H * L) * (double)S * (double)E * (causal ? 0.5 : 1);
+    double checksum = 0;
+    for (int64_t i = 0; i < B * H * L * E; i += 101) checksum += o[i];
+    printf("{\"shape\": [%lld, %lld, %lld, %lld, %lld], \"kv_heads\": %lld, \"causal\": %s, "
+           "\"isa\": \"%s\", \"threads\": %d, \"median_ms\": %.3f, \"best_ms\": %.3f, "
+           "\"gflops\": %.2f, \"checksum\": %.6f}\n",
+           (long long)B, (long long)H, (long long)L, (long long)S, (long long)E, (long long)Hk,
+           causal ? "true" : "false", attn_isa_name(attn_get_isa()), attn_get_num_threads(),
+           ms[reps / 2], ms[0], flops / ms[reps / 2] / 1e6, checksum);
+    free(q);
+    free(k);
+    free(v);
+    free(o);
+    free(ms);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: attn_bench peak|bandwidth|memory|sdpa ...\n");
+        return 2;
+    }
+    const long threads = opt_long(argc, argv, "--threads", 0);
+    if (threads > 0) attn_set_num_threads((int)threads);
+    if (strcmp(argv[1], "peak") == 0) return cmd_peak(argc - 2, argv + 2);
+    if (strcmp(argv[1], "bandwidth") == 0) return cmd_bandwidth(argc - 2, argv + 2);
+    if (strcmp(argv[1], "memory") == 0) return cmd_memory(argc - 2, argv + 2);
+    if (strcmp(argv[1], "sdpa") == 0) return cmd_sdpa(argc - 2, argv + 2);
+    fprintf(stderr, "attn_bench: unknown command '%s'\n", argv[1]);
+    return 2;
+}

@@ -1,0 +1,18 @@
+/* peak.h — FMA and memory probes for the benchmark: what this machine can
+ * do at best, measured in the same run as the kernels they grade. */
+#ifndef ATTN_BENCH_PEAK_H
+#define ATTN_BENCH_PEAK_H
+
+#include <stdint.h>
+
+/* FMA throughput loops: flops done by one thread in `iters` iterations.
+ * Each runs independent FMA chains (more than latency x ports) so only
+ * throughput limits them. */
+double peak_fma_avx512(int64_t iters);
+double peak_fma_avx2(int64_t iters);
+double peak_fma_scalar(int64_t iters);
+
+/* Sums n floats with independent accumulators (a pure streaming read). */
+float bandwidth_read(const float *x, int64_t n);
+
+#endif

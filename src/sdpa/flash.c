@@ -1,0 +1,168 @@
+/*
+ * flash.c — the fused forward driver (see flash.h), written once and
+ * instantiated for float and double by including flash_driver.inc twice.
+ *
+ * Work is split into tasks that never share an output row:
+ *   (group, query block[, key chunk])
+ * A group is a set of query heads that read the same K and V (one head, or a
+ * GQA group of Hq/H heads, or heads over which K/V broadcast): its rows are
+ * processed together so K and V are streamed once per group, not per head.
+ * Each row's keys are always visited in the same order, so the result does
+ * not depend on the thread count. When there are too few query blocks to
+ * keep threads busy (decoding: few queries, many keys), keys are split into
+ * chunks whose partial results are merged by log-sum-exp in chunk order; the
+ * split depends only on the shape, never on the thread count.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "flash.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define LOG2E 1.4426950408889634
+#define LN2 0.6931471805599453
+
+/* ---- shape of the work, shared by both precisions ---- */
+
+typedef struct flash_work {
+    int64_t G;        /* query heads per group (they share K/V)            */
+    int64_t ngroups;  /* nbatch / G                                        */
+    int64_t nrows;    /* rows per group: G * L                             */
+    bool direct;      /* few rows: keys-in-columns layout, K read in place */
+    int64_t BR;       /* query rows per block                              */
+    int64_t nqb;      /* query blocks per group                            */
+    int64_t BC;       /* keys per block                                    */
+    int64_t chunk;    /* keys per chunk                                    */
+    int64_t nchunks;  /* 1 = no split                                      */
+} flash_work;
+
+/* Heads that share K/V: only along the head (last batch) dimension. */
+static int64_t group_size(const attn__sdpa_plan *p) {
+    if (p->nb == 0) return 1;
+    const int hd = p->nb - 1;
+    const int64_t H = p->bshape[hd];
+    if (p->k.bstride[hd] == 0 && p->v.bstride[hd] == 0) return H;
+    if (p->k.bdiv[hd] == p->v.bdiv[hd]) return p->k.bdiv[hd];
+    return 1;
+}
+
+enum {
+    LANES = 48,         /* query rows per block, queries-in-lanes layout  */
+    BC_LANES = 256,     /* keys per block, queries-in-lanes layout        */
+    BC_DIRECT = 256,    /* keys per block, keys-in-columns layout         */
+    DIRECT_ROWS = 16,   /* use keys-in-columns up to this many rows       */
+    CHUNK_MIN = 1024,   /* keys per chunk, at least                       */
+    MAX_CHUNKS = 64,    /* chunks per query block, at most                */
+    SPLIT_BELOW = 16    /* split keys when there are fewer query blocks   */
+};
+
+static flash_work plan_work(const attn__sdpa_plan *p) {
+    flash_work w;
+    w.G = group_size(p);
+    w.ngroups = p->nbatch / w.G;
+    w.nrows = w.G * p->L;
+    w.direct = w.nrows <= DIRECT_ROWS && p->k.cs == 1;
+    w.BR = w.direct ? w.nrows : LANES;
+    w.nqb = (w.nrows + w.BR - 1) / w.BR;
+    w.BC = w.direct ? BC_DIRECT : BC_LANES;
+    w.chunk = p->S;
+    w.nchunks = 1;
+    if (w.ngroups * w.nqb < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN && !p->has_weights) {
+        int64_t chunk = (p->S + MAX_CHUNKS - 1) / MAX_CHUNKS;
+        if (chunk < CHUNK_MIN) chunk = CHUNK_MIN;
+        chunk = (chunk + w.BC - 1) / w.BC * w.BC;
+        w.chunk = chunk;
+        w.nchunks = (p->S + chunk - 1) / chunk;
+    }
+    return w;
+}
+
+/* Per-row bookkeeping for one query block. */
+typedef struct flash_row {
+    int64_t b, i;                       /* batch index, query position     */
+    int64_t q, out, lse, weights;       /* element offsets                 */
+    int64_t mask[ATTN__MAX_MASKS];      /* mask row offsets                */
+    int64_t limit;                      /* last visible key (causal), or S-1 */
+} flash_row;
+
+static void setup_rows(const attn__sdpa_plan *p, const flash_work *w, int64_t g, int64_t qb,
+                       flash_row *rows, int64_t *nr) {
+    const int64_t r0 = qb * w->BR;
+    int64_t n = w->nrows - r0 < w->BR ? w->nrows - r0 : w->BR;
+    for (int64_t r = 0; r < n; r++) {
+        flash_row *row = &rows[r];
+        const int64_t h = (r0 + r) / p->L, i = (r0 + r) % p->L;
+        row->b = g * w->G + h;
+        row->i = i;
+        row->q = attn__batch_offset(p, &p->q, row->b) + i * p->q.rs;
+        row->out = attn__batch_offset(p, &p->out, row->b) + i * p->out.rs;
+        row->lse = p->has_lse ? attn__batch_offset(p, &p->lse, row->b) + i * p->lse.rs : 0;
+        row->weights =
+            p->has_weights ? attn__batch_offset(p, &p->weights, row->b) + i * p->weights.rs : 0;
+        for (int m = 0; m < p->nmask; m++)
+            row->mask[m] = attn__batch_offset(p, &p->mask[m].op, row->b) + i * p->mask[m].op.rs;
+        row->limit = p->causal ? i + p->causal_shift : p->S - 1;
+        if (row->limit > p->S - 1) row->limit = p->S - 1;
+    }
+    *nr = n;
+}
+
+/* Keep decisions for weights [index, index + n) of a row, 1 = keep. */
+static void dropout_keep(const attn__sdpa_plan *p, uint64_t index, int64_t n, unsigned char *keep) {
+    uint32_t words[4];
+    uint64_t block = UINT64_MAX;
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t at = index + (uint64_t)j;
+        if ((at >> 2) != block) {
+            block = at >> 2;
+            uint32_t ctr[4] = {(uint32_t)block, (uint32_t)(block >> 32), (uint32_t)p->rng_offset,
+                               (uint32_t)(p->rng_offset >> 32)};
+            uint32_t key[2] = {(uint32_t)p->seed, (uint32_t)(p->seed >> 32)};
+            attn__philox4x32_10(ctr, key, words);
+        }
+        keep[j] = (uint64_t)words[at & 3] >= p->keep_threshold;
+    }
+}
+
+/* Scratch per thread, in elements of the compute type. */
+typedef struct flash_scratch_size {
+    int64_t q, kp, vp, s, o, stat, keep;
+} flash_scratch_size;
+
+static flash_scratch_size scratch_size(const attn__sdpa_plan *p, const flash_work *w,
+                                       const attn__flash_kernels *kern) {
+    flash_scratch_size z;
+    const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
+    z.q = w->BR * p->E;                        /* Q rows, or Qt (E x LANES)     */
+    z.kp = p->k.cs == 1 ? 0 : w->BC * p->E;    /* K rows, when not unit-strided */
+    z.vp = p->v.cs == 1 ? 0 : w->BC * p->Ev;   /* V rows, likewise              */
+    z.s = w->direct ? kern->pv_rows * cols : w->BC * LANES;
+    z.o = w->BR * p->Ev;
+    z.stat = 3 * w->BR;                        /* m, l, alpha                   */
+    z.keep = cols;
+    return z;
+}
+
+/* Instantiate the driver for float and for double. */
+#define REAL float
+#define SFX(name) name##_f
+#define EXP2 attn__exp2f
+#include "flash_driver.inc"
+#undef REAL
+#undef SFX
+#undef EXP2
+
+#define REAL double
+#define SFX(name) name##_d
+#define EXP2 attn__exp2d
+#include "flash_driver.inc"
+#undef REAL
+#undef SFX
+#undef EXP2
+
+attn_status attn__sdpa_flash(const attn__sdpa_plan *plan, const attn__flash_kernels *kernels) {
+    return plan->dtype == ATTN_DTYPE_F32 ? flash_run_f(plan, kernels) : flash_run_d(plan, kernels);
+}
