@@ -667,11 +667,11 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     void *am_pad_data = NULL, *kpm_pad_data = NULL;
     if (weights != NULL && average) Wall = attn__alloc_array((size_t)(N * H * L), (size_t)Sx * es);
     st = (qkv && Op && (Wall || !(weights && average))) ? ATTN_OK : ATTN_ERR_NOMEM;
-    char *Qp = qkv, *Kp, *Vp;
-    if (fused_qkv) {
+    char *Qp = qkv, *Kp = NULL, *Vp = NULL; /* no arithmetic on a failed (NULL) block */
+    if (qkv != NULL && fused_qkv) {
         Kp = qkv + (size_t)D * es;
         Vp = qkv + (size_t)(2 * D) * es;
-    } else {
+    } else if (qkv != NULL) {
         Kp = qkv + (size_t)(N * L * D) * es;
         Vp = Kp + (size_t)(N * Sx * D) * es;
     }

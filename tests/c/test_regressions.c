@@ -76,4 +76,30 @@ static void mha_3d_mask_stride_times_heads(void) {
     attn_mha_destroy(m);
 }
 
-HARNESS_MAIN(T(span_of_int64_max_elements), T(mha_3d_mask_stride_times_heads))
+/* fuzz_mha, crash-mha-null-workspace: when the Q/K/V workspace could not be
+ * allocated, attn_mha_forward still derived the K and V pointers from the
+ * NULL block (NULL + offset: UB) before returning ATTN_ERR_NOMEM. Both
+ * layouts: self-attention (one product for Q, K, V) and separate inputs. */
+static void mha_failed_workspace_no_null_offset(void) {
+    attn_mha_config c;
+    attn_mha_config_init(&c, 8, 2);
+    attn_mha *m = NULL;
+    CHECK_OK(attn_mha_create(&c, &m));
+    if (m == NULL) return;
+    static float x[3 * 2 * 8], y[3 * 2 * 8], o[3 * 2 * 8];
+    int64_t xs[3] = {3, 2, 8};
+    attn_tensor tx, ty, to;
+    attn_tensor_init(&tx, x, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&ty, y, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&to, o, ATTN_DTYPE_F32, 3, xs);
+    attn_allocator none = {refuse_alloc, refuse_release, NULL};
+    attn_set_allocator(&none);
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, &to, NULL), ATTN_ERR_NOMEM);
+    CHECK_STATUS(attn_mha_forward(m, &tx, &ty, &ty, NULL, &to, NULL), ATTN_ERR_NOMEM);
+    attn_set_allocator(NULL);
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, NULL, &to, NULL));
+    attn_mha_destroy(m);
+}
+
+HARNESS_MAIN(T(span_of_int64_max_elements), T(mha_3d_mask_stride_times_heads),
+             T(mha_failed_workspace_no_null_offset))
