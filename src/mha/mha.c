@@ -428,7 +428,8 @@ static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, c
     const char *xdata = x->data;
     void *packed = NULL;
     bool blas_readable = x->strides[2] == 1 && (T == 1 || xsT >= F) && xsN >= 0 && xsT >= 0 &&
-                         (N == 1 || xsN >= F);
+                         (N == 1 || xsN >= F) && (T == 1 || attn__blas_fits(xsT)) &&
+                         (N == 1 || attn__blas_fits(xsN)); /* leading dimensions are int */
     if (!blas_readable) {
         packed = attn__alloc_array((size_t)(N * T), (size_t)F * es);
         if (packed == NULL) return ATTN_ERR_NOMEM;
@@ -792,7 +793,8 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         const char *Wo = param_data(m, find_param(m, "out_proj.weight"));
         const char *bo = c->bias ? param_data(m, find_param(m, "out_proj.bias")) : NULL;
         bool direct = outv.strides[2] == 1 && outv.strides[0] >= 0 && outv.strides[1] >= 0 &&
-                      (L == 1 || outv.strides[1] >= E) && (N == 1 || outv.strides[0] >= E);
+                      (L == 1 || (outv.strides[1] >= E && attn__blas_fits(outv.strides[1]))) &&
+                      (N == 1 || (outv.strides[0] >= E && attn__blas_fits(outv.strides[0])));
         if (direct) {
             st = project(dt, &o3, Wo, bo, E, out->data, outv.strides[0], outv.strides[1]);
         } else {

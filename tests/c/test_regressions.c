@@ -101,5 +101,54 @@ static void mha_failed_workspace_no_null_offset(void) {
     attn_mha_destroy(m);
 }
 
+/* fuzz_mha, crash-mha-huge-unit-stride: a query of length 1 may have any
+ * stride on that dimension (here 2^62). The projection passed it to BLAS as
+ * the leading dimension, cast to int (0), so BLAS refused the call and the
+ * Q workspace was never written: garbage out. Fresh blocks are filled with
+ * NaN here so that any unwritten workspace shows. Both for the input and
+ * for an output with the same stride. */
+static void *nan_alloc(void *ctx, size_t size) {
+    (void)ctx;
+    void *p = malloc(size);
+    if (p) memset(p, 0xFF, size);
+    return p;
+}
+static void nan_release(void *ctx, void *p) {
+    (void)ctx;
+    free(p);
+}
+
+static void mha_huge_stride_on_unit_length(void) {
+    attn_mha_config c;
+    attn_mha_config_init(&c, 4, 2);
+    attn_mha *m = NULL;
+    CHECK_OK(attn_mha_create(&c, &m));
+    if (m == NULL) return;
+    /* query (L=1, N=2, E=4), key/value (S=3, N=2, E=4), sequence first */
+    static float q[8], kv[24], out[8], out_ref[8];
+    for (int i = 0; i < 8; i++) q[i] = (float)(i % 5) - 2;
+    for (int i = 0; i < 24; i++) kv[i] = (float)(i % 7) / 3 - 1;
+    int64_t qs[3] = {1, 2, 4}, ks[3] = {3, 2, 4};
+    attn_tensor tq, tk, to, tref;
+    attn_tensor_init(&tq, q, ATTN_DTYPE_F32, 3, qs);
+    attn_tensor_init(&tk, kv, ATTN_DTYPE_F32, 3, ks);
+    attn_tensor_init(&tref, out_ref, ATTN_DTYPE_F32, 3, qs);
+    attn_tensor_init(&to, out, ATTN_DTYPE_F32, 3, qs);
+    attn_allocator nan = {nan_alloc, nan_release, NULL};
+    attn_set_allocator(&nan);
+    CHECK_OK(attn_mha_forward(m, &tq, &tk, &tk, NULL, &tref, NULL));
+    tq.strides[0] = (int64_t)1 << 62; /* the length-1 dimension */
+    CHECK_OK(attn_mha_forward(m, &tq, &tk, &tk, NULL, &to, NULL));
+    CHECK(memcmp(out, out_ref, sizeof out) == 0, "a huge stride on the query's length-1 "
+          "dimension changed the result: %g vs %g", (double)out[0], (double)out_ref[0]);
+    to.strides[0] = (int64_t)1 << 62; /* and on the output's */
+    memset(out, 0, sizeof out);
+    CHECK_OK(attn_mha_forward(m, &tq, &tk, &tk, NULL, &to, NULL));
+    CHECK(memcmp(out, out_ref, sizeof out) == 0, "a huge stride on the output's length-1 "
+          "dimension changed the result: %g vs %g", (double)out[0], (double)out_ref[0]);
+    attn_set_allocator(NULL);
+    attn_mha_destroy(m);
+}
+
 HARNESS_MAIN(T(span_of_int64_max_elements), T(mha_3d_mask_stride_times_heads),
-             T(mha_failed_workspace_no_null_offset))
+             T(mha_failed_workspace_no_null_offset), T(mha_huge_stride_on_unit_length))
