@@ -180,7 +180,11 @@ static void *bounded_alloc(void *ctx, size_t size) {
     (void)ctx;
     if (size > alloc_limit) return NULL;
     void *p = malloc(size);
-    if (p) live++;
+    if (p == NULL) return NULL;
+    live++;
+    /* Fresh blocks hold NaN (all-ones bytes), so a read of workspace the
+     * library never wrote shows up as a non-finite output. */
+    memset(p, 0xFF, size);
     return p;
 }
 static void bounded_release(void *ctx, void *p) {

@@ -34,6 +34,7 @@ static int replay_file(const char *path) {
         free(buf);
         return 1;
     }
+    if (getenv("ATTN_REPLAY_VERBOSE") != NULL) fprintf(stderr, "replay: %s\n", path);
     LLVMFuzzerTestOneInput(buf, (size_t)n);
     free(buf);
     replayed++;
