@@ -7,11 +7,15 @@ MAKEFLAGS += --no-print-directory
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+TSAN_BUILD ?= build-tsan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= fuzz_npy fuzz_sdpa fuzz_mha
 PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build test test-c test-asan test-python test-python-asan python clean help
+.PHONY: all demo build test test-c test-asan test-python test-python-asan python test-tsan test-valgrind fuzz fuzz-build clean help
 
 all: build
 
@@ -21,6 +25,9 @@ help:
 	@echo "make python      pip install the Python package attn (warnings are errors)"
 	@echo "make test-python the Python package against PyTorch 2.13 (ATTN_TEST_SEED=N)"
 	@echo "make test-python-asan  the Python suite on an ASan+UBSan build of the extension"
+	@echo "make test-tsan   the concurrency test under ThreadSanitizer (no OpenMP)"
+	@echo "make test-valgrind  the attn tool (demo, sdpa on fixtures) under valgrind memcheck"
+	@echo "make fuzz        build the libFuzzer targets (clang) and run each FUZZ_SECONDS (60)"
 	@echo "make clean       remove build trees"
 
 build:
@@ -73,5 +80,35 @@ test-python-asan:
 		ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 PYTHONPATH=$(PY_ASAN_BUILD)/pkg \
 		$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
 
+# ThreadSanitizer tier: 8 caller threads race through SDPA and MHA. The
+# library is built without OpenMP: GCC's libgomp is not instrumented, so its
+# barriers look like races to TSan (see docs/RELIABILITY.md).
+test-tsan:
+	@./scripts/bootstrap.sh build
+	@cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DATTN_WERROR=ON -DATTN_TSAN=ON \
+		-DATTN_OPENMP=OFF -DATTN_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test_concurrency
+	@cd $(TSAN_BUILD) && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 $(TSAN_OPTIONS)" \
+		ATTN_CONCURRENCY_ITERS=200 ctest --output-on-failure -R '^test_concurrency$$'
+
+# Valgrind tier: the attn tool, built as users get it (Release, OpenMP,
+# OpenBLAS), under memcheck: zero errors, no definite or indirect leaks.
+test-valgrind: build
+	@./scripts/bootstrap.sh valgrind
+	@./scripts/valgrind_cli.sh $(BUILD)
+
+# Fuzz tier: libFuzzer + ASan + UBSan with clang, in its own build tree.
+# OpenMP is off there: one thread per input keeps executions fast and
+# reproducible (the thread pool is covered by the concurrency tests).
+fuzz-build:
+	@./scripts/bootstrap.sh build fuzz
+	@cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DATTN_FUZZ=ON -DATTN_OPENMP=OFF -DATTN_WERROR=ON -DATTN_BUILD_TESTS=OFF \
+		-DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(FUZZ_BUILD) -j $(JOBS)
+
+fuzz: fuzz-build
+	@./scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) build-python $(PY_ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) build-python $(PY_ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)

@@ -4,6 +4,7 @@
 #   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config
 #   python  NumPy, pytest, and PyTorch 2.13.0 (pinned: the CPU build on disk)
 #   fuzz    clang with libFuzzer and the sanitizer runtimes
+#   valgrind  valgrind (memcheck of the attn tool)
 #   bench   matplotlib for the benchmark plots
 set -euo pipefail
 
@@ -47,6 +48,9 @@ for part in "${want[@]}"; do
         need_pkg clang command -v clang
         need_pkg libclang-rt-14-dev sh -c 'echo "int LLVMFuzzerTestOneInput(const char*d,long n){return 0;}" |
             clang -x c - -fsanitize=fuzzer,address -o /dev/null'
+        ;;
+    valgrind)
+        need_pkg valgrind command -v valgrind
         ;;
     python | bench) ;;
     *) say "unknown part '$part'"; exit 2 ;;

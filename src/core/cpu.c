@@ -49,15 +49,18 @@ static attn__cpu_features detect(void) {
 }
 
 const attn__cpu_features *attn__cpu(void) {
-    /* Detection is idempotent, so a benign race between first callers only
-     * repeats the same work; the flag is published after the data. */
-    static attn__cpu_features cached;
-    static atomic_int ready;
-    if (!atomic_load_explicit(&ready, memory_order_acquire)) {
-        cached = detect();
-        atomic_store_explicit(&ready, 1, memory_order_release);
+    /* Detection is idempotent, so first callers may race to do it; what they
+     * publish is one atomic index into constant data, so no thread ever
+     * writes memory another may be reading. */
+    static const attn__cpu_features table[3] = {{false, false}, {true, false}, {true, true}};
+    static atomic_int index = -1;
+    int i = atomic_load_explicit(&index, memory_order_acquire);
+    if (i < 0) {
+        attn__cpu_features f = detect();
+        i = f.avx512f ? 2 : f.avx2_fma ? 1 : 0;
+        atomic_store_explicit(&index, i, memory_order_release);
     }
-    return &cached;
+    return &table[i];
 }
 
 /* A path is supported when its kernels were compiled in (ATTN_HAVE_*) and

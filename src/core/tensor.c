@@ -148,8 +148,8 @@ attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_r
                               "elements would overlap",
                               name, d, (long long)n);
     }
-    int64_t bytes;
-    if (attn__mul_overflows(span + 1, (int64_t)elem, &bytes) ||
+    int64_t slots, bytes;
+    if (attn__add_overflows(span, 1, &slots) || attn__mul_overflows(slots, (int64_t)elem, &bytes) ||
         attn__mul_overflows(numel, (int64_t)elem, &bytes))
         return attn__fail(ATTN_ERR_OVERFLOW, "%s: its byte count does not fit in 64 bits", name);
     return ATTN_OK;

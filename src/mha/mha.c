@@ -433,7 +433,8 @@ static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, c
     const char *xdata = x->data;
     void *packed = NULL;
     bool blas_readable = x->strides[2] == 1 && (T == 1 || xsT >= F) && xsN >= 0 && xsT >= 0 &&
-                         (N == 1 || xsN >= F);
+                         (N == 1 || xsN >= F) && (T == 1 || attn__blas_fits(xsT)) &&
+                         (N == 1 || attn__blas_fits(xsN)); /* leading dimensions are int */
     if (!blas_readable) {
         packed = attn__alloc_array((size_t)(N * T), (size_t)F * es);
         if (packed == NULL) return ATTN_ERR_NOMEM;
@@ -540,7 +541,9 @@ static attn_status mask_views(const attn_mha *m, const mha_shapes *s,
             am->shape[1] = H;
             am->strides[1] = t->strides[0];
             am->shape[0] = s->batched ? s->N : 1;
-            am->strides[0] = t->strides[0] * H;
+            /* With one batch the stride is never used, and stride * H may
+             * not fit; with N >= 2 it does (the view spans stride * (N*H - 1)). */
+            am->strides[0] = am->shape[0] == 1 ? 0 : t->strides[0] * H;
         }
     }
     if (p->key_padding_mask != NULL) {
@@ -670,11 +673,11 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     void *am_pad_data = NULL, *kpm_pad_data = NULL;
     if (weights != NULL && average) Wall = attn__alloc_array((size_t)(N * H * L), (size_t)Sx * es);
     st = (qkv && Op && (Wall || !(weights && average))) ? ATTN_OK : ATTN_ERR_NOMEM;
-    char *Qp = qkv, *Kp, *Vp;
-    if (fused_qkv) {
+    char *Qp = qkv, *Kp = NULL, *Vp = NULL; /* no arithmetic on a failed (NULL) block */
+    if (qkv != NULL && fused_qkv) {
         Kp = qkv + (size_t)D * es;
         Vp = qkv + (size_t)(2 * D) * es;
-    } else {
+    } else if (qkv != NULL) {
         Kp = qkv + (size_t)(N * L * D) * es;
         Vp = Kp + (size_t)(N * Sx * D) * es;
     }
@@ -795,7 +798,8 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         const char *Wo = param_data(m, find_param(m, "out_proj.weight"));
         const char *bo = c->bias ? param_data(m, find_param(m, "out_proj.bias")) : NULL;
         bool direct = outv.strides[2] == 1 && outv.strides[0] >= 0 && outv.strides[1] >= 0 &&
-                      (L == 1 || outv.strides[1] >= E) && (N == 1 || outv.strides[0] >= E);
+                      (L == 1 || (outv.strides[1] >= E && attn__blas_fits(outv.strides[1]))) &&
+                      (N == 1 || (outv.strides[0] >= E && attn__blas_fits(outv.strides[0])));
         if (direct) {
             st = project(dt, &o3, Wo, bo, E, out->data, outv.strides[0], outv.strides[1]);
         } else {

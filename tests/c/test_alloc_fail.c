@@ -1,0 +1,385 @@
+/*
+ * test_alloc_fail.c — allocation-failure injection, SQLite-style.
+ *
+ * Through the public hook (attn_set_allocator), each scenario is run with
+ * the n-th allocation failing, for n = 1, 2, ... until a run succeeds. Every
+ * failed run must return ATTN_ERR_NOMEM with a message and leave no block
+ * allocated (the hook counts allocations against releases; LSan checks the
+ * rest in the sanitizer tier). The run that finally succeeds must give
+ * bit-for-bit the result of a run with the default allocator.
+ *
+ * Two modes: "transient" (only the n-th allocation fails) and "persistent"
+ * (the n-th and every later one fail, as when memory stays exhausted).
+ * The number of failure points walked per API is printed.
+ */
+#define _POSIX_C_SOURCE 200809L /* mkstemp */
+#include <unistd.h>
+
+#include "testutil.h"
+
+#ifndef ATTN_TEST_DATA
+#error "ATTN_TEST_DATA must name tests/data"
+#endif
+
+/* ---- the failing allocator ---- */
+
+typedef struct failer {
+    long allocs, releases, live, fail_at, failed;
+    bool persistent;
+} failer;
+
+static failer F;
+
+static void *fail_alloc(void *ctx, size_t size) {
+    failer *f = ctx;
+    f->allocs++;
+    if (f->fail_at > 0 && (f->allocs == f->fail_at || (f->persistent && f->allocs > f->fail_at))) {
+        f->failed++;
+        return NULL;
+    }
+    void *p = malloc(size);
+    if (p) f->live++;
+    return p;
+}
+static void fail_release(void *ctx, void *p) {
+    failer *f = ctx;
+    f->releases++;
+    f->live--;
+    free(p);
+}
+
+/* A scenario runs one API call sequence (creating and destroying whatever it
+ * needs) and compares its outputs with `expect` when it succeeds. */
+typedef struct scenario {
+    const char *name;
+    attn_status (*run)(void *state, bool compare);
+    void *state;
+} scenario;
+
+/* Walks the failure points; returns how many were walked. */
+static long walk(const scenario *s, bool persistent) {
+    attn_allocator a = {fail_alloc, fail_release, &F};
+    /* The default allocator's result is the reference. */
+    attn_set_allocator(NULL);
+    CHECK_OK(s->run(s->state, false));
+    long n;
+    for (n = 1; n < 10000; n++) {
+        memset(&F, 0, sizeof F);
+        F.fail_at = n;
+        F.persistent = persistent;
+        attn_set_allocator(&a);
+        attn_status st = s->run(s->state, true);
+        attn_set_allocator(NULL);
+        CHECK(F.live == 0, "%s: failing allocation %ld leaks %ld blocks", s->name, n, F.live);
+        if (st == ATTN_OK) {
+            CHECK(F.failed == 0, "%s: allocation %ld failed but the call returned ATTN_OK",
+                  s->name, n);
+            break;
+        }
+        CHECK(st == ATTN_ERR_NOMEM, "%s: failing allocation %ld gave %s: %s", s->name, n,
+              attn_strerror(st), attn_last_error());
+        CHECK(attn_last_error()[0] != '\0', "%s: allocation %ld failed without a message",
+              s->name, n);
+        CHECK(F.failed > 0, "%s: failed without a failed allocation", s->name);
+    }
+    return n - 1;
+}
+
+/* ---- SDPA ---- */
+
+typedef struct sdpa_state {
+    test_tensor q, k, v, mask, out, weights, lse;
+    attn_sdpa_params p;
+    bool with_weights, with_lse;
+    double *expect_out, *expect_w, *expect_lse;
+} sdpa_state;
+
+static bool same_dense(const attn_tensor *t, const double *expect) {
+    double *x = tt_dense(t);
+    bool same = memcmp(x, expect, sizeof(double) * (size_t)attn_tensor_numel(t)) == 0;
+    free(x);
+    return same;
+}
+
+static attn_status sdpa_run(void *state, bool compare) {
+    sdpa_state *s = state;
+    attn_status st = attn_sdpa(&s->q.t, &s->k.t, &s->v.t, &s->p, &s->out.t,
+                               s->with_weights ? &s->weights.t : NULL,
+                               s->with_lse ? &s->lse.t : NULL);
+    if (st != ATTN_OK) return st;
+    if (!compare) {
+        free(s->expect_out);
+        free(s->expect_w);
+        free(s->expect_lse);
+        s->expect_out = tt_dense(&s->out.t);
+        s->expect_w = s->with_weights ? tt_dense(&s->weights.t) : NULL;
+        s->expect_lse = s->with_lse ? tt_dense(&s->lse.t) : NULL;
+    } else {
+        CHECK(same_dense(&s->out.t, s->expect_out), "out differs after failure injection");
+        if (s->with_weights)
+            CHECK(same_dense(&s->weights.t, s->expect_w), "weights differ");
+        if (s->with_lse) CHECK(same_dense(&s->lse.t, s->expect_lse), "lse differs");
+    }
+    return st;
+}
+
+static void sdpa_setup(sdpa_state *s, rng *r, attn_dtype dt, bool weights, bool lse, bool extras) {
+    memset(s, 0, sizeof *s);
+    int64_t qs[4] = {2, 4, 5, 8}, ks[4] = {2, extras ? 2 : 4, 7, 8}, vs[4] = {2, extras ? 2 : 4, 7, 6};
+    int64_t os[4] = {2, 4, 5, 6}, ws[4] = {2, 4, 5, 7}, ms[2] = {5, 7};
+    tt_make(&s->q, r, dt, 4, qs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->k, r, dt, 4, ks, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->v, r, dt, 4, vs, LAYOUT_RANDOM, 1, 0);
+    tt_make_output(&s->out, r, dt, 4, os, LAYOUT_RANDOM);
+    tt_make_output(&s->weights, r, dt, 4, ws, LAYOUT_CONTIGUOUS);
+    tt_make_output(&s->lse, r, dt, 3, os, LAYOUT_CONTIGUOUS);
+    attn_sdpa_params_init(&s->p);
+    if (extras) {
+        tt_make(&s->mask, r, ATTN_DTYPE_BOOL, 2, ms, LAYOUT_RANDOM, 1, 0.7);
+        s->p.attn_mask = &s->mask.t;
+        s->p.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+        s->p.enable_gqa = 1;
+        s->p.dropout_p = 0.25;
+        s->p.seed = 7;
+    }
+    s->with_weights = weights;
+    s->with_lse = lse;
+}
+
+static void sdpa_teardown(sdpa_state *s) {
+    tt_free(&s->q);
+    tt_free(&s->k);
+    tt_free(&s->v);
+    tt_free(&s->mask);
+    tt_free(&s->out);
+    tt_free(&s->weights);
+    tt_free(&s->lse);
+    free(s->expect_out);
+    free(s->expect_w);
+    free(s->expect_lse);
+}
+
+/* ---- MHA: create + forward + destroy ---- */
+
+typedef struct mha_state {
+    attn_mha_config cfg;
+    test_tensor query, key, value, kpm, mask, out, weights;
+    attn_mha_forward_params fp;
+    bool need_weights;
+    double *expect_out, *expect_w;
+} mha_state;
+
+static attn_status mha_run(void *state, bool compare) {
+    mha_state *s = state;
+    attn_mha *m = NULL;
+    attn_status st = attn_mha_create(&s->cfg, &m);
+    if (st != ATTN_OK) {
+        CHECK(m == NULL, "a failed create leaves a module");
+        return st;
+    }
+    st = attn_mha_forward(m, &s->query.t, &s->key.t, &s->value.t, &s->fp, &s->out.t,
+                          s->need_weights ? &s->weights.t : NULL);
+    attn_mha_destroy(m);
+    if (st != ATTN_OK) return st;
+    if (!compare) {
+        free(s->expect_out);
+        free(s->expect_w);
+        s->expect_out = tt_dense(&s->out.t);
+        s->expect_w = s->need_weights ? tt_dense(&s->weights.t) : NULL;
+    } else {
+        CHECK(same_dense(&s->out.t, s->expect_out), "MHA out differs after failure injection");
+        if (s->need_weights) CHECK(same_dense(&s->weights.t, s->expect_w), "MHA weights differ");
+    }
+    return st;
+}
+
+/* kind 0: packed projections, sequence-first, add_bias_kv + add_zero_attn
+ *         (padded masks), bool key_padding_mask, float 2-D attn_mask,
+ *         is_causal, averaged weights;
+ * kind 1: kdim != vdim != E, batch_first, strided inputs (packed copies),
+ *         a non-contiguous output, 3-D bool attn_mask, per-head weights,
+ *         float64, dropout in training;
+ * kind 2: unbatched, float key_padding_mask, add_zero_attn, causal. */
+static void mha_setup(mha_state *s, rng *r, int kind) {
+    memset(s, 0, sizeof *s);
+    const int64_t N = 2, L = 4, S = 5, E = 8, H = 2;
+    attn_mha_config_init(&s->cfg, E, H);
+    s->cfg.init_seed = 11 + (uint64_t)kind;
+    attn_mha_forward_params_init(&s->fp);
+    s->need_weights = true;
+    attn_dtype dt = kind == 1 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    s->cfg.dtype = dt;
+    int64_t Sx = S;
+    if (kind == 0) {
+        s->cfg.add_bias_kv = s->cfg.add_zero_attn = 1;
+        Sx = S + 2;
+        int64_t qs[3] = {L, N, E}, ks[3] = {S, N, E}, kp[2] = {N, S}, am[2] = {L, S},
+                ws[3] = {N, L, Sx};
+        tt_make(&s->query, r, dt, 3, qs, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make(&s->key, r, dt, 3, ks, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make(&s->value, r, dt, 3, ks, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make(&s->kpm, r, ATTN_DTYPE_BOOL, 2, kp, LAYOUT_RANDOM, 1, 0.3);
+        tt_make(&s->mask, r, ATTN_DTYPE_F32, 2, am, LAYOUT_RANDOM, 1, 0);
+        tt_make_output(&s->out, r, dt, 3, qs, LAYOUT_CONTIGUOUS);
+        tt_make_output(&s->weights, r, dt, 3, ws, LAYOUT_RANDOM);
+        s->fp.is_causal = 1;
+    } else if (kind == 1) {
+        s->cfg.kdim = 3;
+        s->cfg.vdim = 5;
+        s->cfg.batch_first = 1;
+        s->cfg.dropout = 0.3;
+        s->fp.training = 1;
+        s->fp.seed = 5;
+        s->fp.average_attn_weights = 0;
+        int64_t qs[3] = {N, L, E}, ks[3] = {N, S, 3}, vs[3] = {N, S, 5}, am[3] = {N * H, L, S},
+                ws[4] = {N, H, L, S};
+        tt_make(&s->query, r, dt, 3, qs, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->key, r, dt, 3, ks, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->value, r, dt, 3, vs, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->mask, r, ATTN_DTYPE_BOOL, 3, am, LAYOUT_RANDOM, 1, 0.2);
+        tt_make_output(&s->out, r, dt, 3, qs, LAYOUT_CONTIGUOUS);
+        s->out.t.strides[2] = -1; /* reversed features: never the direct GEMM path */
+        s->out.t.data = (char *)s->out.t.data + (E - 1) * (int64_t)attn_dtype_size(dt);
+        tt_make_output(&s->weights, r, dt, 4, ws, LAYOUT_RANDOM);
+    } else {
+        s->cfg.add_zero_attn = 1;
+        Sx = S + 1;
+        int64_t qs[2] = {L, E}, ks[2] = {S, E}, kp[1] = {S}, ws[2] = {L, Sx};
+        tt_make(&s->query, r, dt, 2, qs, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->key, r, dt, 2, ks, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->value, r, dt, 2, ks, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->kpm, r, ATTN_DTYPE_F64, 1, kp, LAYOUT_RANDOM, 1, 0);
+        tt_make_output(&s->out, r, dt, 2, qs, LAYOUT_RANDOM);
+        tt_make_output(&s->weights, r, dt, 2, ws, LAYOUT_RANDOM);
+        s->fp.is_causal = 1;
+    }
+    if (s->kpm.storage) s->fp.key_padding_mask = &s->kpm.t;
+    if (s->mask.storage) s->fp.attn_mask = &s->mask.t;
+}
+
+static void mha_teardown(mha_state *s) {
+    tt_free(&s->query);
+    tt_free(&s->key);
+    tt_free(&s->value);
+    tt_free(&s->kpm);
+    tt_free(&s->mask);
+    tt_free(&s->out);
+    tt_free(&s->weights);
+    free(s->expect_out);
+    free(s->expect_w);
+}
+
+/* ---- .npy ---- */
+
+typedef struct npy_state {
+    char path[512];
+    unsigned char *bytes;
+    size_t size;
+    bool parse; /* attn_npy_parse on bytes, else attn_npy_load on path */
+    double *expect;
+} npy_state;
+
+static attn_status npy_run(void *state, bool compare) {
+    npy_state *s = state;
+    attn_tensor t;
+    attn_status st = s->parse ? attn_npy_parse(s->bytes, s->size, &t) : attn_npy_load(s->path, &t);
+    if (st != ATTN_OK) {
+        CHECK(t.data == NULL, "a failed read leaves data");
+        return st;
+    }
+    if (!compare) {
+        free(s->expect);
+        s->expect = tt_dense(&t);
+    } else {
+        CHECK(same_dense(&t, s->expect), "the array differs after failure injection");
+    }
+    attn_npy_free(&t);
+    return st;
+}
+
+static void npy_setup(npy_state *s, const char *fixture, bool parse) {
+    memset(s, 0, sizeof *s);
+    snprintf(s->path, sizeof s->path, "%s/npy/%s.npy", ATTN_TEST_DATA, fixture);
+    s->parse = parse;
+    FILE *f = fopen(s->path, "rb");
+    CHECK(f != NULL, "cannot open %s", s->path);
+    if (f == NULL) return;
+    s->bytes = malloc(1 << 16);
+    s->size = fread(s->bytes, 1, 1 << 16, f);
+    fclose(f);
+}
+
+/* ---- the walks ---- */
+
+static void report(const char *name, long transient, long persistent) {
+    printf("  %-42s %3ld failure points (transient), %3ld (persistent)\n", name, transient,
+           persistent);
+}
+
+static void run_scenario(const scenario *s) {
+    long a = walk(s, false), b = walk(s, true);
+    CHECK(a >= 1, "%s: no allocation to fail", s->name);
+    CHECK(a == b, "%s: %ld transient vs %ld persistent failure points", s->name, a, b);
+    report(s->name, a, b);
+}
+
+static void sdpa_failures(void) {
+    rng r = {harness_seed() ^ 0xa110c};
+    struct {
+        const char *name;
+        attn_dtype dt;
+        bool weights, lse, extras;
+    } cases[] = {
+        {"attn_sdpa (f32, out only)", ATTN_DTYPE_F32, false, false, false},
+        {"attn_sdpa (f64, weights + lse)", ATTN_DTYPE_F64, true, true, false},
+        {"attn_sdpa (mask, causal, gqa, dropout)", ATTN_DTYPE_F32, true, true, true},
+    };
+    attn_isa paths[8];
+    int npaths = 0;
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
+        if (attn_isa_supported((attn_isa)i)) paths[npaths++] = (attn_isa)i;
+    for (int pi = 0; pi < npaths; pi++) {
+        CHECK_OK(attn_set_isa(paths[pi]));
+        printf(" path %s:\n", attn_isa_name(paths[pi]));
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            sdpa_state st;
+            sdpa_setup(&st, &r, cases[i].dt, cases[i].weights, cases[i].lse, cases[i].extras);
+            scenario s = {cases[i].name, sdpa_run, &st};
+            run_scenario(&s);
+            sdpa_teardown(&st);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+static void mha_failures(void) {
+    rng r = {harness_seed() ^ 0x3a};
+    const char *names[3] = {"attn_mha_create+forward (padded masks)",
+                            "attn_mha_create+forward (kdim/vdim, 3-D)",
+                            "attn_mha_create+forward (unbatched)"};
+    for (int kind = 0; kind < 3; kind++) {
+        mha_state st;
+        mha_setup(&st, &r, kind);
+        scenario s = {names[kind], mha_run, &st};
+        run_scenario(&s);
+        mha_teardown(&st);
+    }
+}
+
+static void npy_failures(void) {
+    const char *fixtures[2] = {"f64_fortran_big", "bool_c"};
+    for (int i = 0; i < 2; i++)
+        for (int parse = 0; parse < 2; parse++) {
+            npy_state st;
+            npy_setup(&st, fixtures[i], parse);
+            char name[96];
+            snprintf(name, sizeof name, "%s (%s)", parse ? "attn_npy_parse" : "attn_npy_load",
+                     fixtures[i]);
+            scenario s = {name, npy_run, &st};
+            run_scenario(&s);
+            free(st.bytes);
+            free(st.expect);
+        }
+}
+
+HARNESS_MAIN(T(sdpa_failures), T(mha_failures), T(npy_failures))

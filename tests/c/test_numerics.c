@@ -1,0 +1,427 @@
+/*
+ * test_numerics.c — hostile numerics, as attn.h documents them:
+ *  - NaN/Inf in a masked-out key, value or float-mask entry (bool mask,
+ *    -inf float mask, causal) never reaches the output;
+ *  - NaN in a query or in a visible key / float-mask entry makes its row
+ *    NaN and leaves the other rows unchanged; NaN/Inf in a
+ *    visible value reaches exactly that value's column;
+ *  - a key whose weight is exactly 0 (underflow, dropout) contributes
+ *    nothing, even with a NaN or Inf value;
+ *  - fully masked rows (bool, -inf, causal) give 0 / 0 / -inf;
+ *  - logits of magnitude 1e30 (float64) and ~1e4·E (float32) do not
+ *    overflow: the weights are one-hot and the output is the winning value;
+ *  - sizes whose byte count overflows 64 bits are rejected with a status.
+ * Every test runs on every kernel path this machine supports (attn_set_isa),
+ * in float32 and float64: nothing here is specific to the reference kernel.
+ * "Unchanged" is bit for bit on the reference path; a fused path may move a
+ * value by rounding (1e-12 relative in float64, 1e-5 in float32) when it
+ * reroutes around a non-finite input, never make it NaN/Inf.
+ */
+#include "testutil.h"
+
+enum { MAXL = 16, MAXS = 16, MAXE = 32 };
+
+typedef struct prob {
+    int64_t L, S, E, Ev;
+    double q[MAXL * MAXE], k[MAXS * MAXE], v[MAXS * MAXE];
+    attn_dtype mask_dtype; /* 0: no mask */
+    double mask[MAXL * MAXS];
+    attn_sdpa_params p; /* attn_mask is set by solve() */
+} prob;
+
+typedef struct result {
+    attn_status st;
+    double out[MAXL * MAXE], w[MAXL * MAXS], lse[MAXL];
+} result;
+
+static void to_dtype(void *dst, attn_dtype dt, const double *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (dt == ATTN_DTYPE_F32)
+            ((float *)dst)[i] = (float)src[i];
+        else if (dt == ATTN_DTYPE_F64)
+            ((double *)dst)[i] = src[i];
+        else
+            ((unsigned char *)dst)[i] = src[i] != 0;
+    }
+}
+static void from_dtype(double *dst, attn_dtype dt, const void *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = dt == ATTN_DTYPE_F32 ? (double)((const float *)src)[i] : ((const double *)src)[i];
+}
+
+static result solve(const prob *pr, attn_dtype dt) {
+    static double qb[MAXL * MAXE], kb[MAXS * MAXE], vb[MAXS * MAXE], mb[MAXL * MAXS];
+    static double ob[MAXL * MAXE], wb[MAXL * MAXS], lb[MAXL];
+    result r;
+    memset(&r, 0, sizeof r);
+    to_dtype(qb, dt, pr->q, pr->L * pr->E);
+    to_dtype(kb, dt, pr->k, pr->S * pr->E);
+    to_dtype(vb, dt, pr->v, pr->S * pr->Ev);
+    int64_t qs[2] = {pr->L, pr->E}, ks[2] = {pr->S, pr->E}, vs[2] = {pr->S, pr->Ev},
+            os[2] = {pr->L, pr->Ev}, ws[2] = {pr->L, pr->S};
+    attn_tensor q, k, v, o, w, l, m;
+    attn_tensor_init(&q, qb, dt, 2, qs);
+    attn_tensor_init(&k, kb, dt, 2, ks);
+    attn_tensor_init(&v, vb, dt, 2, vs);
+    attn_tensor_init(&o, ob, dt, 2, os);
+    attn_tensor_init(&w, wb, dt, 2, ws);
+    attn_tensor_init(&l, lb, dt, 1, qs);
+    attn_sdpa_params p = pr->p;
+    if (pr->mask_dtype != 0) {
+        to_dtype(mb, pr->mask_dtype, pr->mask, pr->L * pr->S);
+        attn_tensor_init(&m, mb, pr->mask_dtype, 2, ws);
+        p.attn_mask = &m;
+    }
+    r.st = attn_sdpa(&q, &k, &v, &p, &o, &w, &l);
+    from_dtype(r.out, dt, ob, pr->L * pr->Ev);
+    from_dtype(r.w, dt, wb, pr->L * pr->S);
+    from_dtype(r.lse, dt, lb, pr->L);
+    return r;
+}
+
+/* A random problem with moderate values; mask all-visible when present. */
+static void random_prob(prob *pr, rng *r, int64_t L, int64_t S, int64_t E, int64_t Ev) {
+    memset(pr, 0, sizeof *pr);
+    pr->L = L, pr->S = S, pr->E = E, pr->Ev = Ev;
+    for (int64_t i = 0; i < L * E; i++) pr->q[i] = rng_normal(r);
+    for (int64_t i = 0; i < S * E; i++) pr->k[i] = rng_normal(r);
+    for (int64_t i = 0; i < S * Ev; i++) pr->v[i] = rng_normal(r);
+    attn_sdpa_params_init(&pr->p);
+}
+
+/* "Unchanged": a fused kernel may take another route (its reference
+ * fallback, say) when an input it never uses holds NaN/Inf, so outside the
+ * reference path values may move by rounding; but a non-finite value must
+ * be exactly where the baseline has one. On the reference path: bit for bit. */
+static double tol;
+static bool same_value(double a, double b) {
+    if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);
+    if (!isfinite(a) || !isfinite(b)) return a == b;
+    return fabs(a - b) <= tol * (1 + fabs(b));
+}
+static bool same_values(const double *a, const double *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!same_value(a[i], b[i])) return false;
+    return true;
+}
+static bool row_same(const result *a, const result *b, const prob *pr, int64_t i) {
+    return same_values(a->out + i * pr->Ev, b->out + i * pr->Ev, pr->Ev) &&
+           same_values(a->w + i * pr->S, b->w + i * pr->S, pr->S) && same_value(a->lse[i], b->lse[i]);
+}
+static bool all_same(const result *a, const result *b, const prob *pr) {
+    for (int64_t i = 0; i < pr->L; i++)
+        if (!row_same(a, b, pr, i)) return false;
+    return true;
+}
+static bool row_nan(const result *a, const prob *pr, int64_t i) {
+    for (int64_t e = 0; e < pr->Ev; e++)
+        if (!isnan(a->out[i * pr->Ev + e])) return false;
+    return isnan(a->lse[i]);
+}
+
+static const double POISON[] = {NAN, INFINITY, -INFINITY};
+static const char *POISON_NAME[] = {"NaN", "+Inf", "-Inf"};
+
+/* Runs `fn` on every supported path, for float32 and float64. */
+static void each_path(void (*fn)(attn_dtype, const char *)) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)i));
+        char where[64];
+        for (int d = 0; d < 2; d++) {
+            attn_dtype dt = d ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+            snprintf(where, sizeof where, "%s/%s", attn_isa_name((attn_isa)i), attn_dtype_name(dt));
+            tol = i == ATTN_ISA_REF ? 0.0 : dt == ATTN_DTYPE_F64 ? 1e-12 : 1e-5;
+            fn(dt, where);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- masked-out entries never reach the output ---- */
+
+static void masked_out_poison_case(attn_dtype dt, const char *where) {
+    rng r = {harness_seed() ^ 0x6a};
+    for (int kind = 0; kind < 3; kind++) { /* bool false, float -inf, causal */
+        prob pr;
+        random_prob(&pr, &r, 4, 6, 5, 3);
+        const int64_t hidden = 2; /* key 2 is masked out for every row */
+        if (kind == 0) {
+            pr.mask_dtype = ATTN_DTYPE_BOOL;
+            for (int64_t i = 0; i < pr.L * pr.S; i++) pr.mask[i] = (i % pr.S) != hidden;
+        } else if (kind == 1) {
+            pr.mask_dtype = dt;
+            for (int64_t i = 0; i < pr.L * pr.S; i++)
+                pr.mask[i] = (i % pr.S) == hidden ? -INFINITY : 0.25 * (double)(i % 3);
+        } else {
+            /* Bottom-right causal with S - L = 2: row i sees keys j <= i + 2,
+             * so key 5 is hidden from rows 0..2 only; poison a float-mask
+             * entry that causality hides, and check key 5 separately. */
+            pr.p.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+            pr.mask_dtype = dt;
+            for (int64_t i = 0; i < pr.L * pr.S; i++) pr.mask[i] = 0;
+        }
+        result base = solve(&pr, dt);
+        CHECK(base.st == ATTN_OK, "%s: %s", where, attn_last_error());
+        for (int pz = 0; pz < 3; pz++) {
+            prob bad = pr;
+            if (kind < 2) {
+                for (int64_t e = 0; e < pr.E; e++) bad.k[hidden * pr.E + e] = POISON[pz];
+                for (int64_t e = 0; e < pr.Ev; e++) bad.v[hidden * pr.Ev + e] = POISON[pz];
+            } else {
+                for (int64_t i = 0; i < 3; i++) bad.mask[i * pr.S + 5] = POISON[pz];
+                bad.mask[0 * pr.S + 3] = POISON[pz];
+            }
+            result got = solve(&bad, dt);
+            CHECK(got.st == ATTN_OK && all_same(&got, &base, &pr),
+                  "%s: %s in a masked-out entry (mask kind %d) changed the result", where,
+                  POISON_NAME[pz], kind);
+            if (kind == 2) { /* key 5 is visible to row 3 only */
+                prob k5 = pr;
+                for (int64_t e = 0; e < pr.E; e++) k5.k[5 * pr.E + e] = NAN;
+                got = solve(&k5, dt);
+                bool ok = row_nan(&got, &pr, 3);
+                for (int64_t i = 0; i < 3; i++) ok &= row_same(&got, &base, &pr, i);
+                CHECK(ok, "%s: NaN in key 5 must poison row 3 only (bottom-right causal)", where);
+            }
+        }
+    }
+}
+static void masked_out_never_reaches_output(void) { each_path(masked_out_poison_case); }
+
+/* ---- NaN in what takes part ---- */
+
+static void visible_nan_case(attn_dtype dt, const char *where) {
+    rng r = {harness_seed() ^ 0x7b};
+    prob pr;
+    random_prob(&pr, &r, 4, 5, 6, 3);
+    pr.mask_dtype = dt;
+    for (int64_t i = 0; i < pr.L * pr.S; i++) pr.mask[i] = 0.5 * (double)(i % 2);
+    result base = solve(&pr, dt);
+    CHECK(base.st == ATTN_OK, "%s", where);
+    /* NaN in query row 1: row 1 is NaN, the others are unchanged. */
+    prob a = pr;
+    a.q[1 * pr.E + 2] = NAN;
+    result got = solve(&a, dt);
+    bool ok = got.st == ATTN_OK && row_nan(&got, &pr, 1);
+    for (int64_t i = 0; i < pr.L; i++)
+        if (i != 1) ok &= row_same(&got, &base, &pr, i);
+    CHECK(ok, "%s: NaN in query row 1 must poison row 1 only", where);
+    /* NaN in a visible float-mask entry (2, 3): row 2 only. */
+    a = pr;
+    a.mask[2 * pr.S + 3] = NAN;
+    got = solve(&a, dt);
+    ok = got.st == ATTN_OK && row_nan(&got, &pr, 2);
+    for (int64_t i = 0; i < pr.L; i++)
+        if (i != 2) ok &= row_same(&got, &base, &pr, i);
+    CHECK(ok, "%s: NaN in mask entry (2, 3) must poison row 2 only", where);
+    /* NaN in a key every row sees: every row. */
+    a = pr;
+    a.k[4 * pr.E + 0] = NAN;
+    got = solve(&a, dt);
+    ok = got.st == ATTN_OK;
+    for (int64_t i = 0; i < pr.L; i++) ok &= row_nan(&got, &pr, i);
+    CHECK(ok, "%s: NaN in a visible key must poison every row that sees it", where);
+    /* NaN / +Inf in a visible value: exactly that value's column. */
+    for (int pz = 0; pz < 2; pz++) {
+        a = pr;
+        a.v[3 * pr.Ev + 1] = POISON[pz];
+        got = solve(&a, dt);
+        ok = got.st == ATTN_OK;
+        for (int64_t i = 0; i < pr.L; i++)
+            for (int64_t e = 0; e < pr.Ev; e++) {
+                double x = got.out[i * pr.Ev + e], b = base.out[i * pr.Ev + e];
+                if (e == 1)
+                    ok &= pz == 0 ? isnan(x) : x == INFINITY;
+                else
+                    ok &= same_value(x, b);
+            }
+        CHECK(ok, "%s: %s in value (3, 1) must reach column 1 only", where, POISON_NAME[pz]);
+    }
+}
+static void visible_nan_poisons_its_rows(void) { each_path(visible_nan_case); }
+
+/* ---- keys with weight exactly 0 ---- */
+
+static void zero_weight_case(attn_dtype dt, const char *where) {
+    rng r = {harness_seed() ^ 0x8c};
+    /* Underflow: key 1's score is ~1e4 below the best, so exp() is 0. */
+    prob pr;
+    random_prob(&pr, &r, 3, 4, 2, 2);
+    for (int64_t i = 0; i < pr.L; i++) pr.q[i * 2] = 1, pr.q[i * 2 + 1] = 0;
+    pr.k[1 * 2] = -2e4;
+    pr.p.has_scale = 1;
+    pr.p.scale = 1;
+    result base = solve(&pr, dt);
+    bool zero = base.st == ATTN_OK;
+    for (int64_t i = 0; i < pr.L; i++) zero &= base.w[i * pr.S + 1] == 0.0;
+    CHECK(zero, "%s: key 1 should get weight exactly 0", where);
+    for (int pz = 0; pz < 3; pz++) {
+        prob a = pr;
+        a.v[1 * 2] = a.v[1 * 2 + 1] = POISON[pz];
+        result got = solve(&a, dt);
+        CHECK(got.st == ATTN_OK && all_same(&got, &base, &pr),
+              "%s: %s in an underflowed key's value reached the output", where, POISON_NAME[pz]);
+    }
+    /* Dropout: find a key dropped in every row, poison its value. */
+    bool found = false;
+    for (uint64_t seed = 1; seed < 64 && !found; seed++) {
+        random_prob(&pr, &r, 2, 16, 3, 2);
+        pr.p.dropout_p = 0.5;
+        pr.p.seed = seed;
+        base = solve(&pr, dt);
+        for (int64_t j = 0; j < pr.S && !found; j++) {
+            bool dropped = true;
+            for (int64_t i = 0; i < pr.L; i++) dropped &= base.w[i * pr.S + j] == 0.0;
+            if (!dropped) continue;
+            found = true;
+            for (int pz = 0; pz < 3; pz++) {
+                prob a = pr;
+                for (int64_t e = 0; e < pr.Ev; e++) a.v[j * pr.Ev + e] = POISON[pz];
+                result got = solve(&a, dt);
+                CHECK(got.st == ATTN_OK && all_same(&got, &base, &pr),
+                      "%s: %s in a dropped key's value reached the output", where,
+                      POISON_NAME[pz]);
+            }
+        }
+    }
+    CHECK(found, "%s: no seed dropped a whole column", where);
+}
+static void zero_weight_keys_contribute_nothing(void) { each_path(zero_weight_case); }
+
+/* ---- fully masked rows ---- */
+
+static void fully_masked_case(attn_dtype dt, const char *where) {
+    rng r = {harness_seed() ^ 0x9d};
+    for (int kind = 0; kind < 3; kind++) {
+        prob pr;
+        random_prob(&pr, &r, 5, 3, 4, 2);
+        int64_t empty_rows = 1;
+        if (kind == 0) { /* bool false on row 0; NaN values do not matter */
+            pr.mask_dtype = ATTN_DTYPE_BOOL;
+            for (int64_t i = 0; i < pr.L * pr.S; i++) pr.mask[i] = i >= pr.S;
+        } else if (kind == 1) { /* -inf on row 0 */
+            pr.mask_dtype = dt;
+            for (int64_t i = 0; i < pr.L * pr.S; i++) pr.mask[i] = i < pr.S ? -INFINITY : 1.0;
+        } else { /* bottom-right causal, L = 5 > S = 3: rows 0, 1 see nothing */
+            pr.p.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+            empty_rows = 2;
+        }
+        result got = solve(&pr, dt);
+        bool ok = got.st == ATTN_OK;
+        for (int64_t i = 0; i < empty_rows; i++) {
+            for (int64_t e = 0; e < pr.Ev; e++) ok &= got.out[i * pr.Ev + e] == 0.0;
+            for (int64_t j = 0; j < pr.S; j++) ok &= got.w[i * pr.S + j] == 0.0;
+            ok &= got.lse[i] == -INFINITY;
+        }
+        for (int64_t i = empty_rows; i < pr.L; i++) ok &= isfinite(got.lse[i]);
+        CHECK(ok, "%s: fully masked rows (kind %d) must give 0, 0, -inf", where, kind);
+    }
+}
+static void fully_masked_rows_give_zero(void) { each_path(fully_masked_case); }
+
+/* ---- huge logits ---- */
+
+static void huge_logits_case(attn_dtype dt, const char *where) {
+    /* float64: entries c = 1e15 give logits ~ E * 1e30; float32: c = 100
+     * gives ~1e4 * E. Key j's logit is a_j * c^2 * E (times scale), with
+     * distinct a_j, so the weights are exactly one-hot. */
+    const double c = dt == ATTN_DTYPE_F64 ? 1e15 : 100;
+    const int64_t E = dt == ATTN_DTYPE_F64 ? 4 : 32;
+    static const double a[5] = {0.5, 1.0, -1.0, 0.25, 0.75};
+    for (int sign = 0; sign < 2; sign++) {
+        prob pr;
+        memset(&pr, 0, sizeof pr);
+        pr.L = 2, pr.S = 5, pr.E = E, pr.Ev = 3;
+        attn_sdpa_params_init(&pr.p);
+        pr.p.has_scale = 1;
+        pr.p.scale = sign ? -1.0 : 1.0; /* negative scale: the smallest a_j wins */
+        for (int64_t i = 0; i < pr.L * E; i++) pr.q[i] = c;
+        for (int64_t j = 0; j < pr.S; j++)
+            for (int64_t e = 0; e < E; e++) pr.k[j * E + e] = a[j] * c;
+        for (int64_t j = 0; j < pr.S; j++)
+            for (int64_t e = 0; e < pr.Ev; e++) pr.v[j * pr.Ev + e] = (double)(10 * j + e);
+        if (dt == ATTN_DTYPE_F64) { /* and a float mask of the same magnitude */
+            pr.mask_dtype = ATTN_DTYPE_F64;
+            for (int64_t i = 0; i < pr.L * pr.S; i++) pr.mask[i] = i % 2 ? 1e29 : -1e29;
+        }
+        result got = solve(&pr, dt);
+        int64_t win = sign ? 2 : 1;
+        double logit = (sign ? -1.0 : 1.0) * a[win] * c * c * (double)E;
+        bool ok = got.st == ATTN_OK;
+        for (int64_t i = 0; i < pr.L; i++) {
+            for (int64_t j = 0; j < pr.S; j++) ok &= got.w[i * pr.S + j] == (j == win ? 1.0 : 0.0);
+            for (int64_t e = 0; e < pr.Ev; e++) ok &= got.out[i * pr.Ev + e] == (double)(10 * win + e);
+            double want = logit + pr.mask[i * pr.S + win];
+            ok &= isfinite(got.lse[i]) && fabs(got.lse[i] - want) <= 1e-6 * fabs(want);
+        }
+        CHECK(ok, "%s: logits of magnitude %.0e (scale %+.0f) overflowed: out %g, lse %g", where,
+              fabs(logit), pr.p.scale, got.out[0], got.lse[0]);
+    }
+}
+static void huge_logits_do_not_overflow(void) { each_path(huge_logits_case); }
+
+/* ---- sizes whose byte count overflows ---- */
+
+static void byte_count_overflow_rejected(void) {
+    static double x[64];
+    int64_t one[2] = {1, 1};
+    attn_tensor q, k, v, o;
+    attn_tensor_init(&q, x, ATTN_DTYPE_F32, 2, one);
+    attn_tensor_init(&k, x, ATTN_DTYPE_F32, 2, one);
+    attn_tensor_init(&v, x, ATTN_DTYPE_F32, 2, one);
+    attn_tensor_init(&o, x + 8, ATTN_DTYPE_F32, 2, one);
+    /* 2^62 broadcast queries: the element count fits, 4 bytes each do not. */
+    q.shape[0] = (int64_t)1 << 62;
+    q.strides[0] = 0;
+    CHECK_STATUS(attn_sdpa(&q, &k, &v, NULL, &o, NULL, NULL), ATTN_ERR_OVERFLOW);
+    /* 2^61 float64 keys, broadcast: 2^64 bytes. */
+    attn_tensor_init(&q, x, ATTN_DTYPE_F64, 2, one);
+    attn_tensor_init(&k, x, ATTN_DTYPE_F64, 2, one);
+    attn_tensor_init(&v, x, ATTN_DTYPE_F64, 2, one);
+    k.shape[0] = v.shape[0] = (int64_t)1 << 61;
+    k.strides[0] = v.strides[0] = 0;
+    CHECK_STATUS(attn_sdpa(&q, &k, &v, NULL, &o, NULL, NULL), ATTN_ERR_OVERFLOW);
+    /* Each input fits, but L x S weights do not (2^32 x 2^32). */
+    attn_tensor_init(&q, x, ATTN_DTYPE_F64, 2, one);
+    attn_tensor_init(&k, x, ATTN_DTYPE_F64, 2, one);
+    attn_tensor_init(&v, x, ATTN_DTYPE_F64, 2, one);
+    q.shape[0] = k.shape[0] = v.shape[0] = (int64_t)1 << 32;
+    q.strides[0] = k.strides[0] = v.strides[0] = 0;
+    int rank;
+    int64_t shape[ATTN_MAX_RANK];
+    CHECK_STATUS(attn_sdpa_out_shape(&q, &k, &v, NULL, &rank, shape), ATTN_ERR_OVERFLOW);
+    /* A mask whose span overflows. */
+    attn_tensor_init(&q, x, ATTN_DTYPE_F64, 2, one);
+    attn_tensor_init(&k, x, ATTN_DTYPE_F64, 2, one);
+    attn_tensor_init(&v, x, ATTN_DTYPE_F64, 2, one);
+    attn_tensor m;
+    int64_t ms[3] = {3, 1, 1};
+    attn_tensor_init(&m, x, ATTN_DTYPE_F64, 3, ms);
+    m.strides[0] = INT64_MAX / 4; /* span fits in elements, not in bytes */
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    p.attn_mask = &m;
+    int64_t qs3[3] = {3, 1, 1};
+    attn_tensor_init(&q, x, ATTN_DTYPE_F64, 3, qs3);
+    CHECK_STATUS(attn_sdpa_out_shape(&q, &k, &v, &p, &rank, shape), ATTN_ERR_OVERFLOW);
+    /* MHA: a sequence of 2^40 broadcast positions. */
+    attn_mha_config c;
+    attn_mha_config_init(&c, 4, 2);
+    attn_mha *mha = NULL;
+    CHECK_OK(attn_mha_create(&c, &mha));
+    int64_t xs[3] = {(int64_t)1 << 40, 1, 4};
+    attn_tensor tx;
+    attn_tensor_init(&tx, x, ATTN_DTYPE_F32, 3, (int64_t[3]){1, 1, 4});
+    memcpy(tx.shape, xs, sizeof xs);
+    tx.strides[0] = 0;
+    int orank, wrank;
+    int64_t oshape[ATTN_MAX_RANK], wshape[ATTN_MAX_RANK];
+    CHECK_STATUS(attn_mha_out_shapes(mha, &tx, &tx, NULL, 1, &orank, oshape, &wrank, wshape),
+                 ATTN_ERR_OVERFLOW);
+    attn_mha_destroy(mha);
+}
+
+HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
+             T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
+             T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected))

@@ -1,0 +1,317 @@
+/*
+ * fuzz_sdpa.c — attn_sdpa and attn_sdpa_out_shape with shapes, strides,
+ * ranks, dtypes, masks, flags and buffers drawn from the fuzz input.
+ *
+ * Most inputs describe a consistent problem (batch dims, heads, L, S, E, Ev)
+ * that is then perturbed: a dimension, a rank or a dtype changed, a pointer
+ * dropped, a wild stride or size. Invariants, checked on every input:
+ *  - status and attn_last_error() agree (fz_check_status);
+ *  - attn_sdpa fails exactly as attn_sdpa_out_shape does when the latter
+ *    rejects the inputs (the same validation, and no memory touched);
+ *  - no allocation made by the library outlives a call;
+ *  - on success with finite, moderate inputs: out finite, weights in
+ *    [0, 1/(1-p)], lse finite or -inf (a row with no visible key);
+ *  - ASan/UBSan: no access outside the exactly-sized buffers, no UB.
+ */
+#include "fuzz_util.h"
+
+enum {
+    BUF_LIMIT = 1 << 14, /* elements backing one view */
+    WORK_LIMIT = 1 << 18 /* nbatch * L * S * (E + Ev) for a call that computes */
+};
+
+typedef struct problem {
+    fz_tensor q, k, v, mask, out, weights, lse;
+    bool has_mask, has_weights, has_lse;
+    attn_sdpa_params p;
+} problem;
+
+/* Shape of an operand right-aligned against batch dims B[0..nb): it drops
+ * `drop` leading dims and turns some of the others into 1 (broadcast). */
+static int operand_shape(fz *f, int64_t *shape, const int64_t *B, int nb, int64_t head,
+                         int64_t rows, int64_t cols) {
+    int drop = fz_one_in(f, 3) ? (int)fz_range(f, 0, nb) : 0;
+    int r = 0;
+    for (int d = drop; d < nb; d++) {
+        int64_t size = (d == nb - 1 && head > 0) ? head : B[d];
+        shape[r++] = fz_one_in(f, 5) ? 1 : size;
+    }
+    shape[r++] = rows;
+    shape[r++] = cols;
+    return r;
+}
+
+static attn_dtype pick_dtype(fz *f, attn_dtype usual) {
+    if (!fz_one_in(f, 24)) return usual;
+    static const attn_dtype odd[] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_BOOL,
+                                     (attn_dtype)0, (attn_dtype)42, (attn_dtype)-1};
+    return odd[fz_u8(f) % 6];
+}
+
+/* Rarely: change one dimension or the rank of a view before it is backed. */
+static void perturb(fz *f, int *rank, int64_t *shape) {
+    if (!fz_one_in(f, 16)) return;
+    if (fz_bool(f)) {
+        *rank = (int)fz_range(f, -1, ATTN_MAX_RANK + 1);
+        for (int d = 0; d < ATTN_MAX_RANK && d < *rank; d++)
+            if (shape[d] < 1) shape[d] = 1;
+    } else if (*rank >= 1 && *rank <= ATTN_MAX_RANK) {
+        int d = (int)fz_range(f, 0, *rank - 1);
+        shape[d] = fz_one_in(f, 2) ? fz_wild(f) : fz_range(f, 1, 7);
+    }
+}
+
+static void make(fz *f, fz_tensor *x, attn_dtype dt, int rank, int64_t *shape, bool output,
+                 fz_values *vals) {
+    perturb(f, &rank, shape);
+    fz_tensor_make(f, x, dt, rank, shape, output, BUF_LIMIT, vals, !output);
+}
+
+static double pick_scale(fz *f, fz_values *vals) {
+    static const double usual[] = {1.0, 0.5, -0.25, 0.0, 1e-3, 2.0, 0.125, -3.0};
+    static const double wild[] = {NAN, INFINITY, -INFINITY, 1e300, -1e300, 1e-300, 1e30};
+    if (fz_one_in(f, 12)) {
+        vals->tame = false;
+        return wild[fz_u8(f) % 7];
+    }
+    return usual[fz_u8(f) % 8];
+}
+
+static double pick_dropout(fz *f) {
+    if (!fz_one_in(f, 4)) return 0.0;
+    static const double ps[] = {0.25, 0.5, 1.0, 1e-9, 0.999999, 0.1,
+                                -0.1, 1.5, NAN,  INFINITY, -0.0, 1.0 + 1e-15};
+    return ps[fz_u8(f) % 12];
+}
+
+/* A small, odd corner of the API: views built and reshaped from the input. */
+static void fuzz_views(fz *f) {
+    int64_t shape[ATTN_MAX_RANK + 2];
+    int rank = (int)fz_range(f, -1, ATTN_MAX_RANK + 1);
+    for (int d = 0; d < ATTN_MAX_RANK + 2; d++) shape[d] = fz_dim(f, 9, true);
+    attn_tensor t;
+    attn_status st = attn_tensor_init(&t, fz_forbidden_page(), ATTN_DTYPE_F32, rank, shape);
+    fz_check_status(st, "attn_tensor_init");
+    if (st != ATTN_OK) return;
+    int64_t n = attn_tensor_numel(&t);
+    FZ_ASSERT(n >= 1, "numel %lld of a valid view", (long long)n);
+    int perm[ATTN_MAX_RANK];
+    for (int d = 0; d < ATTN_MAX_RANK; d++) perm[d] = (int)fz_range(f, -9, 9);
+    fz_check_status(attn_tensor_permute(&t, perm), "attn_tensor_permute");
+    fz_check_status(attn_tensor_transpose(&t, (int)fz_range(f, -9, 9), (int)fz_range(f, -9, 9)),
+                    "attn_tensor_transpose");
+    FZ_ASSERT(attn_tensor_numel(&t) == n, "reshaping changed numel");
+}
+
+static void check_outputs(const problem *pr, double p, const fz_values *vals) {
+    if (!vals->tame) return;
+    FZ_ASSERT(fz_all_finite(&pr->out.t, false), "finite inputs gave a non-finite output");
+    double wmax = p < 1.0 ? (1.0 / (1.0 - p)) * (1 + 1e-6) : 0.0;
+    if (pr->has_weights) {
+        const attn_tensor *w = &pr->weights.t;
+        int64_t idx[ATTN_MAX_RANK] = {0}, n = attn_tensor_numel(w);
+        for (int64_t i = 0; i < n; i++) {
+            double x = fz_get(w, idx);
+            FZ_ASSERT(x >= 0.0 && x <= wmax, "weight %g outside [0, %g]", x, wmax);
+            for (int d = w->rank - 1; d >= 0; d--) {
+                if (++idx[d] < w->shape[d]) break;
+                idx[d] = 0;
+            }
+        }
+    }
+    if (pr->has_lse)
+        FZ_ASSERT(fz_all_finite(&pr->lse.t, true), "lse is NaN or +inf for finite inputs");
+    if (p == 1.0) {
+        const attn_tensor *o = &pr->out.t;
+        int64_t idx[ATTN_MAX_RANK] = {0}, n = attn_tensor_numel(o);
+        for (int64_t i = 0; i < n; i++) {
+            FZ_ASSERT(fz_get(o, idx) == 0.0, "dropout_p = 1 left a non-zero output");
+            for (int d = o->rank - 1; d >= 0; d--) {
+                if (++idx[d] < o->shape[d]) break;
+                idx[d] = 0;
+            }
+        }
+    }
+}
+
+/* nbatch * L * S * (E + Ev) from the shapes, or -1 on overflow. */
+static int64_t work_of(int out_rank, const int64_t *out_shape, const attn_tensor *k) {
+    int64_t w = 1;
+    for (int d = 0; d < out_rank - 1; d++)
+        if (__builtin_mul_overflow(w, out_shape[d], &w)) return -1;
+    int64_t S = k->shape[k->rank - 2], E = k->shape[k->rank - 1], Ev = out_shape[out_rank - 1];
+    if (__builtin_mul_overflow(w, S, &w) || __builtin_mul_overflow(w, E + Ev, &w)) return -1;
+    return w;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    static bool ready;
+    if (!ready) {
+        fz_install_allocator((size_t)1 << 22);
+        attn_set_num_threads(1);
+        ready = true;
+    }
+    fz f = {data, size};
+    fz_values vals = {true};
+
+    /* Every kernel path this machine runs is fuzzed. */
+    attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_AVX512);
+    if (attn_isa_supported(isa)) fz_check_status(attn_set_isa(isa), "attn_set_isa");
+    if (fz_one_in(&f, 16)) fuzz_views(&f);
+
+    /* The problem: batch dims (the last is the head dim), L, S, E, Ev. */
+    problem pr;
+    memset(&pr, 0, sizeof pr);
+    attn_sdpa_params_init(&pr.p);
+    const attn_dtype dt = fz_bool(&f) ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    const int nb = (int)fz_range(&f, 0, 3);
+    int64_t B[ATTN_MAX_RANK];
+    for (int d = 0; d < nb; d++) B[d] = fz_dim(&f, 3, true);
+    const bool gqa = nb >= 1 && fz_one_in(&f, 3);
+    int64_t Hkv = 0, Hq = 0;
+    if (gqa) {
+        Hkv = fz_range(&f, 1, 3);
+        Hq = Hkv * fz_range(&f, 1, 3);
+        B[nb - 1] = Hq;
+    }
+    const int64_t L = fz_dim(&f, 6, true), S = fz_dim(&f, 6, true);
+    const int64_t E = fz_dim(&f, 5, true), Ev = fz_dim(&f, 5, true);
+    pr.p.enable_gqa = gqa ? 1 : fz_one_in(&f, 16);
+
+    int64_t shape[ATTN_MAX_RANK + 2];
+    int r = operand_shape(&f, shape, B, nb, 0, L, E);
+    make(&f, &pr.q, pick_dtype(&f, dt), r, shape, false, &vals);
+    r = operand_shape(&f, shape, B, nb, Hkv, S, E);
+    make(&f, &pr.k, pick_dtype(&f, dt), r, shape, false, &vals);
+    r = operand_shape(&f, shape, B, nb, Hkv, S, Ev);
+    make(&f, &pr.v, pick_dtype(&f, dt), r, shape, false, &vals);
+
+    /* Mask: bool or float, broadcast against (B..., L, S). */
+    uint8_t mk = fz_u8(&f) % 4;
+    if (mk != 0) {
+        attn_dtype mdt = mk == 1 ? ATTN_DTYPE_BOOL : mk == 2 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64;
+        int mr = (int)fz_range(&f, 1, nb + 2);
+        int64_t full[ATTN_MAX_RANK + 2];
+        for (int d = 0; d < nb; d++) full[d] = B[d];
+        full[nb] = L;
+        full[nb + 1] = S;
+        for (int d = 0; d < mr; d++)
+            shape[d] = fz_one_in(&f, 3) ? 1 : full[nb + 2 - mr + d];
+        make(&f, &pr.mask, pick_dtype(&f, mdt), mr, shape, false, &vals);
+        fz_sprinkle_neg_inf(&f, &pr.mask);
+        pr.has_mask = true;
+        pr.p.attn_mask = &pr.mask.t;
+    }
+
+    /* Scalars. */
+    uint8_t c = fz_u8(&f);
+    pr.p.causal = c % 8 < 3   ? (attn_causal)(c % 8)
+                  : c % 8 == 7 ? (attn_causal)(int)fz_range(&f, -2, 9)
+                               : ATTN_CAUSAL_NONE;
+    pr.p.has_scale = fz_bool(&f);
+    if (pr.p.has_scale) pr.p.scale = pick_scale(&f, &vals);
+    pr.p.dropout_p = pick_dropout(&f);
+    pr.p.seed = fz_u64(&f);
+    pr.p.rng_offset = fz_bool(&f) ? fz_u64(&f) : 0;
+
+    /* Outputs: (B..., L, Ev), (B..., L, S), (B..., L). */
+    int ob = nb;
+    for (int d = 0; d < nb; d++) shape[d] = B[d];
+    shape[ob] = L;
+    shape[ob + 1] = Ev;
+    make(&f, &pr.out, pick_dtype(&f, dt), ob + 2, shape, true, &vals);
+    pr.has_weights = fz_bool(&f);
+    if (pr.has_weights) {
+        for (int d = 0; d < nb; d++) shape[d] = B[d];
+        shape[ob] = L;
+        shape[ob + 1] = S;
+        make(&f, &pr.weights, pick_dtype(&f, dt), ob + 2, shape, true, &vals);
+    }
+    pr.has_lse = fz_bool(&f);
+    if (pr.has_lse) {
+        for (int d = 0; d < nb; d++) shape[d] = B[d];
+        shape[ob] = L;
+        make(&f, &pr.lse, pick_dtype(&f, dt), ob + 1, shape, true, &vals);
+    }
+
+    /* Dropped pointers. */
+    const attn_tensor *q = &pr.q.t, *k = &pr.k.t, *v = &pr.v.t;
+    attn_tensor *out = &pr.out.t;
+    const attn_sdpa_params *params = &pr.p;
+    if (fz_one_in(&f, 24)) {
+        switch (fz_u8(&f) % 6) {
+        case 0: q = NULL; break;
+        case 1: k = NULL; break;
+        case 2: v = NULL; break;
+        case 3: out = NULL; break;
+        case 4: params = NULL; break;
+        default: pr.k.t.data = NULL; break;
+        }
+    }
+
+    /* Shape inference: validation only, never touches data. */
+    int orank = 0;
+    int64_t oshape[ATTN_MAX_RANK];
+    attn_status st_shape = attn_sdpa_out_shape(q, k, v, params, &orank, oshape);
+    fz_check_status(st_shape, "attn_sdpa_out_shape");
+    FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa_out_shape leaked");
+    char shape_msg[512];
+    snprintf(shape_msg, sizeof shape_msg, "%s", attn_last_error());
+    if (st_shape == ATTN_OK) {
+        FZ_ASSERT(orank >= 2 && orank <= ATTN_MAX_RANK, "out rank %d", orank);
+        for (int d = 0; d < orank; d++) FZ_ASSERT(oshape[d] >= 1, "out dim %d", d);
+    }
+
+    bool backed = pr.q.backed && pr.k.backed && pr.v.backed && pr.out.backed &&
+                  (!pr.has_mask || pr.mask.backed) && (!pr.has_weights || pr.weights.backed) &&
+                  (!pr.has_lse || pr.lse.backed);
+    int64_t work = st_shape == ATTN_OK ? work_of(orank, oshape, k) : 0;
+    bool run = st_shape != ATTN_OK || (backed && work >= 0 && work <= WORK_LIMIT);
+    if (run) {
+        attn_status st = attn_sdpa(q, k, v, params, out, pr.has_weights ? &pr.weights.t : NULL,
+                                   pr.has_lse ? &pr.lse.t : NULL);
+        fz_check_status(st, "attn_sdpa");
+        FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa leaked %ld blocks", fz_live_blocks());
+        if (st_shape != ATTN_OK) {
+            if (out == NULL) {
+                FZ_ASSERT(st == ATTN_ERR_NULL, "out NULL gave %d", (int)st);
+            } else {
+                FZ_ASSERT(st == st_shape, "attn_sdpa gave %d, attn_sdpa_out_shape %d (%s)",
+                          (int)st, (int)st_shape, shape_msg);
+                FZ_ASSERT(strcmp(shape_msg, attn_last_error()) == 0,
+                          "messages differ: '%s' vs '%s'", shape_msg, attn_last_error());
+            }
+        }
+        if (st == ATTN_OK) {
+            FZ_ASSERT(out->rank == orank, "out rank %d, out_shape said %d", out->rank, orank);
+            for (int d = 0; d < orank; d++)
+                FZ_ASSERT(out->shape[d] == oshape[d], "out dim %d differs from out_shape", d);
+            check_outputs(&pr, params ? params->dropout_p : 0.0, &vals);
+        }
+    }
+    if (!run && attn_get_isa() == ATTN_ISA_REF) {
+        /* Valid inputs too large to back: the reference kernel allocates its
+         * row buffers before it reads anything, so with every allocation
+         * refused the call must fail cleanly, without touching the PROT_NONE
+         * page the unbacked views point at. This fuzzes output validation on
+         * extreme but legal views. (Fused kernels may need no workspace, so
+         * this runs on the reference path only.) */
+        size_t old = fz_set_alloc_limit(0);
+        attn_status st = attn_sdpa(q, k, v, params, out, pr.has_weights ? &pr.weights.t : NULL,
+                                   pr.has_lse ? &pr.lse.t : NULL);
+        fz_set_alloc_limit(old);
+        fz_check_status(st, "attn_sdpa (no memory)");
+        FZ_ASSERT(st != ATTN_OK, "attn_sdpa succeeded without memory");
+        FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa leaked");
+    }
+    fz_tensor_free(&pr.q);
+    fz_tensor_free(&pr.k);
+    fz_tensor_free(&pr.v);
+    fz_tensor_free(&pr.mask);
+    fz_tensor_free(&pr.out);
+    fz_tensor_free(&pr.weights);
+    fz_tensor_free(&pr.lse);
+    return 0;
+}
