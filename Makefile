@@ -61,8 +61,16 @@ python:
 	@$(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore -q \
 		--no-build-isolation --config-settings=cmake.define.ATTN_WERROR=ON .
 
+# The whole suite on the best path, then the conformance tests again on every
+# other kernel path this machine supports (ATTN_ISA forces a path).
+CONFORMANCE = tests/python/test_sdpa_conformance.py tests/python/test_mha_conformance.py
 test-python: python
 	@$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+	@for isa in $$($(PYTHON) -c 'import attn; i = attn.kernel_info(); \
+		print(" ".join(p for p in i["supported_isas"] if p != i["isa"]))'); do \
+		echo "conformance on the $$isa path:"; \
+		ATTN_ISA=$$isa $(PYTHON) -m pytest $(CONFORMANCE) -q -p no:cacheprovider || exit 1; \
+	done
 
 # The Python suite on the extension and library built with ASan + UBSan
 # (not part of `make test`: it takes a few minutes). Python itself is not

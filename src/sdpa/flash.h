@@ -9,18 +9,17 @@
  * the driver calls on small contiguous tiles:
  *
  *   qkt / qk_direct   scores of a block of queries against a block of keys
- *   softmax(_t)       P = 2^(c·S - m_new) in place; updates the running max m
- *                     and sum l, and returns alpha = 2^(m_old - m_new)
+ *   softmax(_t)       P = 2^((S - m)·c) in place; updates the running maximum
+ *                     m and sum l, and returns alpha = 2^((m_old - m_new)·c)
  *   pv                O = alpha·O + P · V, V rows with unit column stride
  *
- * Scores are raw dot products; softmax scales them by c = scale·log2 e,
- * carried as a pair c + c_lo (c_lo the rounding error of c), with two FMAs
- * per score: x = (s·c - ref) + s·c_lo, the first term exact before its
- * one rounding (relative to the small x). So neither the rounding of the
- * constant (which would scale every score difference by the same relative
- * error) nor that of the score reaches x; and the softmax needs exp2 only. A tile that had
- * masks applied is already in those units (c = 1). A key masked out has
- * x = -inf and weight exactly 0.
+ * Scores are raw dot products, and the running maximum m is one of them
+ * (the smallest when c < 0): the softmax forms x = (s - m)·c with
+ * c = scale·log2 e, so the subtraction is exact near the maximum and the
+ * constant's rounding costs only a relative u on the small x; scores of any
+ * magnitude work. A tile that had masks with values applied under a zero
+ * scale is already in base-2 units (c = 1). A hidden key has the infinity
+ * that c turns into x = -inf, and weight exactly 0. exp2 only.
  */
 #ifndef ATTN_SDPA_FLASH_H
 #define ATTN_SDPA_FLASH_H
@@ -52,12 +51,12 @@ typedef struct attn__flash_kernels {
                       float *qt, int64_t lanes);
     void (*qkt_f)(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E,
                   int64_t nk, int64_t lanes, float *st, int64_t ldst);
-    void (*softmax_t_f)(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float c_lo,
-                        float *m, float *l, float *alpha);
+    void (*softmax_t_f)(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float *m,
+                        float *l, float *alpha);
     void (*qk_direct_f)(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, float *s, int64_t lds);
-    void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float c_lo,
-                      float *m, float *l, float *alpha);
+    void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float *m,
+                      float *l, float *alpha);
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
 
@@ -66,11 +65,11 @@ typedef struct attn__flash_kernels {
     void (*qkt_d)(const double *qt, int64_t ldqt, const double *k, int64_t ldk, int64_t E,
                   int64_t nk, int64_t lanes, double *st, int64_t ldst);
     void (*softmax_t_d)(double *st, int64_t ldst, int64_t nk, int64_t lanes, double c,
-                        double c_lo, double *m, double *l, double *alpha);
+                        double *m, double *l, double *alpha);
     void (*qk_direct_d)(const double *q, int64_t ldq, const double *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, double *s, int64_t lds);
-    void (*softmax_d)(double *s, int64_t lds, int rows, int64_t cols, double c, double c_lo,
-                      double *m, double *l, double *alpha);
+    void (*softmax_d)(double *s, int64_t lds, int rows, int64_t cols, double c, double *m,
+                      double *l, double *alpha);
     void (*pv_d)(const double *p, int64_t p_rs, int64_t p_cs, const double *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha);
 } attn__flash_kernels;
@@ -81,11 +80,11 @@ typedef struct attn__flash_kernels {
     void attn__generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,      \
                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst); \
     void attn__generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,      \
-                                       REAL c, REAL c_lo, REAL *m, REAL *l, REAL *alpha);      \
+                                       REAL c, REAL *m, REAL *l, REAL *alpha);                 \
     void attn__generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk, \
                                        int64_t E, int rows, int64_t nk, REAL *s, int64_t lds); \
     void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,     \
-                                     REAL c_lo, REAL *m, REAL *l, REAL *alpha);                \
+                                     REAL *m, REAL *l, REAL *alpha);                           \
     void attn__generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,      \
                                 int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,        \
                                 int64_t ldo, const REAL *alpha);

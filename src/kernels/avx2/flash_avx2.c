@@ -105,33 +105,33 @@ static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, in
         }
 }
 
-/* Online softmax down the columns of St, 8 queries per vector; x = s·c - ref
- * in one FMA (see the AVX-512 kernel). */
-static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float c_lo,
-                        float *m, float *l, float *alpha) {
-    const __m256 neg_inf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps();
-    const __m256 cv = _mm256_set1_ps(c), clo = _mm256_set1_ps(c_lo);
+/* Online softmax down the columns of St, 8 queries per vector; m is each
+ * column's best raw score and x = (s - m)·c (see the AVX-512 kernel). */
+static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float *m,
+                        float *l, float *alpha) {
+    const float none = c >= 0 ? -INFINITY : INFINITY;
+    const __m256 nonev = _mm256_set1_ps(none), zero = _mm256_setzero_ps();
+    const __m256 cv = _mm256_set1_ps(c);
     for (int64_t col = 0; col < lanes; col += 8) {
-        __m256 mx = _mm256_set1_ps(c >= 0 ? -INFINITY : INFINITY);
+        const __m256 m_old = _mm256_loadu_ps(m + col);
+        __m256 mx = m_old;
         if (c >= 0)
             for (int64_t j = 0; j < nk; j++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + j * ldst + col));
         else
             for (int64_t j = 0; j < nk; j++) mx = _mm256_min_ps(mx, _mm256_loadu_ps(st + j * ldst + col));
-        const __m256 m_old = _mm256_loadu_ps(m + col);
-        const __m256 m_new = _mm256_max_ps(_mm256_fmadd_ps(mx, cv, _mm256_mul_ps(mx, clo)), m_old);
-        const __m256 empty = _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ);
-        const __m256 ref = _mm256_blendv_ps(m_new, zero, empty);
+        const __m256 empty = _mm256_cmp_ps(mx, nonev, _CMP_EQ_OQ);
+        const __m256 ref = _mm256_blendv_ps(mx, zero, empty);
         __m256 sum = zero;
         for (int64_t j = 0; j < nk; j++) {
-            const __m256 sv = _mm256_loadu_ps(st + j * ldst + col);
-            const __m256 p = exp2_ps(_mm256_fmadd_ps(sv, clo, _mm256_fmsub_ps(sv, cv, ref)));
+            const __m256 p =
+                exp2_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(st + j * ldst + col), ref), cv));
             _mm256_storeu_ps(st + j * ldst + col, p);
             sum = _mm256_add_ps(sum, p);
         }
-        const __m256 a = exp2_ps(_mm256_sub_ps(m_old, ref));
+        const __m256 a = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(m_old, ref), cv));
         _mm256_storeu_ps(alpha + col, a);
         _mm256_storeu_ps(l + col, _mm256_fmadd_ps(_mm256_loadu_ps(l + col), a, sum));
-        _mm256_storeu_ps(m + col, m_new);
+        _mm256_storeu_ps(m + col, mx);
     }
 }
 
@@ -167,27 +167,35 @@ static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk
 
 /* ---- online softmax, one row per query (keys-in-columns layout) ---- */
 
-static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, float c_lo, float *m,
-                      float *l, float *alpha) {
-    const __m256 cv = _mm256_set1_ps(c), clo = _mm256_set1_ps(c_lo);
+ALWAYS_INLINE float hmin(__m256 v) {
+    __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_min_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, float *m, float *l,
+                      float *alpha) {
+    const float none = c >= 0 ? -INFINITY : INFINITY;
+    const __m256 cv = _mm256_set1_ps(c);
     for (int r = 0; r < rows; r++) {
         float *sr = s + r * lds;
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < cols; j += 8)
-            mv = _mm256_max_ps(mv, _mm256_fmadd_ps(_mm256_loadu_ps(sr + j), cv,
-                                                    _mm256_mul_ps(_mm256_loadu_ps(sr + j), clo)));
-        const float block_max = hmax(mv);
-        const float m_new = block_max > m[r] ? block_max : m[r];
-        const float ref = m_new == -INFINITY ? 0.0f : m_new;
+        __m256 mv = _mm256_set1_ps(none);
+        if (c >= 0)
+            for (int64_t j = 0; j < cols; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + j));
+        else
+            for (int64_t j = 0; j < cols; j += 8) mv = _mm256_min_ps(mv, _mm256_loadu_ps(sr + j));
+        const float best = c >= 0 ? hmax(mv) : hmin(mv);
+        const float m_new = (c >= 0 ? best > m[r] : best < m[r]) ? best : m[r];
+        const float ref = m_new == none ? 0.0f : m_new;
         const __m256 refv = _mm256_set1_ps(ref);
         __m256 sum = _mm256_setzero_ps();
         for (int64_t j = 0; j < cols; j += 8) {
-            const __m256 sv = _mm256_loadu_ps(sr + j);
-            const __m256 p = exp2_ps(_mm256_fmadd_ps(sv, clo, _mm256_fmsub_ps(sv, cv, refv)));
+            const __m256 p = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + j), refv), cv));
             _mm256_storeu_ps(sr + j, p);
             sum = _mm256_add_ps(sum, p);
         }
-        alpha[r] = attn__exp2f(m[r] - ref);
+        alpha[r] = attn__exp2f((m[r] - ref) * c);
         l[r] = l[r] * alpha[r] + hsum(sum);
         m[r] = m_new;
     }

@@ -130,18 +130,18 @@ static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, in
 }
 
 /* Online softmax down the columns of St: 16 queries per vector, so the
- * running max and sum need no horizontal reductions. Three column vectors
- * (48 queries) are walked together, so the max and sum chains of one run in
- * the latency shadow of the others. Scores are scaled here, x = s·c - ref
- * in one FMA; the block's largest x comes from the largest s when c >= 0 and
- * from the smallest when c < 0. */
-ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float c, float c_lo,
-                                float *m, float *l, float *alpha, const int NV) {
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-    const __m512 cv = _mm512_set1_ps(c), clo = _mm512_set1_ps(c_lo);
+ * running maximum and sum need no horizontal reductions. Three column
+ * vectors (48 queries) are walked together, so the chains of one run in the
+ * latency shadow of the others. m is each column's best raw score so far
+ * (the largest when c >= 0, the smallest when c < 0) and x = (s - m)·c. */
+ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float c, float *m, float *l,
+                                float *alpha, const int NV) {
+    const float none = c >= 0 ? -INFINITY : INFINITY;
+    const __m512 nonev = _mm512_set1_ps(none), zero = _mm512_setzero_ps();
+    const __m512 cv = _mm512_set1_ps(c);
     __m512 mx[QVECS], ref[QVECS], sum[QVECS];
 #pragma GCC unroll 3
-    for (int v = 0; v < NV; v++) mx[v] = _mm512_set1_ps(c >= 0 ? -INFINITY : INFINITY);
+    for (int v = 0; v < NV; v++) mx[v] = _mm512_loadu_ps(m + 16 * v);
     if (c >= 0) {
         for (int64_t j = 0; j < nk; j++)
 #pragma GCC unroll 3
@@ -155,42 +155,38 @@ ALWAYS_INLINE void softmax_cols(float *st, int64_t ldst, int64_t nk, float c, fl
     }
 #pragma GCC unroll 3
     for (int v = 0; v < NV; v++) {
-        const __m512 top = _mm512_fmadd_ps(mx[v], cv, _mm512_mul_ps(mx[v], clo));
-        const __m512 m_new = _mm512_max_ps(top, _mm512_loadu_ps(m + 16 * v));
         /* a column that has seen nothing visible measures from 0 */
-        const __mmask16 empty = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ);
-        ref[v] = _mm512_mask_blend_ps(empty, m_new, zero);
-        mx[v] = m_new;
+        const __mmask16 empty = _mm512_cmp_ps_mask(mx[v], nonev, _CMP_EQ_OQ);
+        ref[v] = _mm512_mask_blend_ps(empty, mx[v], zero);
         sum[v] = zero;
     }
     for (int64_t j = 0; j < nk; j++)
 #pragma GCC unroll 3
         for (int v = 0; v < NV; v++) {
             float *at = st + j * ldst + 16 * v;
-            const __m512 sv = _mm512_loadu_ps(at);
-            const __m512 p = exp2_ps(_mm512_fmadd_ps(sv, clo, _mm512_fmsub_ps(sv, cv, ref[v])));
+            const __m512 p = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(at), ref[v]), cv));
             _mm512_storeu_ps(at, p);
             sum[v] = _mm512_add_ps(sum[v], p);
         }
 #pragma GCC unroll 3
     for (int v = 0; v < NV; v++) {
-        const __m512 a = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(m + 16 * v), ref[v]));
+        const __m512 a = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(m + 16 * v), ref[v]), cv));
         _mm512_storeu_ps(alpha + 16 * v, a);
         _mm512_storeu_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * v), a, sum[v]));
         _mm512_storeu_ps(m + 16 * v, mx[v]);
     }
 }
 
-static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float c_lo,
-                        float *m, float *l, float *alpha) {
+static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float *m,
+                        float *l, float *alpha) {
     for (int64_t col = 0; col < lanes; col += 16 * QVECS) {
         const int64_t nv = (lanes - col) / 16 < QVECS ? (lanes - col) / 16 : QVECS;
         if (nv == 3)
-            softmax_cols(st + col, ldst, nk, c, c_lo, m + col, l + col, alpha + col, 3);
+            softmax_cols(st + col, ldst, nk, c, m + col, l + col, alpha + col, 3);
         else if (nv == 2)
-            softmax_cols(st + col, ldst, nk, c, c_lo, m + col, l + col, alpha + col, 2);
+            softmax_cols(st + col, ldst, nk, c, m + col, l + col, alpha + col, 2);
         else
-            softmax_cols(st + col, ldst, nk, c, c_lo, m + col, l + col, alpha + col, 1);
+            softmax_cols(st + col, ldst, nk, c, m + col, l + col, alpha + col, 1);
     }
 }
 
@@ -226,27 +222,28 @@ static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk
 
 /* ---- online softmax, one row per query (keys-in-columns layout) ---- */
 
-static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, float c_lo, float *m,
-                      float *l, float *alpha) {
-    const __m512 cv = _mm512_set1_ps(c), clo = _mm512_set1_ps(c_lo);
+static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, float *m, float *l,
+                      float *alpha) {
+    const float none = c >= 0 ? -INFINITY : INFINITY;
+    const __m512 cv = _mm512_set1_ps(c);
     for (int r = 0; r < rows; r++) {
         float *sr = s + r * lds;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < cols; j += 16)
-            mv = _mm512_max_ps(mv, _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), cv,
-                                                    _mm512_mul_ps(_mm512_loadu_ps(sr + j), clo)));
-        const float block_max = _mm512_reduce_max_ps(mv);
-        const float m_new = block_max > m[r] ? block_max : m[r];
-        const float ref = m_new == -INFINITY ? 0.0f : m_new;
+        __m512 mv = _mm512_set1_ps(none);
+        if (c >= 0)
+            for (int64_t j = 0; j < cols; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + j));
+        else
+            for (int64_t j = 0; j < cols; j += 16) mv = _mm512_min_ps(mv, _mm512_loadu_ps(sr + j));
+        const float best = c >= 0 ? _mm512_reduce_max_ps(mv) : _mm512_reduce_min_ps(mv);
+        const float m_new = (c >= 0 ? best > m[r] : best < m[r]) ? best : m[r];
+        const float ref = m_new == none ? 0.0f : m_new;
         const __m512 refv = _mm512_set1_ps(ref);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < cols; j += 16) {
-            const __m512 sv = _mm512_loadu_ps(sr + j);
-            const __m512 p = exp2_ps(_mm512_fmadd_ps(sv, clo, _mm512_fmsub_ps(sv, cv, refv)));
+            const __m512 p = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), refv), cv));
             _mm512_storeu_ps(sr + j, p);
             sum = _mm512_add_ps(sum, p);
         }
-        alpha[r] = attn__exp2f(m[r] - ref);
+        alpha[r] = attn__exp2f((m[r] - ref) * c);
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
         m[r] = m_new;
     }

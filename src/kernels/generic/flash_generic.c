@@ -36,7 +36,31 @@ float attn__exp2f(float x) {
 
 double attn__exp2d(double x) { return exp2(x); }
 
-#define DEFINE_GENERIC(REAL, SFX, EXP2, FMA)                                                          \
+#define DEFINE_GENERIC(REAL, SFX, EXP2)                                                          \
+    /* One online-softmax step over the n scores x[0], x[step], ...: m is the                    \
+     * line's best raw score so far, the largest (c >= 0) or the smallest                        \
+     * (c < 0), so x = (s - m)·c <= 0; p = 2^x in place, l <- l·alpha + sum p,                   \
+     * alpha = 2^((m_old - m_new)·c). A line that has seen nothing visible                       \
+     * (m = -inf·c) measures from 0, so hidden scores give exactly 0. */                         \
+    static void softmax_line_##SFX(REAL *x, int64_t step, int64_t n, REAL c, REAL *m, REAL *l,   \
+                                   REAL *alpha) {                                                \
+        const REAL none = c >= 0 ? -(REAL)INFINITY : (REAL)INFINITY;                             \
+        REAL best = none;                                                                        \
+        for (int64_t j = 0; j < n; j++) {                                                        \
+            const REAL v = x[j * step];                                                          \
+            if (c >= 0 ? v > best : v < best) best = v;                                          \
+        }                                                                                        \
+        const REAL m_new = (c >= 0 ? best > *m : best < *m) ? best : *m;                         \
+        const REAL ref = m_new == none ? 0 : m_new;                                              \
+        REAL sum = 0;                                                                            \
+        for (int64_t j = 0; j < n; j++) {                                                        \
+            x[j * step] = EXP2((x[j * step] - ref) * c);                                         \
+            sum += x[j * step];                                                                  \
+        }                                                                                        \
+        *alpha = EXP2((*m - ref) * c);                                                           \
+        *l = *l * *alpha + sum;                                                                  \
+        *m = m_new;                                                                              \
+    }                                                                                            \
     /* St[j][r] = sum_e K[j][e] Qt[e][r]: keys down, queries across. */                          \
     void attn__generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,       \
                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst) { \
@@ -50,27 +74,12 @@ double attn__exp2d(double x) { return exp2(x); }
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
-    /* Online softmax down each column (query) of St; see the row-wise one. */                   \
+    /* Online softmax down each column (query) of St. */                                         \
     void attn__generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,       \
-                                       REAL c, REAL c_lo, REAL *m, REAL *l, REAL *alpha) {       \
-        for (int64_t r = 0; r < lanes; r++) {                                                    \
-            REAL block_max = -(REAL)INFINITY;                                                    \
-            for (int64_t j = 0; j < nk; j++)                                                     \
-                if (FMA(st[j * ldst + r], c, st[j * ldst + r] * c_lo) > block_max)              \
-                    block_max = FMA(st[j * ldst + r], c, st[j * ldst + r] * c_lo);               \
-            const REAL m_new = block_max > m[r] ? block_max : m[r];                              \
-            const REAL ref = m_new == -(REAL)INFINITY ? 0 : m_new;                               \
-            REAL sum = 0;                                                                        \
-            for (int64_t j = 0; j < nk; j++) {                                                   \
-                st[j * ldst + r] = EXP2(FMA(st[j * ldst + r], c_lo, FMA(st[j * ldst + r], c, -ref))); \
-                sum += st[j * ldst + r];                                                         \
-            }                                                                                    \
-            alpha[r] = EXP2(m[r] - ref);                                                         \
-            l[r] = l[r] * alpha[r] + sum;                                                        \
-            m[r] = m_new;                                                                        \
-        }                                                                                        \
+                                       REAL c, REAL *m, REAL *l, REAL *alpha) {                  \
+        for (int64_t r = 0; r < lanes; r++)                                                      \
+            softmax_line_##SFX(st + r, ldst, nk, c, m + r, l + r, alpha + r);                    \
     }                                                                                            \
-    /* Few rows (decoding): summed in float64, rounded once (see AVX-512). */                    \
     void attn__generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk,   \
                                        int64_t E, int rows, int64_t nk, REAL *s, int64_t lds) {  \
         for (int r = 0; r < rows; r++)                                                           \
@@ -81,28 +90,10 @@ double attn__exp2d(double x) { return exp2(x); }
                 s[r * lds + j] = (REAL)acc;                                                      \
             }                                                                                    \
     }                                                                                            \
-    /* Online softmax step for each row: m <- max(m, max_j s), p = 2^(s - m),                    \
-     * l <- l * alpha + sum_j p with alpha = 2^(m_old - m_new), in units of x = s * c.           \
-     * While a row has                                                                           \
-     * seen nothing visible (m = -inf) its reference point is 0, so -inf                         \
-     * scores give exactly 0 and never -inf - -inf. */                                           \
     void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,       \
-                                     REAL c_lo, REAL *m, REAL *l, REAL *alpha) {                 \
-        for (int r = 0; r < rows; r++) {                                                         \
-            REAL *sr = s + r * lds, block_max = -(REAL)INFINITY;                                 \
-            for (int64_t j = 0; j < cols; j++)                                                   \
-                if (FMA(sr[j], c, sr[j] * c_lo) > block_max) block_max = FMA(sr[j], c, sr[j] * c_lo); \
-            const REAL m_new = block_max > m[r] ? block_max : m[r];                              \
-            const REAL ref = m_new == -(REAL)INFINITY ? 0 : m_new;                               \
-            REAL sum = 0;                                                                        \
-            for (int64_t j = 0; j < cols; j++) {                                                 \
-                sr[j] = EXP2(FMA(sr[j], c_lo, FMA(sr[j], c, -ref)));                             \
-                sum += sr[j];                                                                    \
-            }                                                                                    \
-            alpha[r] = EXP2(m[r] - ref);                                                         \
-            l[r] = l[r] * alpha[r] + sum;                                                        \
-            m[r] = m_new;                                                                        \
-        }                                                                                        \
+                                     REAL *m, REAL *l, REAL *alpha) {                            \
+        for (int r = 0; r < rows; r++)                                                           \
+            softmax_line_##SFX(s + r * lds, 1, cols, c, m + r, l + r, alpha + r);                \
     }                                                                                            \
     void attn__generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,        \
                                 int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,          \
@@ -118,8 +109,8 @@ double attn__exp2d(double x) { return exp2(x); }
         }                                                                                        \
     }
 
-DEFINE_GENERIC(float, f, attn__exp2f, fmaf)
-DEFINE_GENERIC(double, d, attn__exp2d, fma)
+DEFINE_GENERIC(float, f, attn__exp2f)
+DEFINE_GENERIC(double, d, attn__exp2d)
 
 const attn__flash_kernels attn__flash_generic = {
     .name = "generic",
