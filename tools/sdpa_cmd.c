@@ -1,4 +1,5 @@
 /* sdpa_cmd.c — `attn sdpa`: attention on .npy files. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <errno.h>
 #include <stdbool.h>
 #include <math.h>

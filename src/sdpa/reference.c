@@ -120,8 +120,9 @@ attn_status attn__sdpa_reference(const attn__sdpa_plan *p) {
         return ATTN_ERR_NOMEM;
     }
     const double work = (double)rows * (double)p->S * (double)(p->E + p->Ev);
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if (rows > 1 && threads > 1 && work >= ATTN_PARALLEL_MIN_WORK)
+    const bool parallel = rows > 1 && threads > 1 && work >= ATTN_PARALLEL_MIN_WORK;
+    (void)parallel; /* only read by the OpenMP pragma */
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t r = 0; r < rows; r++) {
 #ifdef _OPENMP
         size_t t = (size_t)omp_get_thread_num();
