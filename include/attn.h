@@ -209,7 +209,13 @@ ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
  *   weights   optional (NULL), same dtype, shape (B..., Hq, L, S)
  *   lse       optional (NULL), same dtype, shape (B..., Hq, L)
  * Asking for weights costs an L x S write; without them the fused kernels
- * keep no L x S buffer. */
+ * keep no L x S buffer.
+ * Accuracy: the reference path (ATTN_ISA_REF) accumulates in float64 and
+ * rounds once. The fused paths compute float32 scores in float32 (float64
+ * for decoding shapes, <= 16 query rows per K/V head), and recompute in
+ * float64 any row that came out non-finite or, in float32, whose largest
+ * |score * scale| reaches 256, so huge logits stay exact to rounding.
+ * Results do not depend on the thread count (bitwise). */
 ATTN_API attn_status attn_sdpa(const attn_tensor *q, const attn_tensor *k,
                                const attn_tensor *v, const attn_sdpa_params *params,
                                attn_tensor *out, attn_tensor *weights, attn_tensor *lse);
@@ -389,7 +395,9 @@ ATTN_API const char *attn_isa_name(attn_isa isa);
 /* A custom allocator, for callers who own memory and for tests that fail the
  * n-th allocation. `alloc` returns memory aligned to at least 16 bytes or
  * NULL; `release` frees it (never called with NULL). Pass NULL to restore
- * malloc/free. Set it while no other attn call runs. */
+ * malloc/free. Set it while no other attn call runs. Both functions may be
+ * called from the library's worker threads (OpenMP), concurrently: they
+ * must be thread-safe. */
 typedef struct attn_allocator {
     void *(*alloc)(void *ctx, size_t size);
     void (*release)(void *ctx, void *ptr);
