@@ -15,7 +15,7 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build test test-c test-asan test-python test-python-asan python test-tsan test-valgrind fuzz fuzz-build clean help
+.PHONY: all demo build bench test test-c test-asan test-python test-python-asan python test-tsan test-valgrind fuzz fuzz-build clean help
 
 all: build
 
@@ -28,6 +28,7 @@ help:
 	@echo "make test-tsan   the concurrency test under ThreadSanitizer (no OpenMP)"
 	@echo "make test-valgrind  the attn tool (demo, sdpa on fixtures) under valgrind memcheck"
 	@echo "make fuzz        build the libFuzzer targets (clang) and run each FUZZ_SECONDS (60)"
+	@echo "make bench       attn vs PyTorch side by side (BENCH_ARGS=--quick for a smoke run)"
 	@echo "make clean       remove build trees"
 
 build:
@@ -37,6 +38,12 @@ build:
 
 demo: build
 	@$(BUILD)/tools/attn
+
+# attn against PyTorch in one run; writes bench/results/ (see bench/run.py).
+BENCH_ARGS ?=
+bench: build python
+	@./scripts/bootstrap.sh bench
+	@$(PYTHON) bench/run.py --bench-bin $(BUILD)/bench/attn_bench $(BENCH_ARGS)
 
 # ---- tests ----
 

@@ -11,7 +11,7 @@ noisy neighbour slows both alike. Reported per shape: median milliseconds,
 GFLOP/s (4·B·H·L·S·E for SDPA, half of it when causal; MHA counts its four
 projections too), the percentage of the FMA peak that ``attn_bench peak``
 measures in the same run, the PyTorch/attn speed ratio (> 1: attn faster),
-peak extra memory of one call (measured in a forked child), and the largest
+peak extra memory of one call (measured in a fresh interpreter), and the largest
 difference between the two outputs.
 
 Writes bench/results/results.json, bench/results/results.md and
@@ -20,7 +20,6 @@ bench/results/throughput.png, and prints the Markdown table.
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import resource
@@ -81,24 +80,25 @@ def alternate(run_attn, run_torch, reps):
     return statistics.median(ta), statistics.median(tt)
 
 
-def child_peak_mib(conn, make_call):
-    """In a forked child: peak RSS growth (MiB) of one call."""
-    call = make_call()
+def peak_memory(args, lib, kind, params):
+    """Peak RSS growth (MiB) of one call, in a fresh interpreter: forking this
+    one is unsafe once OpenMP thread pools exist (the child can deadlock)."""
+    spec = json.dumps(dict(lib=lib, kind=kind, params=list(params), threads=args.threads))
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-probe", spec],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def memory_probe(spec):
+    """Child side of peak_memory: build the inputs, then measure one call."""
+    spec = json.loads(spec)
+    torch.set_num_threads(spec["threads"])
+    attn.set_num_threads(spec["threads"])
+    call = (sdpa_calls if spec["kind"] == "sdpa" else mha_calls)(*spec["params"])[spec["lib"]]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     call()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    conn.send((after - before) / 1024.0)
-    conn.close()
-
-
-def peak_memory(make_call):
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=child_peak_mib, args=(child, make_call))
-    p.start()
-    value = parent.recv()
-    p.join()
-    return value
+    print((after - before) / 1024.0)
 
 
 # ---- SDPA ----
@@ -111,8 +111,8 @@ def sdpa_inputs(B, H, L, S, E, kv_heads, seed=0):
     return q, k, v
 
 
-def bench_sdpa(args, B, H, L, S, E, causal=False, kv_heads=None, reps=None):
-    kv_heads = kv_heads or H
+def sdpa_calls(B, H, L, S, E, causal, kv_heads):
+    """The two calls on the same inputs (NumPy views of the torch tensors)."""
     gqa = kv_heads != H
     q, k, v = sdpa_inputs(B, H, L, S, E, kv_heads)
     qn, kn, vn = q.numpy(), k.numpy(), v.numpy()  # views, no copies
@@ -123,6 +123,13 @@ def bench_sdpa(args, B, H, L, S, E, causal=False, kv_heads=None, reps=None):
     def run_torch():
         with torch.inference_mode():
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return dict(attn=run_attn, torch=run_torch)
+
+
+def bench_sdpa(args, B, H, L, S, E, causal=False, kv_heads=None, reps=None):
+    kv_heads = kv_heads or H
+    calls = sdpa_calls(B, H, L, S, E, causal, kv_heads)
+    run_attn, run_torch = calls["attn"], calls["torch"]
 
     out_a, out_t = run_attn(), run_torch()  # warm-up, and the outputs to compare
     run_attn(), run_torch()
@@ -130,24 +137,11 @@ def bench_sdpa(args, B, H, L, S, E, causal=False, kv_heads=None, reps=None):
     ms_a, ms_t = alternate(run_attn, run_torch, reps)
     flops = 4.0 * B * H * L * S * E * (0.5 if causal else 1.0)
     kv_bytes = 2 * B * kv_heads * S * E * 4
-    def fresh(lib):
-        """For the memory probe: new inputs, then the one call to measure."""
-        def build():
-            q2, k2, v2 = sdpa_inputs(B, H, L, S, E, kv_heads)
-            if lib == "attn":
-                return lambda: attn.scaled_dot_product_attention(
-                    q2.numpy(), k2.numpy(), v2.numpy(), is_causal=causal, enable_gqa=gqa)
-
-            def call():
-                with torch.inference_mode():
-                    F.scaled_dot_product_attention(q2, k2, v2, is_causal=causal, enable_gqa=gqa)
-            return call
-        return build
-
     return dict(ms_attn=ms_a, ms_torch=ms_t, flops=flops, kv_bytes=kv_bytes,
                 max_diff=float(np.max(np.abs(np.asarray(out_a) - out_t.numpy()))),
                 checksum=float(np.asarray(out_a, dtype=np.float64).sum()),
-                mem_attn=peak_memory(fresh("attn")), mem_torch=peak_memory(fresh("torch")))
+                mem_attn=peak_memory(args, "attn", "sdpa", (B, H, L, S, E, causal, kv_heads)),
+                mem_torch=peak_memory(args, "torch", "sdpa", (B, H, L, S, E, causal, kv_heads)))
 
 
 # ---- MHA ----
@@ -162,7 +156,7 @@ def mha_modules(N, L, E, H):
     return ref, ours, x
 
 
-def bench_mha(args, N, L, E, H):
+def mha_calls(N, L, E, H):
     ref, ours, x = mha_modules(N, L, E, H)
     xn = x.numpy()
 
@@ -172,6 +166,12 @@ def bench_mha(args, N, L, E, H):
     def run_torch():
         with torch.inference_mode():
             return ref(x, x, x, need_weights=False)[0]
+    return dict(attn=run_attn, torch=run_torch)
+
+
+def bench_mha(args, N, L, E, H):
+    calls = mha_calls(N, L, E, H)
+    run_attn, run_torch = calls["attn"], calls["torch"]
 
     out_a, out_t = run_attn(), run_torch()
     run_attn(), run_torch()
@@ -179,24 +179,11 @@ def bench_mha(args, N, L, E, H):
     D = E  # head_dim * heads
     flops = 2.0 * N * L * E * 3 * D + 2.0 * N * L * D * E + 4.0 * N * H * L * L * (D // H)
 
-    def fresh(lib):
-        """For the memory probe: new modules and input, then the one call."""
-        def build():
-            r, o, xx = mha_modules(N, L, E, H)
-            if lib == "attn":
-                xa = xx.numpy()
-                return lambda: o(xa, xa, xa, need_weights=False)
-
-            def call():
-                with torch.inference_mode():
-                    r(xx, xx, xx, need_weights=False)
-            return call
-        return build
-
     return dict(ms_attn=ms_a, ms_torch=ms_t, flops=flops, kv_bytes=0,
                 max_diff=float(np.max(np.abs(np.asarray(out_a) - out_t.numpy()))),
                 checksum=float(np.asarray(out_a, dtype=np.float64).sum()),
-                mem_attn=peak_memory(fresh("attn")), mem_torch=peak_memory(fresh("torch")))
+                mem_attn=peak_memory(args, "attn", "mha", (N, L, E, H)),
+                mem_torch=peak_memory(args, "torch", "mha", (N, L, E, H)))
 
 
 # ---- report ----
@@ -249,7 +236,11 @@ def main():
     ap.add_argument("--only", default="", help="run cases whose label contains this text")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "build", "bench", "attn_bench"))
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--memory-probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_probe:
+        memory_probe(args.memory_probe)
+        return
 
     torch.set_num_threads(args.threads)
     attn.set_num_threads(args.threads)

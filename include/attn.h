@@ -392,6 +392,15 @@ ATTN_API attn_isa attn_get_isa(void);
 ATTN_API int attn_isa_supported(attn_isa isa);
 ATTN_API const char *attn_isa_name(attn_isa isa);
 
+/* The CBLAS the projection GEMMs (MHA) run on: for OpenBLAS its configuration
+ * line and the core it chose when it was loaded, e.g. "OpenBLAS 0.3.21 ...;
+ * core SkylakeX"; else "CBLAS". A DYNAMIC_ARCH OpenBLAS older than the CPU
+ * may fall back to an SSE3 core ("Prescott") several times slower; setting
+ * OPENBLAS_CORETYPE (e.g. SkylakeX, Haswell) before the process starts fixes
+ * that, and the Python package does it by itself (docs/python.md). The
+ * string is the calling thread's, valid until its next call. */
+ATTN_API const char *attn_blas_info(void);
+
 /* A custom allocator, for callers who own memory and for tests that fail the
  * n-th allocation. `alloc` returns memory aligned to at least 16 bytes or
  * NULL; `release` frees it (never called with NULL). Pass NULL to restore

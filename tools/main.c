@@ -1,4 +1,5 @@
 /* main.c — the attn command-line tool: dispatches to demo, sdpa, info. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -8,7 +9,7 @@ static const char usage[] =
     "usage: attn [demo]                 run the embedded demo (the default)\n"
     "       attn sdpa -q Q.npy -k K.npy -v V.npy [options]\n"
     "                                   scaled dot-product attention on .npy files\n"
-    "       attn info                   version, kernel path and threads\n"
+    "       attn info                   version, kernel path, threads, BLAS\n"
     "       attn --help | --version\n"
     "\n"
     "sdpa options:\n"
@@ -32,7 +33,13 @@ static int info(void) {
            attn_isa_name(isa), attn_get_num_threads());
     for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
         if (attn_isa_supported((attn_isa)i)) printf(" %s", attn_isa_name((attn_isa)i));
-    printf("\n");
+    const char *blas = attn_blas_info();
+    printf("\nBLAS (MHA projections): %s\n", blas);
+    /* An OpenBLAS older than the CPU falls back to SSE3 kernels. */
+    const bool avx512 = attn_isa_supported(ATTN_ISA_AVX512);
+    if (strstr(blas, "core Prescott") != NULL && (avx512 || attn_isa_supported(ATTN_ISA_AVX2)))
+        printf("hint: this OpenBLAS does not know the CPU; OPENBLAS_CORETYPE=%s makes it use "
+               "its %s kernels\n", avx512 ? "SkylakeX" : "Haswell", avx512 ? "AVX-512" : "AVX2");
     return CLI_OK;
 }
 

@@ -12,7 +12,10 @@ or float64, with any strides (read in place, not copied); outputs are NumPy
 arrays. The GIL is released while the kernels run. See docs/python.md.
 """
 
-from . import _attn
+from ._blas_env import openblas_core_for_this_cpu as _core
+
+with _core():  # OpenBLAS picks its kernels when _attn's import loads it
+    from . import _attn
 from ._mha import MultiheadAttention
 from ._sdpa import scaled_dot_product_attention
 from ._arrays import check_int as _check_int
@@ -43,10 +46,12 @@ def get_num_threads():
 
 def kernel_info():
     """Which kernel path calls take, which paths this CPU and OS support, the
-    thread count and the library version, as a dict."""
+    thread count, the library version and the BLAS behind MHA's projections,
+    as a dict."""
     return {
         "isa": _attn.isa(),
         "supported_isas": _attn.supported_isas(),
         "num_threads": _attn.get_num_threads(),
         "version": _attn.version(),
+        "blas": _attn.blas_info(),
     }

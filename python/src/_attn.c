@@ -675,6 +675,12 @@ static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
     return list;
 }
 
+static PyObject *py_blas_info(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyUnicode_FromString(attn_blas_info());
+}
+
 static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     (void)self;
     const char *name = PyUnicode_AsUTF8(arg);
@@ -703,6 +709,7 @@ static PyMethodDef module_methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},
     {"isa", py_isa, METH_NOARGS, "the kernel path calls take now"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the paths this CPU and OS can run"},
+    {"blas_info", py_blas_info, METH_NOARGS, "attn_blas_info(): the CBLAS behind MHA"},
     {"set_isa", py_set_isa, METH_O, "force a kernel path by name ('auto' restores the best)"},
     {"_copies", py_copies, METH_NOARGS,
      "how many input buffers had to be copied (misaligned or odd strides)"},

@@ -1,5 +1,6 @@
 /* gemm.c — the one place libattn calls CBLAS (the projection GEMMs). */
 #include <cblas.h>
+#include <stdio.h>
 
 #include "internal.h"
 #include "gemm.h"
@@ -12,8 +13,20 @@
  * (a weak reference resolves to NULL). 2 means "built with OpenMP". */
 extern int openblas_get_parallel(void) __attribute__((weak));
 
+extern char *openblas_get_config(void) __attribute__((weak));
+extern char *openblas_get_corename(void) __attribute__((weak));
+
 bool attn__blas_nests_in_openmp(void) {
     return openblas_get_parallel != NULL && openblas_get_parallel() == 2;
+}
+
+const char *attn_blas_info(void) {
+    if (openblas_get_config == NULL || openblas_get_corename == NULL) return "CBLAS";
+    /* Per thread, like the error messages: no locking, no race. The core
+     * OpenBLAS picked at load time is what decides its speed. */
+    static _Thread_local char info[256];
+    snprintf(info, sizeof info, "%s; core %s", openblas_get_config(), openblas_get_corename());
+    return info;
 }
 
 void attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
@@ -34,26 +47,25 @@ void attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const voi
                     (int)k, 1.0, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
 }
 
-enum { TILE_M = 128, TILE_N = 512 };
-
-void attn__gemm_abt_tiled(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                          int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
-                          int64_t ldc) {
-    const size_t es = attn_dtype_size(dtype);
-    const int64_t tm = (m + TILE_M - 1) / TILE_M, tn = (n + TILE_N - 1) / TILE_N;
-    const int threads = attn__threads();
-    const bool nest = attn__blas_nests_in_openmp() && tm * tn > 1 && threads > 1 &&
-                      (double)m * (double)n * (double)k >= ATTN_PARALLEL_MIN_WORK;
-    if (!nest) {
-        attn__gemm_abt(dtype, m, n, k, a, lda, b, ldb, accumulate ? 1.0 : 0.0, c, ldc);
+void attn__gemm_abt_threaded(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
+                             int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
+                             int64_t ldc) {
+    const double beta = accumulate ? 1.0 : 0.0;
+#ifdef _OPENMP
+    if (attn__blas_nests_in_openmp()) {
+        /* OpenMP OpenBLAS sizes its team from the calling thread's nthreads
+         * setting: attn's thread count for this call (one thread for tiny
+         * ones, where waking a team costs more than it saves), then the
+         * caller's setting back. One BLAS call packs each operand once;
+         * splitting C into tiles on attn's own threads repacked B per tile
+         * and measured 1.5-2.5x slower. */
+        const bool tiny = (double)m * (double)n * (double)k < ATTN_PARALLEL_MIN_WORK;
+        const int saved = omp_get_max_threads();
+        omp_set_num_threads(tiny ? 1 : attn__threads());
+        attn__gemm_abt(dtype, m, n, k, a, lda, b, ldb, beta, c, ldc);
+        omp_set_num_threads(saved);
         return;
     }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < tm * tn; t++) {
-        const int64_t i0 = t / tn * TILE_M, j0 = t % tn * TILE_N;
-        const int64_t mi = m - i0 < TILE_M ? m - i0 : TILE_M, nj = n - j0 < TILE_N ? n - j0 : TILE_N;
-        attn__gemm_abt(dtype, mi, nj, k, (const char *)a + (size_t)(i0 * lda) * es, lda,
-                       (const char *)b + (size_t)(j0 * ldb) * es, ldb, accumulate ? 1.0 : 0.0,
-                       (char *)c + (size_t)(i0 * ldc + j0) * es, ldc);
-    }
+#endif
+    attn__gemm_abt(dtype, m, n, k, a, lda, b, ldb, beta, c, ldc);
 }

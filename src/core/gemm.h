@@ -11,18 +11,18 @@ void attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const voi
                     int64_t lda, const void *b, int64_t ldb, double beta, void *c,
                     int64_t ldc);
 
-/* Whether the CBLAS runs single-threaded inside an OpenMP parallel region
- * (OpenBLAS built with OpenMP reports this through openblas_get_parallel).
- * Then attn runs GEMM tiles in its own threads; otherwise it calls the BLAS
- * from one thread and lets it use its own thread pool. */
+/* Whether the CBLAS is OpenBLAS built with OpenMP (it reports this through
+ * openblas_get_parallel): then it shares attn's OpenMP runtime and takes
+ * its thread count from the calling thread's OpenMP setting. */
 bool attn__blas_nests_in_openmp(void);
 
-/* C = A · Bᵀ (+ C when accumulate) over fixed-size tiles of C, run on attn's
- * threads when the BLAS nests (see above). The tiles do not depend on the
- * thread count, so neither does the result. */
-void attn__gemm_abt_tiled(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                          int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
-                          int64_t ldc);
+/* C = A · Bᵀ (+ C when accumulate) on attn's thread count when the BLAS
+ * takes it from OpenMP (see above); otherwise on the BLAS's own threads.
+ * BLAS GEMMs split C, not the sum over k, so the result does not depend on
+ * the thread count (test_mha checks it bitwise). */
+void attn__gemm_abt_threaded(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
+                             int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
+                             int64_t ldc);
 
 /* Whether x fits a 32-bit BLAS integer (the common LP64 interface). */
 static inline bool attn__blas_fits(int64_t x) { return x >= 0 && x <= INT32_MAX; }

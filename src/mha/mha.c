@@ -450,13 +450,13 @@ static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, c
                 memcpy((char *)y + (size_t)(n * ysN + t * ysT) * es, bias, (size_t)dout * es);
     const bool acc = bias != NULL;
     if (N == 1 || (xsN * N == xsT && ysN * N == ysT && xsN >= F)) /* time-major rows */
-        attn__gemm_abt_tiled(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, acc, y,
+        attn__gemm_abt_threaded(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, acc, y,
                              N == 1 ? ysT : ysN);
     else if (xsT * T == xsN && ysT * T == ysN) /* batch-major rows */
-        attn__gemm_abt_tiled(dt, N * T, dout, F, xdata, xsT, w, F, acc, y, ysT);
+        attn__gemm_abt_threaded(dt, N * T, dout, F, xdata, xsT, w, F, acc, y, ysT);
     else
         for (int64_t n = 0; n < N; n++)
-            attn__gemm_abt_tiled(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, acc,
+            attn__gemm_abt_threaded(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, acc,
                                  (char *)y + (size_t)(n * ysN) * es, ysT);
     attn__free(packed);
     return ATTN_OK;

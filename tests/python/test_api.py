@@ -31,11 +31,55 @@ def test_version_is_the_library_version():
 
 def test_kernel_info():
     info = attn.kernel_info()
-    assert set(info) == {"isa", "supported_isas", "num_threads", "version"}
+    assert set(info) == {"isa", "supported_isas", "num_threads", "version", "blas"}
     assert info["isa"] in info["supported_isas"]
     assert "ref" in info["supported_isas"]
     assert info["num_threads"] == attn.get_num_threads() >= 1
     assert info["version"] == attn.__version__
+
+
+def test_openblas_core_follows_the_cpu_features():
+    from attn import _blas_env
+    assert _blas_env.core_for_flags({"avx2", "fma", "avx512f", "avx512bw", "avx512dq",
+                                     "avx512vl", "avx512cd"}) == "SkylakeX"
+    assert _blas_env.core_for_flags({"avx2", "fma", "avx512f"}) == "Haswell"
+    assert _blas_env.core_for_flags({"sse2", "avx"}) is None
+    # The choice is scoped to the import: the process's environment is as it was.
+    code = "import os, attn; print(attn.kernel_info()['blas']); print(os.environ.get('OPENBLAS_CORETYPE'))"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    blas, leaked = out.stdout.splitlines()
+    assert leaked == "None", out.stderr
+    if blas.startswith("OpenBLAS"):
+        want = _blas_env.core_for_flags(_blas_env._cpu_flags())
+        if want is not None:  # never the SSE3 fallback on a CPU with AVX2 or AVX-512
+            assert blas.endswith("core " + want), blas
+    # A user's own choice is kept.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(env, OPENBLAS_CORETYPE="Haswell"))
+    blas, kept = out.stdout.splitlines()
+    assert kept == "Haswell", out.stderr
+    if blas.startswith("OpenBLAS"):
+        assert blas.endswith("core Haswell"), blas
+
+
+def test_mha_results_do_not_depend_on_the_thread_count():
+    """With the BLAS core the package chose (above), the projections, and so
+    the whole module, give the same bits for 1-4 threads."""
+    blas = attn.kernel_info()["blas"]
+    if not re.search(r"core (Haswell|Zen|SkylakeX|CooperLake|SapphireRapids)$", blas):
+        pytest.skip(f"BLAS without a reproducibility claim: {blas}")
+    m = attn.MultiheadAttention(200, 5, batch_first=True, seed=3)
+    x = np.random.default_rng(5).standard_normal((4, 300, 200)).astype(np.float32)
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4):
+            attn.set_num_threads(threads)
+            outs.append(m(x, x, x, need_weights=False)[0])
+    finally:
+        attn.set_num_threads(0)
+    for threads, y in zip((2, 3, 4), outs[1:]):
+        assert np.array_equal(y, outs[0]), f"{threads} threads differ from 1"
 
 
 def test_threads_roundtrip_and_default():
