@@ -11,7 +11,8 @@ noisy neighbour slows both alike. Reported per shape: median milliseconds,
 GFLOP/s (4·B·H·L·S·E for SDPA, half of it when causal; MHA counts its four
 projections too), the percentage of the FMA peak that ``attn_bench peak``
 measures in the same run, the PyTorch/attn speed ratio (> 1: attn faster),
-peak extra memory of one call (measured in a fresh interpreter), and the largest
+peak extra memory of one call, output included (measured in a fresh interpreter
+from the kernel's RSS high-water mark), and the largest
 difference between the two outputs.
 
 Writes bench/results/results.json, bench/results/results.md and
@@ -22,7 +23,6 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -56,9 +56,12 @@ def log(msg):
 
 def probe(args, *cmd):
     exe = args.bench_bin
-    out = subprocess.run([exe, *cmd, "--threads", str(args.threads)], check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out)
+    # Not check=True: `memory` exits 1 when over budget, and says so in its JSON.
+    run = subprocess.run([exe, *cmd, "--threads", str(args.threads)], capture_output=True,
+                         text=True)
+    if not run.stdout.strip():
+        sys.exit(f"{exe} {' '.join(cmd)} failed: {run.stderr.strip()}")
+    return json.loads(run.stdout)
 
 
 def timed(fn):
@@ -89,16 +92,29 @@ def peak_memory(args, lib, kind, params):
     return float(out.strip().splitlines()[-1])
 
 
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def memory_probe(spec):
-    """Child side of peak_memory: build the inputs, then measure one call."""
+    """Child side of peak_memory: build the inputs, reset the kernel's RSS
+    high-water mark (Linux: "5" to /proc/self/clear_refs), make the one call,
+    and print how far the high-water mark rose above the RSS before it."""
     spec = json.loads(spec)
     torch.set_num_threads(spec["threads"])
     attn.set_num_threads(spec["threads"])
     call = (sdpa_calls if spec["kind"] == "sdpa" else mha_calls)(*spec["params"])[spec["lib"]]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    call()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((after - before) / 1024.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    result = call()
+    peak = _status_kib("VmHWM")
+    del result
+    print((peak - before) / 1024.0)
 
 
 # ---- SDPA ----
@@ -298,6 +314,14 @@ def main():
             f"{c['ratio']:.2f}x, {c['gflops_attn']:.1f} GFLOP/s, {c['extra']} "
             f"({time.perf_counter() - t0:.0f} s)")
 
+    memory = None
+    if not args.quick and not args.only:
+        log("memory: attn_bench memory (L = S = 65536, H = 1, E = 64) ...")
+        memory = probe(args, "memory")
+        log(f"    peak RSS grew {memory['used_mib']:.1f} MiB for {memory['inputs_outputs_mib']:.0f} "
+            f"MiB of inputs and outputs (budget {memory['budget_mib']:.0f} MiB) in "
+            f"{memory['seconds']:.1f} s")
+
     peak1 = probe(args, "peak")  # again at the end: the machine may have changed
     peak = max(peak0["gflops"], peak1["gflops"])
     for c in cases:
@@ -321,6 +345,11 @@ def main():
         elif c["group"] == "mha":
             verdict.append((c["label"], f"≥ {TARGET_MHA_RATIO}× PyTorch",
                             c["ratio"] >= TARGET_MHA_RATIO, f"{c['ratio']:.2f}×"))
+    if memory is not None:
+        verdict.append(("L = S = 65536, H = 1, E = 64 (attn_bench memory)",
+                        "peak RSS ≤ inputs + outputs + 64 MiB", memory["within_budget"],
+                        f"{memory['used_mib']:.0f} MiB ≤ {memory['budget_mib']:.0f} MiB"
+                        if memory["within_budget"] else f"{memory['used_mib']:.0f} MiB"))
 
     machine = dict(cpu=platform.processor() or platform.machine(), threads=args.threads,
                    fma_peak_gflops=[peak0["gflops"], peak1["gflops"]], peak_isa=peak0["isa"],
@@ -328,7 +357,7 @@ def main():
                    attn_isa=attn.kernel_info()["isa"], torch=torch.__version__,
                    date=time.strftime("%Y-%m-%d %H:%M"))
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(dict(machine=machine, cases=cases,
+        json.dump(dict(machine=machine, cases=cases, memory=memory,
                        targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict]),
                   f, indent=1)
 
