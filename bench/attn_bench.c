@@ -127,7 +127,19 @@ static int cmd_bandwidth(int argc, char **argv) {
 
 /* ---- memory: the fused kernel's footprint at a length the math path cannot do ---- */
 
+/* The peak RSS of this process image, in MiB. On Linux from VmHWM: the
+ * getrusage maximum survives exec, so a child of a big process (run.py,
+ * with PyTorch loaded) would report its parent's peak. */
 static double rss_mib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (f != NULL) {
+        char line[256];
+        long kib = -1;
+        while (fgets(line, sizeof line, f) != NULL)
+            if (sscanf(line, "VmHWM: %ld kB", &kib) == 1) break;
+        fclose(f);
+        if (kib >= 0) return (double)kib / 1024.0;
+    }
     struct rusage u;
     getrusage(RUSAGE_SELF, &u);
     return (double)u.ru_maxrss / 1024.0; /* Linux: KiB */

@@ -348,8 +348,10 @@ def main():
     if memory is not None:
         verdict.append(("L = S = 65536, H = 1, E = 64 (attn_bench memory)",
                         "peak RSS ≤ inputs + outputs + 64 MiB", memory["within_budget"],
-                        f"{memory['used_mib']:.0f} MiB ≤ {memory['budget_mib']:.0f} MiB"
-                        if memory["within_budget"] else f"{memory['used_mib']:.0f} MiB"))
+                        f"{memory['used_mib']:.1f} MiB (inputs + outputs "
+                        f"{memory['inputs_outputs_mib']:.0f} MiB + "
+                        f"{memory['used_mib'] - memory['inputs_outputs_mib']:.1f} MiB; "
+                        f"budget {memory['budget_mib']:.0f} MiB)"))
 
     machine = dict(cpu=platform.processor() or platform.machine(), threads=args.threads,
                    fma_peak_gflops=[peak0["gflops"], peak1["gflops"]], peak_isa=peak0["isa"],
