@@ -34,6 +34,7 @@ typedef struct flash_work {
     int64_t nrows;    /* rows per group: G * L                             */
     bool direct;      /* few rows: keys-in-columns layout, K read in place */
     int64_t BR;       /* query rows per block                              */
+    int64_t lanes;    /* queries-in-lanes layout: lanes of a block (BR)    */
     int64_t nqb;      /* query blocks per group                            */
     int64_t BC;       /* keys per block                                    */
     int64_t chunk;    /* keys per chunk                                    */
@@ -74,7 +75,10 @@ static flash_work plan_work(const attn__sdpa_plan *p) {
      * its float64-accumulated scores keep the result within rounding of the
      * exact one (float32 scores would dominate the error there). */
     w.direct = w.nrows <= DIRECT_ROWS || w.nrows * p->S * p->E <= TINY_WORK;
-    w.BR = w.direct ? w.nrows : LANES;
+    /* A group of fewer rows than LANES (small heads: MHA with L = 32) gets
+     * as few 16-lane vectors as it needs, not 48 lanes of which a third idle. */
+    w.lanes = w.nrows < LANES ? (w.nrows + 15) / 16 * 16 : LANES;
+    w.BR = w.direct ? w.nrows : w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
     /* keys per block: the block's scores (BC x LANES), Qt (E x LANES) and a
      * V chunk should share L1 (measured best: 128 keys at E = 64, 64 at 128) */
@@ -159,10 +163,10 @@ static flash_scratch_size scratch_size(const attn__sdpa_plan *p, const flash_wor
                                        const attn__flash_kernels *kern) {
     flash_scratch_size z;
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
-    z.q = w->BR * p->E;                        /* Q rows, or Qt (E x LANES)     */
+    z.q = w->BR * p->E;                        /* Q rows, or Qt (E x lanes)     */
     z.kp = p->k.cs == 1 ? 0 : w->BC * p->E;    /* K rows, when not unit-strided */
     z.vp = p->v.cs == 1 ? 0 : w->BC * p->Ev;   /* V rows, likewise              */
-    z.s = w->direct ? kern->pv_rows * cols : w->BC * LANES;
+    z.s = w->direct ? kern->pv_rows * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
     z.keep = cols;

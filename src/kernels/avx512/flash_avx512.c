@@ -45,10 +45,61 @@ ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
 
 /* ---- Qt: a block of query rows, transposed ---- */
 
-/* One 16-lane gather per (e, 16 rows): far cheaper than a scalar transpose.
- * Falls back to the portable loop when row offsets exceed 32 bits. */
+/* r[k] becomes column k of the 16 x 16 block: pairs, quads, then 128-bit
+ * lanes across 8 and 16 rows. */
+ALWAYS_INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]),
+                      c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+            t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* Rows with unit column stride: 16 x 16 blocks loaded row by row and
+ * transposed in registers (about 4x fewer cycles than gathers; small heads,
+ * MHA's 32 x 40 for one, spent 13% of their time packing with gathers). */
+static void pack_qt_rows_f(const float *q, int64_t rs, int64_t nr, int64_t E, float scale,
+                           float *qt, int64_t lanes) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t c = 0; c < lanes; c += 16) {
+        const int64_t live = nr - c < 0 ? 0 : nr - c < 16 ? nr - c : 16;
+        for (int64_t e0 = 0; e0 < E; e0 += 16) {
+            const int64_t ne = E - e0 < 16 ? E - e0 : 16;
+            const __mmask16 em = (__mmask16)((1u << ne) - 1);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < live ? _mm512_maskz_loadu_ps(em, q + (c + i) * rs + e0) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int k = 0; k < ne; k++) _mm512_storeu_ps(qt + (e0 + k) * lanes + c, _mm512_mul_ps(r[k], sc));
+        }
+    }
+}
+
+/* Otherwise one 16-lane gather per (e, 16 rows): far cheaper than a scalar
+ * transpose. Falls back to the portable loop when row offsets exceed 32 bits. */
 static void pack_qt_f(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
                       float *qt, int64_t lanes) {
+    if (cs == 1) {
+        pack_qt_rows_f(q, rs, nr, E, scale, qt, lanes);
+        return;
+    }
     const int64_t span = (nr > 0 ? nr - 1 : 0) * (rs < 0 ? -rs : rs);
     if (span > INT32_MAX / 4) {
         for (int64_t e = 0; e < E; e++)
