@@ -9,16 +9,18 @@
 #include <omp.h>
 #endif
 
-/* OpenBLAS's own query, when the linked CBLAS is OpenBLAS; absent otherwise
- * (a weak reference resolves to NULL). 2 means "built with OpenMP". */
+/* OpenBLAS's own queries, when the linked CBLAS is OpenBLAS; absent
+ * otherwise (a weak reference resolves to NULL). */
 extern int openblas_get_parallel(void) __attribute__((weak));
-
 extern char *openblas_get_config(void) __attribute__((weak));
 extern char *openblas_get_corename(void) __attribute__((weak));
 
-bool attn__blas_nests_in_openmp(void) {
+#ifdef _OPENMP
+/* openblas_get_parallel() == 2: OpenBLAS built with OpenMP. */
+static bool blas_uses_openmp(void) {
     return openblas_get_parallel != NULL && openblas_get_parallel() == 2;
 }
+#endif
 
 const char *attn_blas_info(void) {
     if (openblas_get_config == NULL || openblas_get_corename == NULL) return "CBLAS";
@@ -52,13 +54,13 @@ void attn__gemm_abt_threaded(attn_dtype dtype, int64_t m, int64_t n, int64_t k, 
                              int64_t ldc) {
     const double beta = accumulate ? 1.0 : 0.0;
 #ifdef _OPENMP
-    if (attn__blas_nests_in_openmp()) {
+    if (blas_uses_openmp()) {
         /* OpenMP OpenBLAS sizes its team from the calling thread's nthreads
          * setting: attn's thread count for this call (one thread for tiny
          * ones, where waking a team costs more than it saves), then the
          * caller's setting back. One BLAS call packs each operand once;
          * splitting C into tiles on attn's own threads repacked B per tile
-         * and measured 1.5-2.5x slower. */
+         * and measured 1.5-2.8x slower. */
         const bool tiny = (double)m * (double)n * (double)k < ATTN_PARALLEL_MIN_WORK;
         const int saved = omp_get_max_threads();
         omp_set_num_threads(tiny ? 1 : attn__threads());

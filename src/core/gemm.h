@@ -11,15 +11,13 @@ void attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const voi
                     int64_t lda, const void *b, int64_t ldb, double beta, void *c,
                     int64_t ldc);
 
-/* Whether the CBLAS is OpenBLAS built with OpenMP (it reports this through
- * openblas_get_parallel): then it shares attn's OpenMP runtime and takes
- * its thread count from the calling thread's OpenMP setting. */
-bool attn__blas_nests_in_openmp(void);
-
-/* C = A · Bᵀ (+ C when accumulate) on attn's thread count when the BLAS
- * takes it from OpenMP (see above); otherwise on the BLAS's own threads.
- * BLAS GEMMs split C, not the sum over k, so the result does not depend on
- * the thread count (test_mha checks it bitwise). */
+/* C = A · Bᵀ (+ C when accumulate) on attn's thread count when the CBLAS
+ * is OpenBLAS built with OpenMP (it then takes its team size from the
+ * calling thread's OpenMP setting); otherwise on the BLAS's own threads.
+ * The BLAS splits C, not the sum over k, but whether an element's bits
+ * depend on where the split falls is the BLAS's kernels' business:
+ * OpenBLAS's AVX2 / AVX-512 kernels give the same bits for any thread
+ * count, its SSE3 fallback does not (test_mha checks both). */
 void attn__gemm_abt_threaded(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
                              int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
                              int64_t ldc);
