@@ -15,20 +15,23 @@
 
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint64_t xcr0,
                                     bool osxsave_usable) {
-    attn__cpu_features f = {false, false};
+    attn__cpu_features f = {false, false, false};
     bool fma = (leaf1_ecx >> 12) & 1, avx = (leaf1_ecx >> 28) & 1;
     bool avx2 = (leaf7_ebx >> 5) & 1, avx512f = (leaf7_ebx >> 16) & 1;
+    bool avx512dq = (leaf7_ebx >> 17) & 1, avx512bw = (leaf7_ebx >> 30) & 1,
+         avx512vl = (leaf7_ebx >> 31) & 1;
     bool ymm_saved = osxsave_usable && (xcr0 & 0x6) == 0x6;            /* XMM, YMM */
     bool zmm_saved = osxsave_usable && (xcr0 & 0xE6) == 0xE6;          /* + opmask, ZMM */
     f.avx2_fma = avx && avx2 && fma && ymm_saved;
     f.avx512f = f.avx2_fma && avx512f && zmm_saved;
+    f.avx512_core = f.avx512f && avx512dq && avx512bw && avx512vl;
     return f;
 }
 
 static attn__cpu_features detect(void) {
 #ifdef ATTN_X86
     unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return (attn__cpu_features){false, false};
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return (attn__cpu_features){false, false, false};
     uint32_t leaf1_ecx = c;
     bool osxsave = (leaf1_ecx >> 27) & 1;
     uint32_t leaf7_ebx = 0;
@@ -44,7 +47,7 @@ static attn__cpu_features detect(void) {
     }
     return attn__cpu_decode(leaf1_ecx, leaf7_ebx, xcr0, osxsave);
 #else
-    return (attn__cpu_features){false, false};
+    return (attn__cpu_features){false, false, false};
 #endif
 }
 
@@ -52,12 +55,13 @@ const attn__cpu_features *attn__cpu(void) {
     /* Detection is idempotent, so first callers may race to do it; what they
      * publish is one atomic index into constant data, so no thread ever
      * writes memory another may be reading. */
-    static const attn__cpu_features table[3] = {{false, false}, {true, false}, {true, true}};
+    static const attn__cpu_features table[4] = {
+        {false, false, false}, {true, false, false}, {true, true, false}, {true, true, true}};
     static atomic_int index = -1;
     int i = atomic_load_explicit(&index, memory_order_acquire);
     if (i < 0) {
         attn__cpu_features f = detect();
-        i = f.avx512f ? 2 : f.avx2_fma ? 1 : 0;
+        i = f.avx512_core ? 3 : f.avx512f ? 2 : f.avx2_fma ? 1 : 0;
         atomic_store_explicit(&index, i, memory_order_release);
     }
     return &table[i];
@@ -103,20 +107,29 @@ static attn_isa best_isa(void) {
 /* -1 until first use; then the forced or detected path. */
 static atomic_int chosen = -1;
 
+/* ATTN_ISA, read once: a path name in any case ("avx2", "AVX2"). A value
+ * that is unknown, or names a path this CPU cannot run, must not crash a
+ * host process: it is reported once on stderr and the best path used. */
 static attn_isa isa_from_env(void) {
     const char *env = getenv("ATTN_ISA");
     if (env == NULL || *env == '\0') return best_isa();
-    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_AVX512; i++)
-        if (strcmp(env, attn_isa_name((attn_isa)i)) == 0) {
-            if (i == ATTN_ISA_AUTO) return best_isa();
-            if (attn_isa_supported((attn_isa)i)) return (attn_isa)i;
-            break;
-        }
-    /* An unknown or unsupported request must not crash a host process: fall
-     * back to the best path, and say so once when debugging is asked for. */
-    if (getenv("ATTN_DEBUG") != NULL)
-        fprintf(stderr, "attn: ATTN_ISA=%s is unknown or unsupported here; using %s\n", env,
-                attn_isa_name(best_isa()));
+    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_AVX512; i++) {
+        const char *name = attn_isa_name((attn_isa)i);
+        size_t n = 0;
+        while (name[n] != '\0' && env[n] != '\0' &&
+               (env[n] | 0x20) == name[n]) /* ASCII lower-case compare */
+            n++;
+        if (name[n] != '\0' || env[n] != '\0') continue;
+        if (i == ATTN_ISA_AUTO) return best_isa();
+        if (attn_isa_supported((attn_isa)i)) return (attn_isa)i;
+        fprintf(stderr, "attn: ATTN_ISA=%.32s: this CPU or OS cannot run that path; using %s\n",
+                env, attn_isa_name(best_isa()));
+        return best_isa();
+    }
+    fprintf(stderr,
+            "attn: ignoring ATTN_ISA=%.32s: expected ref, generic, avx2, avx512 or auto; "
+            "using %s\n",
+            env, attn_isa_name(best_isa()));
     return best_isa();
 }
 

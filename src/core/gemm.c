@@ -1,6 +1,10 @@
 /* gemm.c — the one place libattn calls CBLAS (the projection GEMMs). */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, MAP_NORESERVE, setenv */
 #include <cblas.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
 
 #include "internal.h"
 #include "gemm.h"
@@ -9,65 +13,193 @@
 #include <omp.h>
 #endif
 
-/* OpenBLAS's own queries, when the linked CBLAS is OpenBLAS; absent
- * otherwise (a weak reference resolves to NULL). */
-extern int openblas_get_parallel(void) __attribute__((weak));
+/* OpenBLAS's own entry points, when the linked CBLAS is OpenBLAS; absent
+ * otherwise (a weak reference resolves to NULL). The dynamic_* pair exists
+ * in DYNAMIC_ARCH builds (Debian's), which choose a kernel set at load. */
 extern char *openblas_get_config(void) __attribute__((weak));
 extern char *openblas_get_corename(void) __attribute__((weak));
-
-#ifdef _OPENMP
-/* openblas_get_parallel() == 2: OpenBLAS built with OpenMP. */
-static bool blas_uses_openmp(void) {
-    return openblas_get_parallel != NULL && openblas_get_parallel() == 2;
-}
-#endif
+extern void gotoblas_dynamic_init(void) __attribute__((weak));
+extern void gotoblas_dynamic_quit(void) __attribute__((weak));
 
 const char *attn_blas_info(void) {
     if (openblas_get_config == NULL || openblas_get_corename == NULL) return "CBLAS";
-    /* Per thread, like the error messages: no locking, no race. The core
-     * OpenBLAS picked at load time is what decides its speed. */
+    /* Per thread, like the error messages: no locking, no race. */
     static _Thread_local char info[256];
     snprintf(info, sizeof info, "%s; core %s", openblas_get_config(), openblas_get_corename());
     return info;
 }
 
-void attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                    int64_t lda, const void *b, int64_t ldb, double beta, void *c,
-                    int64_t ldc) {
-    /* BLAS checks lda >= k and ldc >= n even for a single row, where the
-     * row stride is never used (and may be anything, even beyond int). */
-    if (m == 1) {
-        lda = k;
-        ldc = n;
+/* ---- which OpenBLAS kernels run ---- */
+
+/* A DYNAMIC_ARCH OpenBLAS picks its kernels from a table of CPU models at
+ * load, so one older than the CPU falls back: 0.3.21 runs its SSE3
+ * "Prescott" kernels on recent Intel models (3-4x slower) and its AVX2
+ * "Haswell" kernels on AVX-512 Zen 5. When the user has not chosen
+ * (OPENBLAS_CORETYPE unset) and the CPU and OS can run a better set, attn
+ * asks OpenBLAS to choose again with that set forced — OpenBLAS's own
+ * mechanism, run once while the library loads. */
+const char *attn__blas_core_upgrade(const char *current, const attn__cpu_features *f) {
+    static const char *const avx512_cores[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
+    static const char *const avx2_cores[] = {"Haswell", "Zen", "SkylakeX", "Cooperlake",
+                                             "SapphireRapids"};
+    if (current == NULL) return NULL;
+    if (f->avx512_core) {
+        for (size_t i = 0; i < sizeof avx512_cores / sizeof *avx512_cores; i++)
+            if (strcmp(current, avx512_cores[i]) == 0) return NULL;
+        return "SkylakeX";
     }
-    if (dtype == ATTN_DTYPE_F32)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n,
-                    (int)k, 1.0f, a, (int)lda, b, (int)ldb, (float)beta, c,
-                    (int)ldc);
-    else
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n,
-                    (int)k, 1.0, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+    if (f->avx2_fma) {
+        for (size_t i = 0; i < sizeof avx2_cores / sizeof *avx2_cores; i++)
+            if (strcmp(current, avx2_cores[i]) == 0) return NULL;
+        return "Haswell";
+    }
+    return NULL;
 }
 
-void attn__gemm_abt_threaded(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                             int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
-                             int64_t ldc) {
-    const double beta = accumulate ? 1.0 : 0.0;
-#ifdef _OPENMP
-    if (blas_uses_openmp()) {
-        /* OpenMP OpenBLAS sizes its team from the calling thread's nthreads
-         * setting: attn's thread count for this call (one thread for tiny
-         * ones, where waking a team costs more than it saves), then the
-         * caller's setting back. One BLAS call packs each operand once;
-         * splitting C into tiles on attn's own threads repacked B per tile
-         * and measured 1.5-2.8x slower. */
-        const bool tiny = (double)m * (double)n * (double)k < ATTN_PARALLEL_MIN_WORK;
-        const int saved = omp_get_max_threads();
-        omp_set_num_threads(tiny ? 1 : attn__threads());
-        attn__gemm_abt(dtype, m, n, k, a, lda, b, ldb, beta, c, ldc);
-        omp_set_num_threads(saved);
-        return;
+bool attn__blas_switch_core(const char *core) {
+    if (openblas_get_corename == NULL || gotoblas_dynamic_init == NULL ||
+        gotoblas_dynamic_quit == NULL)
+        return false;
+    const char *user = getenv("OPENBLAS_CORETYPE");
+    char saved[64] = "";
+    if (user != NULL) snprintf(saved, sizeof saved, "%s", user);
+    setenv("OPENBLAS_CORETYPE", core, 1);
+    gotoblas_dynamic_quit();
+    gotoblas_dynamic_init();
+    if (user != NULL)
+        setenv("OPENBLAS_CORETYPE", saved, 1);
+    else
+        unsetenv("OPENBLAS_CORETYPE");
+    return true;
+}
+
+__attribute__((constructor)) static void choose_blas_core(void) {
+    if (openblas_get_corename == NULL || getenv("OPENBLAS_CORETYPE") != NULL) return;
+    const char *better = attn__blas_core_upgrade(openblas_get_corename(), attn__cpu());
+    if (better != NULL) attn__blas_switch_core(better);
+}
+
+/* ---- tiles ---- */
+
+/* Tiles of C, from its shape only. Rows come in blocks of 1/8 of m (a
+ * multiple of 16 rows, 32 to 512), so up to 8 threads share a large
+ * product evenly; when that leaves fewer than 8 row blocks (short m), the
+ * columns are split too, into blocks of at least 256. Measured on the MHA
+ * shapes of `make bench` (docs/design.md): 512-row tiles, one
+ * single-threaded call each, ran as fast as one threaded OpenBLAS call. */
+typedef struct gemm_tiles {
+    int64_t rows, cols; /* tile size */
+    int64_t nrow, ncol; /* tile counts */
+} gemm_tiles;
+
+enum { TILE_TARGET = 8, TILE_ROWS_MIN = 32, TILE_ROWS_MAX = 512, TILE_COLS_MIN = 256 };
+
+static int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+static gemm_tiles plan_tiles(int64_t m, int64_t n, int64_t k) {
+    gemm_tiles t = {m, n, 1, 1};
+    if ((double)m * (double)n * (double)k < ATTN_PARALLEL_MIN_WORK) return t; /* one call */
+    t.rows = round_up((m + TILE_TARGET - 1) / TILE_TARGET, 16);
+    if (t.rows < TILE_ROWS_MIN) t.rows = TILE_ROWS_MIN;
+    if (t.rows > TILE_ROWS_MAX) t.rows = TILE_ROWS_MAX;
+    if (t.rows > m) t.rows = m;
+    t.nrow = (m + t.rows - 1) / t.rows;
+    if (t.nrow < TILE_TARGET) {
+        int64_t want = (TILE_TARGET + t.nrow - 1) / t.nrow, most = n / TILE_COLS_MIN;
+        int64_t ncol = want < most ? want : most;
+        if (ncol > 1) {
+            t.cols = round_up((n + ncol - 1) / ncol, 16);
+            t.ncol = (n + t.cols - 1) / t.cols;
+        }
     }
+    return t;
+}
+
+/* OpenBLAS maps a 128 MiB buffer the first time a thread calls it, and
+ * 0.3.21 retries that mapping forever when it fails (an address-space limit,
+ * ulimit -v). A thread therefore first checks that the mapping would
+ * succeed, once: a failure becomes ATTN_ERR_NOMEM instead of a hang. */
+enum { OPENBLAS_BUFFER_BYTES = (128 << 20) + (8 << 20) };
+static _Thread_local bool blas_buffer_mapped;
+
+static bool blas_buffer_possible(void) {
+    if (blas_buffer_mapped || openblas_get_config == NULL) return true;
+    void *p = mmap(NULL, OPENBLAS_BUFFER_BYTES, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    munmap(p, OPENBLAS_BUFFER_BYTES);
+    return true;
+}
+
+typedef struct gemm_call {
+    attn_dtype dtype;
+    int64_t m, n, k, lda, ldb, ldc;
+    const char *a, *b;
+    char *c;
+    bool accumulate;
+} gemm_call;
+
+/* One tile: a single-threaded BLAS call on rows [r0, r0+mr), columns
+ * [c0, c0+nc) of C. The caller's OpenMP thread count is 1 here, which is
+ * what an OpenMP OpenBLAS reads as "do not start threads". */
+static attn_status run_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t c0, int64_t nc) {
+    if (!blas_buffer_possible()) return ATTN_ERR_NOMEM;
+    const size_t es = attn_dtype_size(g->dtype);
+    const void *a = g->a + (size_t)(r0 * g->lda) * es, *b = g->b + (size_t)(c0 * g->ldb) * es;
+    void *c = g->c + (size_t)(r0 * g->ldc + c0) * es;
+    /* BLAS checks lda >= k and ldc >= n even for one row, whose stride is
+     * never used (and may not even fit an int). */
+    const int lda = (int)(mr == 1 ? g->k : g->lda), ldc = (int)(mr == 1 ? nc : g->ldc);
+    if (g->dtype == ATTN_DTYPE_F32)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)mr, (int)nc, (int)g->k, 1.0f,
+                    a, lda, b, (int)g->ldb, g->accumulate ? 1.0f : 0.0f, c, ldc);
+    else
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)mr, (int)nc, (int)g->k, 1.0,
+                    a, lda, b, (int)g->ldb, g->accumulate ? 1.0 : 0.0, c, ldc);
+    blas_buffer_mapped = true;
+    return ATTN_OK;
+}
+
+attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
+                           int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
+                           int64_t ldc, const volatile int *cancel) {
+    const gemm_call g = {dtype, m, n, k, lda, ldb, ldc, a, b, c, accumulate};
+    const gemm_tiles t = plan_tiles(m, n, k);
+    const int64_t ntiles = t.nrow * t.ncol;
+    const int threads = ntiles > 1 ? attn__threads() : 1;
+    int status = ATTN_OK; /* the first failure of any tile */
+    (void)threads; /* only read by the OpenMP pragma */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int saved = omp_get_max_threads();
+        omp_set_num_threads(1); /* this thread's BLAS calls stay single-threaded */
 #endif
-    attn__gemm_abt(dtype, m, n, k, a, lda, b, ldb, beta, c, ldc);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < ntiles; i++) {
+            int seen;
+#pragma omp atomic read
+            seen = status;
+            if (seen != ATTN_OK) continue;
+            const int64_t r0 = i / t.ncol * t.rows, c0 = i % t.ncol * t.cols;
+            const int64_t mr = m - r0 < t.rows ? m - r0 : t.rows;
+            const int64_t nc = n - c0 < t.cols ? n - c0 : t.cols;
+            attn_status st = attn__cancelled(cancel) ? ATTN_ERR_CANCELLED
+                                                     : run_tile(&g, r0, mr, c0, nc);
+            if (st != ATTN_OK) {
+#pragma omp atomic write
+                status = (int)st;
+            }
+        }
+#ifdef _OPENMP
+        omp_set_num_threads(saved);
+#endif
+    }
+    if (status == ATTN_ERR_CANCELLED) return attn__fail_cancelled();
+    if (status == ATTN_ERR_NOMEM)
+        return attn__fail(ATTN_ERR_NOMEM,
+                          "out of memory: the BLAS could not map its %d MiB work buffer for a "
+                          "thread (address-space limit?)",
+                          OPENBLAS_BUFFER_BYTES >> 20);
+    return (attn_status)status;
 }

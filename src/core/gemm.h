@@ -1,4 +1,5 @@
-/* gemm.h — C = A · Bᵀ + beta · C on row-major matrices, through CBLAS.
+/* gemm.h — C = A · Bᵀ (+ C) on row-major matrices, through CBLAS, with
+ * results that do not depend on the thread count.
  * A is m x k (row stride lda), B is n x k (ldb), C is m x n (ldc); unit
  * column strides. Dimensions must fit the BLAS integer type (checked by the
  * callers, see attn__blas_fits). */
@@ -7,20 +8,33 @@
 
 #include "internal.h"
 
-void attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                    int64_t lda, const void *b, int64_t ldb, double beta, void *c,
-                    int64_t ldc);
+/* C = A · Bᵀ (+ C when accumulate), on attn's threads.
+ *
+ * C is cut into tiles by its shape alone (never by the thread count), and
+ * each tile is one single-threaded BLAS call: every element of C is then
+ * computed by the same call, with the same blocking, whatever the number of
+ * threads, so its bits cannot depend on it. (One threaded OpenBLAS call
+ * splits C where its thread count says, and its AVX2 / Zen / SkylakeX
+ * kernels round edge tiles differently: docs/design.md has the measurements
+ * behind the choice.)
+ *
+ * Returns ATTN_ERR_NOMEM when OpenBLAS could not map its buffer for a
+ * thread (its allocator would otherwise retry forever), and
+ * ATTN_ERR_CANCELLED when `cancel` was set; the message is set in the
+ * calling thread. */
+attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
+                           int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
+                           int64_t ldc, const volatile int *cancel);
 
-/* C = A · Bᵀ (+ C when accumulate) on attn's thread count when the CBLAS
- * is OpenBLAS built with OpenMP (it then takes its team size from the
- * calling thread's OpenMP setting); otherwise on the BLAS's own threads.
- * The BLAS splits C, not the sum over k, but whether an element's bits
- * depend on where the split falls is the BLAS's kernels' business:
- * OpenBLAS's AVX2 / AVX-512 kernels give the same bits for any thread
- * count, its SSE3 fallback does not (test_mha checks both). */
-void attn__gemm_abt_threaded(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                             int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
-                             int64_t ldc);
+/* The OpenBLAS kernel set ("core") to switch to when the one it chose at
+ * load, `current`, is weaker than what the CPU and OS run (an OpenBLAS older
+ * than the CPU): "SkylakeX" or "Haswell"; NULL to keep it. Pure, for tests. */
+const char *attn__blas_core_upgrade(const char *current, const attn__cpu_features *f);
+/* Makes a DYNAMIC_ARCH OpenBLAS choose its kernels again with `core` forced
+ * (its own OPENBLAS_CORETYPE mechanism). Only while no BLAS call runs: the
+ * library does it once, as it loads, when OPENBLAS_CORETYPE is unset. False
+ * when the BLAS is not such an OpenBLAS. */
+bool attn__blas_switch_core(const char *core);
 
 /* Whether x fits a 32-bit BLAS integer (the common LP64 interface). */
 static inline bool attn__blas_fits(int64_t x) { return x >= 0 && x <= INT32_MAX; }

@@ -53,6 +53,15 @@ typedef enum attn__role { ATTN__INPUT, ATTN__OUTPUT } attn__role;
 attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_rank,
                                attn__role role);
 
+/* Whether the address ranges of two checked views (from their lowest to
+ * their highest byte) intersect. NULL overlaps nothing. Outputs are tested
+ * against every other operand: a kernel that writes `out` while it still
+ * reads `q` would see its own results. */
+bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b);
+/* ATTN_ERR_OVERLAP when an output view (already checked) maps two elements
+ * to one address; NULL passes. */
+attn_status attn__check_output_layout(const attn_tensor *t, const char *name);
+
 /* Whether dtype is float32 or float64. */
 static inline bool attn__is_float(attn_dtype d) {
     return d == ATTN_DTYPE_F32 || d == ATTN_DTYPE_F64;
@@ -79,7 +88,21 @@ const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *sha
 
 /* ---- threads (threads.c) ---- */
 
-int attn__threads(void); /* the count for the current call, >= 1 */
+/* The count for the current call, >= 1: attn_get_num_threads(), or 1 in a
+ * child forked after attn had started OpenMP threads (GNU OpenMP's pool does
+ * not survive fork: the child's first parallel region would wait forever). */
+int attn__threads(void);
+
+/* ---- cancellation (threads.c) ---- */
+
+/* The calling thread's cancel flag (attn_set_cancel_flag), or NULL. A call
+ * reads it once at its start and hands the pointer to its workers. */
+const volatile int *attn__cancel_flag(void);
+static inline bool attn__cancelled(const volatile int *flag) {
+    return flag != NULL && __atomic_load_n(flag, __ATOMIC_RELAXED) != 0;
+}
+/* The status and message of a cancelled call. */
+attn_status attn__fail_cancelled(void);
 
 /* Below this many multiply-adds a call stays on the calling thread: waking a
  * thread pool costs more than the work (and with two OpenMP runtimes in one
@@ -89,8 +112,10 @@ int attn__threads(void); /* the count for the current call, >= 1 */
 /* ---- CPU features and kernel choice (cpu.c) ---- */
 
 typedef struct attn__cpu_features {
-    bool avx2_fma; /* AVX2 and FMA, and the OS saves YMM state          */
-    bool avx512f;  /* AVX-512F, and the OS saves ZMM and opmask state   */
+    bool avx2_fma;    /* AVX2 and FMA, and the OS saves YMM state          */
+    bool avx512f;     /* AVX-512F, and the OS saves ZMM and opmask state   */
+    bool avx512_core; /* avx512f + BW, DQ and VL: what OpenBLAS's SkylakeX
+                         kernels need (gemm.c picks its core from this)     */
 } attn__cpu_features;
 
 /* Detected once (CPUID + xgetbv), then cached. */

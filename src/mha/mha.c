@@ -426,7 +426,8 @@ attn_status attn_mha_out_shapes(const attn_mha *m, const attn_tensor *query,
  * when BLAS cannot read it in place.
  */
 static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, const void *bias,
-                           int64_t dout, void *y, int64_t ysN, int64_t ysT) {
+                           int64_t dout, void *y, int64_t ysN, int64_t ysT,
+                           const volatile int *cancel) {
     const int64_t N = x->shape[0], T = x->shape[1], F = x->shape[2];
     const size_t es = attn_dtype_size(dt);
     int64_t xsN = x->strides[0], xsT = x->strides[1];
@@ -449,17 +450,18 @@ static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, c
             for (int64_t t = 0; t < T; t++)
                 memcpy((char *)y + (size_t)(n * ysN + t * ysT) * es, bias, (size_t)dout * es);
     const bool acc = bias != NULL;
+    attn_status st = ATTN_OK;
     if (N == 1 || (xsN * N == xsT && ysN * N == ysT && xsN >= F)) /* time-major rows */
-        attn__gemm_abt_threaded(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, acc, y,
-                             N == 1 ? ysT : ysN);
+        st = attn__gemm_abt(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, acc, y,
+                            N == 1 ? ysT : ysN, cancel);
     else if (xsT * T == xsN && ysT * T == ysN) /* batch-major rows */
-        attn__gemm_abt_threaded(dt, N * T, dout, F, xdata, xsT, w, F, acc, y, ysT);
+        st = attn__gemm_abt(dt, N * T, dout, F, xdata, xsT, w, F, acc, y, ysT, cancel);
     else
-        for (int64_t n = 0; n < N; n++)
-            attn__gemm_abt_threaded(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, acc,
-                                 (char *)y + (size_t)(n * ysN) * es, ysT);
+        for (int64_t n = 0; st == ATTN_OK && n < N; n++)
+            st = attn__gemm_abt(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, acc,
+                                (char *)y + (size_t)(n * ysN) * es, ysT, cancel);
     attn__free(packed);
-    return ATTN_OK;
+    return st;
 }
 
 /* A padded copy of an MHA mask whose last dimension grows from S to S_ext
@@ -584,6 +586,29 @@ static bool same_view(const attn_tensor *a, const attn_tensor *b) {
     return true;
 }
 
+/* out and weights must not share memory with an input or each other (the
+ * masks are read while weights are written). */
+static attn_status check_output_overlaps(const attn_tensor *query, const attn_tensor *key,
+                                         const attn_tensor *value,
+                                         const attn_mha_forward_params *p,
+                                         const attn_tensor *out, const attn_tensor *weights) {
+    const attn_tensor *ins[5] = {query, key, value, p->attn_mask, p->key_padding_mask};
+    const char *names[5] = {"query", "key", "value", "attn_mask", "key_padding_mask"};
+    const attn_tensor *outs[2] = {out, weights};
+    for (int o = 0; o < 2; o++) {
+        attn_status st = attn__check_output_layout(outs[o], o ? "weights" : "out");
+        if (st != ATTN_OK) return st;
+        for (int i = 0; i < 5; i++)
+            if (attn__views_overlap(outs[o], ins[i]))
+                return attn__fail(ATTN_ERR_OVERLAP,
+                                  "%s overlaps %s in memory: give %s a buffer of its own",
+                                  o ? "weights" : "out", names[i], o ? "weights" : "out");
+    }
+    if (attn__views_overlap(out, weights))
+        return attn__fail(ATTN_ERR_OVERLAP, "out and weights overlap in memory");
+    return ATTN_OK;
+}
+
 /* Mean over heads: (N, H, L, S) contiguous -> the caller's (N, L, S) view. */
 static void average_heads(attn_dtype dt, const void *all, int64_t N, int64_t H, int64_t L,
                           int64_t S, const attn_tensor *w, bool batched) {
@@ -612,6 +637,7 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     const attn_mha_config *c = &m->cfg;
     const attn_dtype dt = c->dtype;
     const size_t es = attn_dtype_size(dt);
+    const volatile int *cancel = attn__cancel_flag();
     mha_shapes s;
     attn_status st = resolve_shapes(m, query, key, value, &s);
     if (st != ATTN_OK) return st;
@@ -650,6 +676,8 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     }
     attn_tensor am, kpm;
     if ((st = mask_views(m, &s, params, &am, &kpm)) != ATTN_OK) return st;
+    if ((st = check_output_overlaps(query, key, value, params, out, weights)) != ATTN_OK)
+        return st;
     const attn_tensor *am_use = params->attn_mask ? &am : NULL;
     const attn_tensor *kpm_use = params->key_padding_mask ? &kpm : NULL;
 
@@ -686,7 +714,7 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         param_data(m, find_param(m, m->packed ? "in_proj_weight" : "q_proj_weight"));
     const char *bias_all = c->bias ? param_data(m, find_param(m, "in_proj_bias")) : NULL;
     if (st == ATTN_OK && fused_qkv) {
-        st = project(dt, &s.query, w_all, bias_all, 3 * D, Qp, qsN, qsT);
+        st = project(dt, &s.query, w_all, bias_all, 3 * D, Qp, qsN, qsT, cancel);
     } else if (st == ATTN_OK) {
         const char *Wq = w_all, *Wk, *Wv;
         if (m->packed) {
@@ -698,9 +726,9 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         }
         const char *bq = bias_all, *bk = bias_all ? bias_all + (size_t)D * es : NULL,
                    *bv = bias_all ? bias_all + (size_t)(2 * D) * es : NULL;
-        if ((st = project(dt, &s.query, Wq, bq, D, Qp, qsN, qsT)) == ATTN_OK &&
-            (st = project(dt, &s.key, Wk, bk, D, Kp, ksN, ksT)) == ATTN_OK)
-            st = project(dt, &s.value, Wv, bv, D, Vp, ksN, ksT);
+        if ((st = project(dt, &s.query, Wq, bq, D, Qp, qsN, qsT, cancel)) == ATTN_OK &&
+            (st = project(dt, &s.key, Wk, bk, D, Kp, ksN, ksT, cancel)) == ATTN_OK)
+            st = project(dt, &s.value, Wv, bv, D, Vp, ksN, ksT, cancel);
     }
     /* Appended key/value rows: bias_k/bias_v, then a zero row per head. */
     for (int64_t n = 0; st == ATTN_OK && n < N; n++) {
@@ -801,10 +829,10 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
                       (L == 1 || (outv.strides[1] >= E && attn__blas_fits(outv.strides[1]))) &&
                       (N == 1 || (outv.strides[0] >= E && attn__blas_fits(outv.strides[0])));
         if (direct) {
-            st = project(dt, &o3, Wo, bo, E, out->data, outv.strides[0], outv.strides[1]);
+            st = project(dt, &o3, Wo, bo, E, out->data, outv.strides[0], outv.strides[1], cancel);
         } else {
             void *tmp = attn__alloc_array((size_t)(N * L), (size_t)E * es);
-            st = tmp ? project(dt, &o3, Wo, bo, E, tmp, L * E, E) : ATTN_ERR_NOMEM;
+            st = tmp ? project(dt, &o3, Wo, bo, E, tmp, L * E, E, cancel) : ATTN_ERR_NOMEM;
             if (st == ATTN_OK)
                 for (int64_t n = 0; n < N; n++)
                     for (int64_t t = 0; t < L; t++)

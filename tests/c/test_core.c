@@ -32,7 +32,14 @@ static void cpu_feature_decoding(void) {
     const uint32_t ecx_avx_fma = (1u << 28) | (1u << 12) | (1u << 27);
     const uint32_t ebx_avx2 = 1u << 5, ebx_avx512 = (1u << 5) | (1u << 16);
     attn__cpu_features f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0xE7, true);
-    CHECK(f.avx2_fma && f.avx512f, "full AVX-512 machine");
+    CHECK(f.avx2_fma && f.avx512f && !f.avx512_core, "AVX-512F alone (Knights Landing)");
+    const uint32_t ebx_skx = ebx_avx512 | (1u << 17) | (1u << 30) | (1u << 31); /* DQ BW VL */
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 0xE7, true);
+    CHECK(f.avx512f && f.avx512_core, "F+DQ+BW+VL: the AVX-512 core set OpenBLAS SkylakeX needs");
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx & ~(1u << 30), 0xE7, true);
+    CHECK(f.avx512f && !f.avx512_core, "no AVX-512BW: not the core set");
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 0x07, true);
+    CHECK(!f.avx512f && !f.avx512_core, "core set without OS ZMM support must not be used");
     f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0x07, true); /* OS saves no ZMM */
     CHECK(f.avx2_fma && !f.avx512f, "AVX-512 without OS ZMM support must not be used");
     f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0x03, true); /* OS saves no YMM */
@@ -114,6 +121,23 @@ static void threads_setting(void) {
     CHECK(attn_get_num_threads() >= 1, "default thread count");
     attn_set_num_threads(-5);
     CHECK(attn_get_num_threads() >= 1, "negative restores the default");
+    /* Issue 9: 4096, 100000 and INT_MAX threads killed the process (libgomp
+     * could not start them) or failed as a 100 GB allocation. */
+    const int max = attn_max_threads();
+    CHECK(max >= 1 && max <= 1024, "attn_max_threads() = %d", max);
+    const int huge[] = {4096, 100000, 2147483647};
+    for (int i = 0; i < 3; i++) {
+        attn_set_num_threads(huge[i]);
+        CHECK(attn_get_num_threads() == max, "%d threads: get gives %d, want the bound %d",
+              huge[i], attn_get_num_threads(), max);
+        double x[8] = {1, 2, 3, 4, 5, 6, 7, 8}, o[8];
+        int64_t s[3] = {2, 2, 2};
+        attn_tensor t, out;
+        attn_tensor_init(&t, x, ATTN_DTYPE_F64, 3, s);
+        attn_tensor_init(&out, o, ATTN_DTYPE_F64, 3, s);
+        CHECK_OK(attn_sdpa(&t, &t, &t, NULL, &out, NULL, NULL));
+    }
+    attn_set_num_threads(0);
 }
 
 static void views(void) {
