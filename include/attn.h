@@ -28,7 +28,9 @@
  *    freed before it returns, through the allocator set by attn_set_allocator().
  *    Objects created by attn_*_create() are freed by the matching
  *    attn_*_destroy(); destroy(NULL) is a no-op.
- *  - Outputs must not overlap inputs. Nothing in the library aborts or exits.
+ *  - Outputs must not overlap inputs or each other: attn checks the address
+ *    ranges and fails with ATTN_ERR_OVERLAP (in-place attention, out == q,
+ *    is not supported). Nothing in the library aborts or exits.
  *  - Thread safety: every call may run concurrently with any other call on
  *    different outputs, including attn_mha_forward() on one shared attn_mha.
  *    The process-wide settings (thread count, allocator, ISA) should be set
@@ -82,7 +84,9 @@ typedef enum attn_status {
     ATTN_ERR_NOMEM = 6,       /* an allocation failed                        */
     ATTN_ERR_IO = 7,          /* a file could not be opened, read, written   */
     ATTN_ERR_FORMAT = 8,      /* a file is malformed or truncated            */
-    ATTN_ERR_UNSUPPORTED = 9  /* valid, but not available in this build/CPU  */
+    ATTN_ERR_UNSUPPORTED = 9, /* valid, but not available in this build/CPU  */
+    ATTN_ERR_CANCELLED = 10,  /* stopped by the cancel flag (see below)      */
+    ATTN_ERR_OVERLAP = 11     /* an output shares memory with another operand */
 } attn_status;
 
 /* A fixed English sentence for a status; never NULL (unknown codes get one). */
@@ -301,6 +305,8 @@ ATTN_API void attn_mha_config_init(attn_mha_config *config, int64_t embed_dim,
  * failure. When embed_dim % num_heads != 0 and no head_dim is given the error
  * explains why: heads are an even split of the features. */
 ATTN_API attn_status attn_mha_create(const attn_mha_config *config, attn_mha **mha);
+/* Frees the module; NULL is a no-op. Like free(), destroying a module twice
+ * (or using it after destroy) is the caller's error and undefined. */
 ATTN_API void attn_mha_destroy(attn_mha *mha);
 
 /* The configuration with derived fields (head_dim, kdim, vdim) filled in. */
@@ -370,9 +376,18 @@ ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
 
 /* Threads used by each call. n <= 0 restores the default: the environment
  * variable ATTN_NUM_THREADS if set, else the number of processors. Results
- * do not depend on the thread count. */
+ * do not depend on the thread count (bitwise, SDPA and MHA alike).
+ * The count is bounded: n above attn_max_threads() is clamped to it, so
+ * attn_get_num_threads() tells what calls will use. (OpenMP ends the whole
+ * process when it cannot start a thread; a bound keeps a mistyped count from
+ * doing that.) An ATTN_NUM_THREADS that is not a whole number >= 1, or is
+ * above the bound, is reported once on stderr and the default or the bound
+ * used instead. */
 ATTN_API void attn_set_num_threads(int n);
 ATTN_API int attn_get_num_threads(void);
+/* The largest thread count calls use: 4 per processor (at most 1024); 1 in
+ * a build without OpenMP. */
+ATTN_API int attn_max_threads(void);
 
 typedef enum attn_isa {
     ATTN_ISA_AUTO = 0,    /* the best path the CPU and OS support           */
@@ -382,9 +397,11 @@ typedef enum attn_isa {
     ATTN_ISA_AVX512 = 4   /* the fused kernel with AVX-512F                  */
 } attn_isa;
 
-/* Forces a kernel path (also: environment variable ATTN_ISA=ref|generic|
- * avx2|avx512|auto, read once). ATTN_ERR_UNSUPPORTED if this CPU/OS cannot
- * run it. */
+/* Forces a kernel path. ATTN_ERR_UNSUPPORTED if this CPU/OS cannot run it.
+ * The environment variable ATTN_ISA=ref|generic|avx2|avx512|auto (any case)
+ * does the same once, at the first call; a value that is unknown or names a
+ * path this machine cannot run is reported once on stderr, and the best
+ * path used. */
 ATTN_API attn_status attn_set_isa(attn_isa isa);
 /* The path calls take now (never ATTN_ISA_AUTO). */
 ATTN_API attn_isa attn_get_isa(void);
@@ -400,6 +417,23 @@ ATTN_API const char *attn_isa_name(attn_isa isa);
  * that, and the Python package does it by itself (docs/python.md). The
  * string is the calling thread's, valid until its next call. */
 ATTN_API const char *attn_blas_info(void);
+
+/* Cancellation [attn]. A long call (attn_sdpa, attn_mha_forward) can be
+ * stopped from another thread or from a signal handler: the calling thread
+ * names an int with attn_set_cancel_flag(&flag) before the call, and any
+ * store of a nonzero value to it makes the call stop at its next check and
+ * return ATTN_ERR_CANCELLED. Checks fall between blocks of work (a few
+ * milliseconds apart), on every thread of the call. The outputs then hold
+ * partial results; nothing leaks and the library stays usable. The setting
+ * belongs to the calling thread and stays until changed; NULL turns it off
+ * (the default). The flag must outlive the calls that read it; the library
+ * only reads it (plain loads are enough for a store from a signal handler or
+ * an atomic store from another thread). */
+ATTN_API void attn_set_cancel_flag(const volatile int *flag);
+
+/* Forking: a child forked after attn has run a call on several threads runs
+ * attn single-threaded (GNU OpenMP's thread pool does not survive fork());
+ * its results are the same bits. Start workers with exec/spawn for threads. */
 
 /* A custom allocator, for callers who own memory and for tests that fail the
  * n-th allocation. `alloc` returns memory aligned to at least 16 bytes or

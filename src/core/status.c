@@ -19,12 +19,16 @@ const char *attn_strerror(attn_status status) {
     case ATTN_ERR_IO: return "input/output error";
     case ATTN_ERR_FORMAT: return "malformed file";
     case ATTN_ERR_UNSUPPORTED: return "not supported by this build or CPU";
+    case ATTN_ERR_CANCELLED: return "cancelled";
+    case ATTN_ERR_OVERLAP: return "an output overlaps another operand in memory";
     }
     return "unknown status code";
 }
 
 /* One message per thread: concurrent calls never see each other's errors. */
-static _Thread_local char last_error[512];
+/* Room for a message that quotes a full path (PATH_MAX is 4096 on Linux)
+ * and still says what went wrong after it. */
+static _Thread_local char last_error[8192];
 
 const char *attn_last_error(void) { return last_error; }
 

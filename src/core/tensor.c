@@ -114,6 +114,33 @@ int64_t attn_tensor_numel(const attn_tensor *t) {
     return n;
 }
 
+/* Whether a view maps two elements to one address. Sufficient test (as
+ * PyTorch's internal-overlap check): with the dimensions of size > 1 sorted
+ * by |stride|, each |stride| must exceed the reach of all smaller ones. A
+ * view that interleaves in some exotic way and fails it is refused too. */
+static bool self_overlapping(const attn_tensor *t) {
+    int64_t size[ATTN_MAX_RANK], stride[ATTN_MAX_RANK];
+    int n = 0;
+    for (int d = 0; d < t->rank; d++) {
+        if (t->shape[d] == 1) continue;
+        int64_t s = t->strides[d] < 0 ? -t->strides[d] : t->strides[d];
+        int at = n++; /* insertion sort by stride: at most 8 entries */
+        while (at > 0 && stride[at - 1] > s) {
+            stride[at] = stride[at - 1];
+            size[at] = size[at - 1];
+            at--;
+        }
+        stride[at] = s;
+        size[at] = t->shape[d];
+    }
+    int64_t reach = 0; /* largest offset the smaller dimensions reach */
+    for (int i = 0; i < n; i++) {
+        if (stride[i] <= reach) return true;
+        reach += stride[i] * (size[i] - 1); /* fits: checked by attn__check_tensor */
+    }
+    return false;
+}
+
 attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_rank,
                                attn__role role) {
     if (t == NULL) return attn__fail(ATTN_ERR_NULL, "%s is NULL", name);
@@ -153,4 +180,37 @@ attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_r
         attn__mul_overflows(numel, (int64_t)elem, &bytes))
         return attn__fail(ATTN_ERR_OVERFLOW, "%s: its byte count does not fit in 64 bits", name);
     return ATTN_OK;
+}
+
+attn_status attn__check_output_layout(const attn_tensor *t, const char *name) {
+    if (t != NULL && self_overlapping(t))
+        return attn__fail(ATTN_ERR_OVERLAP,
+                          "%s: its strides make two elements share one address (each "
+                          "dimension's |stride| must exceed the reach of the dimensions with "
+                          "smaller strides)",
+                          name);
+    return ATTN_OK;
+}
+
+/* The lowest and one-past-highest byte a checked view touches. */
+static void byte_span(const attn_tensor *t, uintptr_t *lo, uintptr_t *hi) {
+    int64_t below = 0, above = 0; /* element offsets reached below and above data */
+    for (int d = 0; d < t->rank; d++) {
+        const int64_t reach = t->strides[d] * (t->shape[d] - 1);
+        if (reach < 0)
+            below += reach;
+        else
+            above += reach;
+    }
+    const int64_t es = (int64_t)attn_dtype_size(t->dtype);
+    *lo = (uintptr_t)t->data - (uintptr_t)(-below * es);
+    *hi = (uintptr_t)t->data + (uintptr_t)((above + 1) * es);
+}
+
+bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b) {
+    if (a == NULL || b == NULL) return false;
+    uintptr_t alo, ahi, blo, bhi;
+    byte_span(a, &alo, &ahi);
+    byte_span(b, &blo, &bhi);
+    return alo < bhi && blo < ahi;
 }

@@ -94,6 +94,35 @@ static attn_status check_mask(attn__sdpa_plan *p, const attn_tensor *m, const ch
     return ATTN_OK;
 }
 
+/* Outputs must not share memory with an input or with each other: the
+ * kernels write out, weights and lse while they still read q, k, v and the
+ * masks. Tested on address ranges (attn__views_overlap). */
+static attn_status check_overlaps(const attn__sdpa_request *r) {
+    const attn_tensor *outs[3] = {r->out, r->weights, r->lse};
+    const char *out_names[3] = {"out", "weights", "lse"};
+    const attn_tensor *ins[3 + ATTN__MAX_MASKS] = {r->q, r->k, r->v};
+    const char *in_names[3 + ATTN__MAX_MASKS] = {"q", "k", "v"};
+    for (int i = 0; i < r->nmask; i++) {
+        ins[3 + i] = r->mask[i];
+        in_names[3 + i] = r->mask_name[i];
+    }
+    for (int o = 0; o < 3; o++) {
+        attn_status st = attn__check_output_layout(outs[o], out_names[o]);
+        if (st != ATTN_OK) return st;
+        for (int i = 0; i < 3 + r->nmask; i++)
+            if (attn__views_overlap(outs[o], ins[i]))
+                return attn__fail(ATTN_ERR_OVERLAP,
+                                  "%s overlaps %s in memory: attention is not computed in place; "
+                                  "give %s a buffer of its own",
+                                  out_names[o], in_names[i], out_names[o]);
+        for (int o2 = o + 1; o2 < 3; o2++)
+            if (attn__views_overlap(outs[o], outs[o2]))
+                return attn__fail(ATTN_ERR_OVERLAP, "%s and %s overlap in memory",
+                                  out_names[o], out_names[o2]);
+    }
+    return ATTN_OK;
+}
+
 attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request *r) {
     memset(p, 0, sizeof *p);
     attn_status st;
@@ -198,6 +227,7 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
     p->keep_threshold = attn__dropout_threshold(r->dropout_p);
     p->seed = r->seed;
     p->rng_offset = r->rng_offset;
+    p->cancel = attn__cancel_flag();
 
     /* Masks. */
     for (int i = 0; i < r->nmask; i++) {
@@ -236,7 +266,7 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
         op->cs = 0;
         p->has_lse = true;
     }
-    return ATTN_OK;
+    return check_overlaps(r);
 }
 
 void attn_sdpa_params_init(attn_sdpa_params *params) {

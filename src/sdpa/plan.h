@@ -54,6 +54,7 @@ typedef struct attn__sdpa_plan {
     double dropout_p;
     uint64_t keep_threshold;        /* see attn__dropout_threshold         */
     uint64_t seed, rng_offset;
+    const volatile int *cancel;     /* the caller's cancel flag, or NULL   */
 } attn__sdpa_plan;
 
 /* Builds and validates a plan from attn_sdpa's public arguments. */

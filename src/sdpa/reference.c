@@ -122,6 +122,7 @@ attn_status attn__sdpa_reference(const attn__sdpa_plan *p) {
     const double work = (double)rows * (double)p->S * (double)(p->E + p->Ev);
     const bool parallel = rows > 1 && threads > 1 && work >= ATTN_PARALLEL_MIN_WORK;
     (void)parallel; /* only read by the OpenMP pragma */
+    int cancelled = 0; /* rows after a cancel are skipped, on every thread */
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t r = 0; r < rows; r++) {
 #ifdef _OPENMP
@@ -129,9 +130,17 @@ attn_status attn__sdpa_reference(const attn__sdpa_plan *p) {
 #else
         size_t t = 0;
 #endif
+        int stop;
+#pragma omp atomic read
+        stop = cancelled;
+        if (stop || attn__cancelled(p->cancel)) {
+#pragma omp atomic write
+            cancelled = 1;
+            continue;
+        }
         attn__sdpa_reference_row(p, r / p->L, r % p->L, scores + t * per_thread, visible + t * per_thread);
     }
     attn__free(scores);
     attn__free(visible);
-    return ATTN_OK;
+    return cancelled ? attn__fail_cancelled() : ATTN_OK;
 }

@@ -173,13 +173,13 @@ size_t fz_set_alloc_limit(size_t max_bytes);
 static inline void fz_check_status(attn_status st, const char *call) {
     const char *msg = attn_last_error();
     FZ_ASSERT(msg != NULL, "%s: attn_last_error() is NULL", call);
-    FZ_ASSERT(st >= ATTN_OK && st <= ATTN_ERR_UNSUPPORTED, "%s: unknown status %d", call,
+    FZ_ASSERT(st >= ATTN_OK && st <= ATTN_ERR_OVERLAP, "%s: unknown status %d", call,
               (int)st);
     if (st == ATTN_OK)
         FZ_ASSERT(msg[0] == '\0', "%s succeeded but left the message '%s'", call, msg);
     else
         FZ_ASSERT(msg[0] != '\0', "%s failed with %s and no message", call, attn_strerror(st));
-    FZ_ASSERT(strlen(msg) < 512, "%s: message too long", call);
+    FZ_ASSERT(strlen(msg) < 8192, "%s: message too long", call);
 }
 
 #endif

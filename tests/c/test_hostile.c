@@ -1,0 +1,374 @@
+/*
+ * test_hostile.c — regressions for what hostile users broke in the library
+ * (issue 9): fork, cancellation, outputs overlapping inputs, an address-space
+ * limit under the BLAS, and the BLAS kernels chosen for the CPU. Each test
+ * failed (or hung) before its fix.
+ */
+#define _GNU_SOURCE /* RLIMIT_AS, usleep */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/gemm.h"
+#include "core/internal.h"
+#include "testutil.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* q, k, v (B, H, T, E) float32 filled with N(0, 1), and out. */
+typedef struct problem {
+    float *q, *k, *v, *out;
+    attn_tensor tq, tk, tv, tout;
+} problem;
+
+static void problem_make(problem *p, int64_t B, int64_t H, int64_t T, int64_t E, unsigned seed) {
+    const size_t n = (size_t)(B * H * T * E);
+    const int64_t shape[4] = {B, H, T, E};
+    rng r = {seed};
+    float **bufs[4] = {&p->q, &p->k, &p->v, &p->out};
+    attn_tensor *views[4] = {&p->tq, &p->tk, &p->tv, &p->tout};
+    for (int i = 0; i < 4; i++) {
+        *bufs[i] = malloc(n * sizeof(float));
+        for (size_t j = 0; j < n; j++) (*bufs[i])[j] = i < 3 ? (float)rng_normal(&r) : 0.0f;
+        attn_tensor_init(views[i], *bufs[i], ATTN_DTYPE_F32, 4, shape);
+    }
+}
+
+static void problem_free(problem *p) {
+    free(p->q);
+    free(p->k);
+    free(p->v);
+    free(p->out);
+}
+
+/* Waits up to `seconds` for a child; kills it on timeout. Returns its exit
+ * status, or -1 when it hung or died of a signal. */
+static int wait_child(pid_t pid, double seconds) {
+    const double end = now() + seconds;
+    int status;
+    while (now() < end) {
+        pid_t got = waitpid(pid, &status, WNOHANG);
+        if (got == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        usleep(10000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return -1;
+}
+
+/* ---- fork: a child of a process that ran parallel calls must not hang ---- */
+
+static void fork_after_parallel_call(void) {
+    if (attn_max_threads() < 2) return; /* no OpenMP: nothing to hang */
+    problem p;
+    problem_make(&p, 2, 4, 256, 64, 11);
+    attn_set_num_threads(2);
+    CHECK_OK(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &p.tout, NULL, NULL));
+    const size_t n = (size_t)(2 * 4 * 256 * 64);
+    float *parent = malloc(n * sizeof(float));
+    memcpy(parent, p.out, n * sizeof(float));
+    attn_mha_config cfg;
+    attn_mha_config_init(&cfg, 64, 4);
+    attn_mha *m = NULL;
+    CHECK_OK(attn_mha_create(&cfg, &m));
+    const int64_t xs[3] = {256, 8, 64};
+    attn_tensor tx, ty;
+    attn_tensor_init(&tx, p.q, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&ty, p.out, ATTN_DTYPE_F32, 3, xs);
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, NULL));
+    float *parent_mha = malloc(n * sizeof(float));
+    memcpy(parent_mha, p.out, n * sizeof(float));
+
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) { /* the child: the same calls, the same bits */
+        alarm(60);
+        int bad = attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &p.tout, NULL, NULL) != ATTN_OK ||
+                  memcmp(p.out, parent, n * sizeof(float)) != 0;
+        bad |= (attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, NULL) != ATTN_OK ||
+                memcmp(p.out, parent_mha, n * sizeof(float)) != 0)
+               << 1;
+        _exit(bad);
+    }
+    CHECK(pid > 0, "fork failed: %s", strerror(errno));
+    if (pid > 0) {
+        int rc = wait_child(pid, 30);
+        CHECK(rc == 0, "forked child: %s",
+              rc < 0 ? "hung or crashed" : rc == 1 ? "SDPA differs" : "MHA differs");
+    }
+    attn_set_num_threads(0);
+    attn_mha_destroy(m);
+    free(parent);
+    free(parent_mha);
+    problem_free(&p);
+}
+
+/* ---- cancellation ---- */
+
+typedef struct canceller {
+    volatile int *flag;
+    double delay, fired_at;
+} canceller;
+
+static void *cancel_later(void *arg) {
+    canceller *c = arg;
+    usleep((useconds_t)(c->delay * 1e6));
+    c->fired_at = now();
+    __atomic_store_n(c->flag, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
+
+typedef attn_status (*long_call)(void *ctx);
+
+/* Runs `call`, sets the flag after 0.2 s from another thread, and checks the
+ * call stopped with ATTN_ERR_CANCELLED soon after. The uncancelled calls take
+ * many seconds, so a return within 2 s of the flag shows the checks work;
+ * the latency is printed. */
+static void expect_cancel(const char *what, long_call call, void *ctx) {
+    volatile int flag = 0;
+    attn_set_cancel_flag(&flag);
+    canceller c = {&flag, 0.2, 0};
+    pthread_t th;
+    pthread_create(&th, NULL, cancel_later, &c);
+    attn_status st = call(ctx);
+    const double done = now();
+    pthread_join(th, NULL);
+    attn_set_cancel_flag(NULL);
+    CHECK(st == ATTN_ERR_CANCELLED, "%s: status %d (%s), expected cancelled", what, (int)st,
+          attn_strerror(st));
+    CHECK(strstr(attn_last_error(), "cancel") != NULL, "%s: message '%s'", what,
+          attn_last_error());
+    CHECK(done - c.fired_at < 2.0, "%s: stopped %.3f s after the flag", what, done - c.fired_at);
+    printf("  %s: stopped %.0f ms after the flag\n", what, 1e3 * (done - c.fired_at));
+}
+
+static attn_status sdpa_call(void *ctx) {
+    problem *p = ctx;
+    return attn_sdpa(&p->tq, &p->tk, &p->tv, NULL, &p->tout, NULL, NULL);
+}
+
+typedef struct mha_ctx {
+    attn_mha *m;
+    attn_tensor x, y;
+} mha_ctx;
+
+static attn_status mha_call(void *ctx) {
+    mha_ctx *c = ctx;
+    return attn_mha_forward(c->m, &c->x, &c->x, &c->x, NULL, &c->y, NULL);
+}
+
+static void cancellation(void) {
+    /* Fused: (1, 8, 8192, 64) float32 is ~70 GFLOP, many seconds on 2 cores. */
+    problem big;
+    problem_make(&big, 1, 8, 8192, 64, 3);
+    expect_cancel("fused SDPA", sdpa_call, &big);
+    /* The reference path: float64 row by row, far slower still. */
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    expect_cancel("reference SDPA", sdpa_call, &big);
+    CHECK_OK(attn_set_isa(ATTN_ISA_AUTO));
+
+    /* A flag already set: nothing runs. */
+    volatile int set = 1;
+    attn_set_cancel_flag(&set);
+    CHECK_STATUS(sdpa_call(&big), ATTN_ERR_CANCELLED);
+    attn_set_cancel_flag(NULL);
+
+    /* MHA: the projections (GEMM tiles) and the attention check the flag. */
+    const int64_t E = 1024, T = 4096;
+    attn_mha_config cfg;
+    attn_mha_config_init(&cfg, E, 16);
+    mha_ctx mc;
+    CHECK_OK(attn_mha_create(&cfg, &mc.m));
+    float *x = calloc((size_t)(T * 4 * E), sizeof(float)), *y = malloc((size_t)(T * 4 * E) * 4);
+    for (int64_t i = 0; i < T * 4 * E; i++) x[i] = (float)((i * 7919) % 1000) / 1000.0f;
+    const int64_t xs[3] = {T, 4, E};
+    attn_tensor_init(&mc.x, x, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&mc.y, y, ATTN_DTYPE_F32, 3, xs);
+    expect_cancel("MHA", mha_call, &mc);
+
+    /* Still usable afterwards, and the same bits as before any cancel. */
+    problem small;
+    problem_make(&small, 1, 2, 64, 16, 5);
+    CHECK_OK(sdpa_call(&small));
+    float first = small.out[17];
+    memset(small.out, 0, 2 * 64 * 16 * sizeof(float));
+    volatile int unset = 0;
+    attn_set_cancel_flag(&unset);
+    CHECK_OK(sdpa_call(&small));
+    attn_set_cancel_flag(NULL);
+    CHECK(small.out[17] == first, "a call with a clear flag gives the same result");
+    problem_free(&small);
+    attn_mha_destroy(mc.m);
+    free(x);
+    free(y);
+    problem_free(&big);
+}
+
+/* ---- outputs that overlap inputs ---- */
+
+static void overlapping_outputs(void) {
+    problem p;
+    problem_make(&p, 1, 2, 8, 8, 7);
+    /* in place: out == q */
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &p.tq, NULL, NULL), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "out overlaps q") != NULL, "message: %s", attn_last_error());
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &p.tv, NULL, NULL), ATTN_ERR_OVERLAP);
+    /* out inside k's buffer, shifted by one element */
+    attn_tensor shifted = p.tk;
+    shifted.data = p.k + 1;
+    shifted.shape[2] = 7;
+    attn_tensor q7 = p.tq;
+    q7.shape[2] = 7;
+    CHECK_STATUS(attn_sdpa(&q7, &p.tk, &p.tv, NULL, &shifted, NULL, NULL), ATTN_ERR_OVERLAP);
+    /* weights over out; lse inside out */
+    float w[2 * 8 * 8], lse[16];
+    const int64_t ws[4] = {1, 2, 8, 8}, ls[3] = {1, 2, 8};
+    attn_tensor tw, tl, tl_in_out;
+    attn_tensor_init(&tw, w, ATTN_DTYPE_F32, 4, ws);
+    attn_tensor_init(&tl, lse, ATTN_DTYPE_F32, 3, ls);
+    attn_tensor_init(&tl_in_out, p.out + 3, ATTN_DTYPE_F32, 3, ls);
+    attn_tensor w_on_out = tw;
+    w_on_out.data = p.out;
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &p.tout, &w_on_out, NULL), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "out and weights overlap") != NULL, "message: %s",
+          attn_last_error());
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &p.tout, &tw, &tl_in_out), ATTN_ERR_OVERLAP);
+    /* a mask shared with weights */
+    attn_tensor mask_on_w = tw;
+    attn_sdpa_params prm;
+    attn_sdpa_params_init(&prm);
+    prm.attn_mask = &mask_on_w;
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, &prm, &p.tout, &tw, NULL), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "weights overlaps attn_mask") != NULL, "message: %s",
+          attn_last_error());
+    /* an output whose own strides collide: rows 4 elements apart, 8 wide */
+    attn_tensor self = p.tout;
+    self.strides[2] = 4;
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &self, NULL, NULL), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "share one address") != NULL, "message: %s",
+          attn_last_error());
+    /* negative strides that do not collide are fine; separate buffers too */
+    attn_tensor flipped = p.tout;
+    flipped.strides[2] = -8;
+    flipped.data = p.out + 7 * 8;
+    CHECK_OK(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &flipped, &tw, &tl));
+
+    /* MHA: out over the query (self-attention in place) */
+    attn_mha_config cfg;
+    attn_mha_config_init(&cfg, 8, 2);
+    attn_mha *m = NULL;
+    CHECK_OK(attn_mha_create(&cfg, &m));
+    const int64_t xs[3] = {8, 2, 8};
+    attn_tensor tx, ty;
+    attn_tensor_init(&tx, p.q, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&ty, p.out, ATTN_DTYPE_F32, 3, xs);
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, &tx, NULL), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "out overlaps query") != NULL, "message: %s",
+          attn_last_error());
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, NULL));
+    attn_mha_destroy(m);
+    problem_free(&p);
+}
+
+/* ---- an address-space limit under the BLAS ---- */
+
+static long vm_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kib = -1;
+    while (f != NULL && fgets(line, sizeof line, f) != NULL)
+        if (strncmp(line, "VmSize:", 7) == 0) kib = atol(line + 7);
+    if (f != NULL) fclose(f);
+    return kib;
+}
+
+/* OpenBLAS 0.3.21 retried its buffer mapping forever when `ulimit -v` left
+ * no room for it: the call spun at 100% CPU. In a fresh child (no BLAS call
+ * made yet) with 64 MiB of address space to spare, MHA must fail with
+ * ATTN_ERR_NOMEM. Not under ASan, whose shadow memory ignores the limit. */
+static void address_space_limit(void) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    printf("  skipped under a sanitizer\n");
+#else
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        alarm(60);
+        attn_set_num_threads(1);
+        attn_mha_config cfg;
+        attn_mha_config_init(&cfg, 256, 4);
+        attn_mha *m = NULL;
+        if (attn_mha_create(&cfg, &m) != ATTN_OK) _exit(3);
+        static float x[64 * 4 * 256], y[64 * 4 * 256];
+        const int64_t xs[3] = {64, 4, 256};
+        attn_tensor tx, ty;
+        attn_tensor_init(&tx, x, ATTN_DTYPE_F32, 3, xs);
+        attn_tensor_init(&ty, y, ATTN_DTYPE_F32, 3, xs);
+        const long kib = vm_kib();
+        struct rlimit lim = {(rlim_t)(kib + 64 * 1024) * 1024, (rlim_t)(kib + 64 * 1024) * 1024};
+        if (kib < 0 || setrlimit(RLIMIT_AS, &lim) != 0) _exit(4);
+        attn_status st = attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, NULL);
+        _exit(st == ATTN_ERR_NOMEM ? 0 : st == ATTN_OK ? 5 : 6);
+    }
+    int rc = wait_child(pid, 40);
+    CHECK(rc == 0 || rc == 5, "MHA under an address-space limit: %s",
+          rc < 0 ? "hung (killed) or crashed" : "unexpected status");
+    if (rc == 5) printf("  (the BLAS needed no new buffer here: call succeeded)\n");
+#endif
+}
+
+/* ---- which OpenBLAS kernels run ---- */
+
+static void blas_core_choice(void) {
+    const attn__cpu_features none = {false, false, false}, avx2 = {true, false, false},
+                             avx512f_only = {true, true, false}, avx512 = {true, true, true};
+    /* An OpenBLAS older than the CPU: upgrade. */
+    CHECK(strcmp(attn__blas_core_upgrade("Prescott", &avx2), "Haswell") == 0, "Prescott on AVX2");
+    CHECK(strcmp(attn__blas_core_upgrade("Prescott", &avx512), "SkylakeX") == 0,
+          "Prescott on AVX-512");
+    CHECK(strcmp(attn__blas_core_upgrade("Haswell", &avx512), "SkylakeX") == 0,
+          "AVX2 kernels on an AVX-512 Zen 5");
+    CHECK(strcmp(attn__blas_core_upgrade("Zen", &avx512), "SkylakeX") == 0, "Zen on AVX-512");
+    /* Already right, or nothing better: keep. */
+    CHECK(attn__blas_core_upgrade("Zen", &avx2) == NULL, "Zen on Zen 3");
+    CHECK(attn__blas_core_upgrade("Haswell", &avx512f_only) == NULL,
+          "AVX-512F without BW/DQ/VL: SkylakeX kernels would not run");
+    CHECK(attn__blas_core_upgrade("Cooperlake", &avx512) == NULL, "Cooperlake kept");
+    CHECK(attn__blas_core_upgrade("Prescott", &none) == NULL, "SSE-only machine");
+
+    /* The switch itself, through OpenBLAS's own mechanism: to Prescott (any
+     * x86-64 runs it) and back; the user's OPENBLAS_CORETYPE survives. */
+    const char *info = attn_blas_info();
+    if (strstr(info, "DYNAMIC_ARCH") == NULL) {
+        printf("  not a DYNAMIC_ARCH OpenBLAS (%s): switch not tested\n", info);
+        return;
+    }
+    char before[64];
+    const char *core = strstr(info, "core ");
+    snprintf(before, sizeof before, "%s", core != NULL ? core + 5 : "?");
+    const char *user = getenv("OPENBLAS_CORETYPE");
+    CHECK(attn__blas_switch_core("Prescott"), "switch refused");
+    CHECK(strstr(attn_blas_info(), "core Prescott") != NULL, "after switch: %s", attn_blas_info());
+    CHECK(attn__blas_switch_core(before), "switch back refused");
+    CHECK(strstr(attn_blas_info(), before) != NULL, "after switching back: %s", attn_blas_info());
+    const char *after = getenv("OPENBLAS_CORETYPE");
+    CHECK((user == NULL) == (after == NULL) && (user == NULL || strcmp(user, after) == 0),
+          "OPENBLAS_CORETYPE changed");
+    /* Where the machine can run better kernels than OpenBLAS picked, the
+     * library has switched at load (unless the user chose). */
+    if (user == NULL)
+        CHECK(attn__blas_core_upgrade(before, attn__cpu()) == NULL,
+              "core %s left in place on a CPU that runs better kernels", before);
+}
+
+HARNESS_MAIN(T(address_space_limit), T(fork_after_parallel_call), T(cancellation),
+             T(overlapping_outputs), T(blas_core_choice))
