@@ -8,6 +8,7 @@ MAKEFLAGS += --no-print-directory
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 TSAN_BUILD ?= build-tsan
+INSTALL_BUILD ?= build-install
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= fuzz_npy fuzz_sdpa fuzz_mha
@@ -15,16 +16,17 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build bench test test-c test-asan test-python test-python-asan python test-tsan test-valgrind fuzz fuzz-build clean help
+.PHONY: all demo build bench test test-c test-asan test-python test-python-asan python test-install test-tsan test-valgrind fuzz fuzz-build clean help
 
 all: build
 
 help:
 	@echo "make demo        build and run the demo"
-	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan), the Python suite"
+	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan), the Python suite, the install test"
 	@echo "make python      pip install the Python package attn (warnings are errors)"
 	@echo "make test-python the Python package against PyTorch 2.13 (ATTN_TEST_SEED=N)"
 	@echo "make test-python-asan  the Python suite on an ASan+UBSan build of the extension"
+	@echo "make test-install  install to a temporary prefix; build the README example with pkg-config and find_package"
 	@echo "make test-tsan   the concurrency test under ThreadSanitizer (no OpenMP)"
 	@echo "make test-valgrind  the attn tool (demo, sdpa on fixtures) under valgrind memcheck"
 	@echo "make fuzz        build the libFuzzer targets (clang) and run each FUZZ_SECONDS (60)"
@@ -47,7 +49,7 @@ bench: build python
 
 # ---- tests ----
 
-test: test-c test-asan test-python
+test: test-c test-asan test-python test-install
 
 # Quick tier: warnings are errors; ctest prints its own summary.
 test-c: build
@@ -95,6 +97,13 @@ test-python-asan:
 		ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 PYTHONPATH=$(PY_ASAN_BUILD)/pkg \
 		$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
 
+# Install tier: cmake --install to a temporary prefix, then the README's
+# example built against it with pkg-config (shared and static) and
+# find_package, again after moving the prefix, and with a multiarch LIBDIR.
+test-install:
+	@./scripts/bootstrap.sh build
+	@JOBS=$(JOBS) ./scripts/test_install.sh $(INSTALL_BUILD) $(CMAKE_FLAGS)
+
 # ThreadSanitizer tier: 8 caller threads race through SDPA and MHA. The
 # library is built without OpenMP: GCC's libgomp is not instrumented, so its
 # barriers look like races to TSan (see docs/RELIABILITY.md).
@@ -126,4 +135,4 @@ fuzz: fuzz-build
 	@./scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) build-python $(PY_ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) build-python $(PY_ASAN_BUILD) $(TSAN_BUILD) $(FUZZ_BUILD) $(INSTALL_BUILD)
