@@ -136,7 +136,7 @@ typedef struct gemm_call {
     int64_t m, n, k, lda, ldb, ldc;
     const char *a, *b;
     char *c;
-    bool accumulate;
+    const char *bias; /* n values, or NULL */
 } gemm_call;
 
 /* One tile: a single-threaded BLAS call on rows [r0, r0+mr), columns
@@ -150,20 +150,28 @@ static attn_status run_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t 
     /* BLAS checks lda >= k and ldc >= n even for one row, whose stride is
      * never used (and may not even fit an int). */
     const int lda = (int)(mr == 1 ? g->k : g->lda), ldc = (int)(mr == 1 ? nc : g->ldc);
+    /* The bias is written into the tile, then the product accumulated onto
+     * it: first touch of C happens here, in parallel and between cancel
+     * checks, rather than in one long serial pass before the GEMM. */
+    if (g->bias != NULL)
+        for (int64_t r = 0; r < mr; r++)
+            memcpy((char *)c + (size_t)(r * g->ldc) * es, g->bias + (size_t)c0 * es,
+                   (size_t)nc * es);
+    const bool acc = g->bias != NULL;
     if (g->dtype == ATTN_DTYPE_F32)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)mr, (int)nc, (int)g->k, 1.0f,
-                    a, lda, b, (int)g->ldb, g->accumulate ? 1.0f : 0.0f, c, ldc);
+                    a, lda, b, (int)g->ldb, acc ? 1.0f : 0.0f, c, ldc);
     else
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)mr, (int)nc, (int)g->k, 1.0,
-                    a, lda, b, (int)g->ldb, g->accumulate ? 1.0 : 0.0, c, ldc);
+                    a, lda, b, (int)g->ldb, acc ? 1.0 : 0.0, c, ldc);
     blas_buffer_mapped = true;
     return ATTN_OK;
 }
 
 attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                           int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
+                           int64_t lda, const void *b, int64_t ldb, const void *bias, void *c,
                            int64_t ldc, const volatile int *cancel) {
-    const gemm_call g = {dtype, m, n, k, lda, ldb, ldc, a, b, c, accumulate};
+    const gemm_call g = {dtype, m, n, k, lda, ldb, ldc, a, b, c, bias};
     const gemm_tiles t = plan_tiles(m, n, k);
     const int64_t ntiles = t.nrow * t.ncol;
     const int threads = ntiles > 1 ? attn__threads() : 1;

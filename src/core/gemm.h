@@ -1,4 +1,4 @@
-/* gemm.h — C = A · Bᵀ (+ C) on row-major matrices, through CBLAS, with
+/* gemm.h — C = A · Bᵀ (+ bias) on row-major matrices, through CBLAS, with
  * results that do not depend on the thread count.
  * A is m x k (row stride lda), B is n x k (ldb), C is m x n (ldc); unit
  * column strides. Dimensions must fit the BLAS integer type (checked by the
@@ -8,7 +8,8 @@
 
 #include "internal.h"
 
-/* C = A · Bᵀ (+ C when accumulate), on attn's threads.
+/* C = A · Bᵀ, plus `bias` (n values, added to every row) when not NULL,
+ * on attn's threads.
  *
  * C is cut into tiles by its shape alone (never by the thread count), and
  * each tile is one single-threaded BLAS call: every element of C is then
@@ -23,7 +24,7 @@
  * ATTN_ERR_CANCELLED when `cancel` was set; the message is set in the
  * calling thread. */
 attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
-                           int64_t lda, const void *b, int64_t ldb, bool accumulate, void *c,
+                           int64_t lda, const void *b, int64_t ldb, const void *bias, void *c,
                            int64_t ldc, const volatile int *cancel);
 
 /* The OpenBLAS kernel set ("core") to switch to when the one it chose at

@@ -444,21 +444,15 @@ static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, c
         xsN = T * F;
         xsT = F;
     }
-    /* Bias first, then accumulate the product onto it. */
-    if (bias != NULL)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t t = 0; t < T; t++)
-                memcpy((char *)y + (size_t)(n * ysN + t * ysT) * es, bias, (size_t)dout * es);
-    const bool acc = bias != NULL;
     attn_status st = ATTN_OK;
     if (N == 1 || (xsN * N == xsT && ysN * N == ysT && xsN >= F)) /* time-major rows */
-        st = attn__gemm_abt(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, acc, y,
+        st = attn__gemm_abt(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, F, bias, y,
                             N == 1 ? ysT : ysN, cancel);
     else if (xsT * T == xsN && ysT * T == ysN) /* batch-major rows */
-        st = attn__gemm_abt(dt, N * T, dout, F, xdata, xsT, w, F, acc, y, ysT, cancel);
+        st = attn__gemm_abt(dt, N * T, dout, F, xdata, xsT, w, F, bias, y, ysT, cancel);
     else
         for (int64_t n = 0; st == ATTN_OK && n < N; n++)
-            st = attn__gemm_abt(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, acc,
+            st = attn__gemm_abt(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, F, bias,
                                 (char *)y + (size_t)(n * ysN) * es, ysT, cancel);
     attn__free(packed);
     return st;

@@ -281,6 +281,13 @@ static void overlapping_outputs(void) {
 
 /* ---- an address-space limit under the BLAS ---- */
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define UNDER_SANITIZER 1
+#else
+#define UNDER_SANITIZER 0
+#endif
+
+#if !UNDER_SANITIZER
 static long vm_kib(void) {
     FILE *f = fopen("/proc/self/status", "r");
     char line[256];
@@ -290,13 +297,14 @@ static long vm_kib(void) {
     if (f != NULL) fclose(f);
     return kib;
 }
+#endif
 
 /* OpenBLAS 0.3.21 retried its buffer mapping forever when `ulimit -v` left
  * no room for it: the call spun at 100% CPU. In a fresh child (no BLAS call
  * made yet) with 64 MiB of address space to spare, MHA must fail with
  * ATTN_ERR_NOMEM. Not under ASan, whose shadow memory ignores the limit. */
 static void address_space_limit(void) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if UNDER_SANITIZER
     printf("  skipped under a sanitizer\n");
 #else
     fflush(NULL);
