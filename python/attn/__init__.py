@@ -12,10 +12,7 @@ or float64, with any strides (read in place, not copied); outputs are NumPy
 arrays. The GIL is released while the kernels run. See docs/python.md.
 """
 
-from ._blas_env import openblas_core_for_this_cpu as _core
-
-with _core():  # OpenBLAS picks its kernels when _attn's import loads it
-    from . import _attn
+from . import _attn  # libattn picks OpenBLAS's kernels for this CPU as it loads
 from ._mha import MultiheadAttention
 from ._sdpa import scaled_dot_product_attention
 from ._arrays import check_int as _check_int

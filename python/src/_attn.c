@@ -16,11 +16,14 @@
  * The thin Python layer (attn/__init__.py and friends) normalises arguments
  * and gives PyTorch's signatures; this file maps statuses to exceptions:
  * ATTN_ERR_DTYPE -> TypeError, ATTN_ERR_NOMEM -> MemoryError,
- * ATTN_ERR_UNSUPPORTED -> RuntimeError, everything else -> ValueError.
+ * ATTN_ERR_UNSUPPORTED -> RuntimeError, everything else -> ValueError; a
+ * SIGINT during a call stops it (ATTN_ERR_CANCELLED) -> KeyboardInterrupt.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -41,6 +44,84 @@ static PyObject *raise_status(attn_status st) {
     const char *msg = attn_last_error();
     PyErr_SetString(type, (msg != NULL && msg[0] != '\0') ? msg : attn_strerror(st));
     return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Ctrl-C during a call                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* While the GIL is released, Python's SIGINT handler only records the
+ * signal: KeyboardInterrupt would come when the call ends, many seconds later
+ * for a large input. So on the main thread (the only one Python runs signal
+ * handlers on), while Python's handler for SIGINT is the default one, a call
+ * swaps in a C handler that sets the library's cancel flag; the library stops
+ * between blocks with ATTN_ERR_CANCELLED. Afterwards the signal is raised
+ * again under Python's own handler, which raises KeyboardInterrupt as usual.
+ * A user's own SIGINT handler (or SIG_IGN) is left alone. */
+static volatile int interrupt_flag;  /* the cancel flag the library reads */
+static unsigned long main_thread_id; /* threading.main_thread().ident */
+static PyObject *getsignal, *default_int_handler; /* from the signal module */
+
+static void on_sigint(int sig) {
+    (void)sig;
+    interrupt_flag = 1;
+}
+
+typedef struct interrupt_guard {
+    bool armed;
+    struct sigaction saved;
+} interrupt_guard;
+
+/* With the GIL held, before the call. */
+static void interrupt_guard_arm(interrupt_guard *g) {
+    g->armed = false;
+    if (getsignal == NULL || PyThread_get_thread_ident() != main_thread_id) return;
+    PyObject *h = PyObject_CallFunction(getsignal, "i", SIGINT);
+    const bool python_default = h == default_int_handler;
+    Py_XDECREF(h);
+    if (h == NULL) PyErr_Clear(); /* no handler to honour: run uninterruptible */
+    if (!python_default || sigaction(SIGINT, NULL, &g->saved) != 0) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    interrupt_flag = 0;
+    if (sigaction(SIGINT, &sa, NULL) != 0) return;
+    attn_set_cancel_flag(&interrupt_flag);
+    g->armed = true;
+}
+
+/* With the GIL held, after the call: -1 with KeyboardInterrupt set when a
+ * SIGINT came during it (whether or not it stopped the call early). */
+static int interrupt_guard_disarm(interrupt_guard *g, attn_status st) {
+    if (!g->armed) return 0;
+    attn_set_cancel_flag(NULL);
+    sigaction(SIGINT, &g->saved, NULL);
+    if (!interrupt_flag) return 0;
+    raise(SIGINT); /* Python's C handler records it... */
+    if (PyErr_CheckSignals() < 0) return -1; /* ...and its Python handler raises */
+    if (st == ATTN_ERR_CANCELLED) { /* the handler was swapped out since: still stop */
+        PyErr_SetNone(PyExc_KeyboardInterrupt);
+        return -1;
+    }
+    return 0;
+}
+
+static int interrupt_guard_init(void) {
+    PyObject *signal_mod = PyImport_ImportModule("signal");
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main_thread = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+    PyObject *ident = main_thread ? PyObject_GetAttrString(main_thread, "ident") : NULL;
+    if (ident != NULL) main_thread_id = PyLong_AsUnsignedLong(ident);
+    if (signal_mod != NULL) {
+        getsignal = PyObject_GetAttrString(signal_mod, "getsignal");
+        default_int_handler = PyObject_GetAttrString(signal_mod, "default_int_handler");
+    }
+    Py_XDECREF(ident);
+    Py_XDECREF(main_thread);
+    Py_XDECREF(threading);
+    Py_XDECREF(signal_mod);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -358,9 +439,12 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args) {
         r_lse = new_output(empty, rank - 1, shape, dt, "lse", &lse);
         if (r_lse == NULL) goto done;
     }
+    interrupt_guard guard;
+    interrupt_guard_arm(&guard);
     Py_BEGIN_ALLOW_THREADS
     st = attn_sdpa(&q.t, &k.t, &v.t, &p, &out.t, want_w ? &w.t : NULL, want_lse ? &lse.t : NULL);
     Py_END_ALLOW_THREADS
+    if (interrupt_guard_disarm(&guard, st) < 0) goto done;
     if (st != ATTN_OK) {
         raise_status(st);
         goto done;
@@ -577,9 +661,12 @@ static PyObject *mha_forward(MHAObject *self, PyObject *args) {
         r_w = new_output(empty, wrank, wshape, self->cfg.dtype, "weights", &w);
         if (r_w == NULL) goto done;
     }
+    interrupt_guard guard;
+    interrupt_guard_arm(&guard);
     Py_BEGIN_ALLOW_THREADS
     st = attn_mha_forward(self->mha, &q.t, &k.t, &v.t, &fp, &out.t, need_w ? &w.t : NULL);
     Py_END_ALLOW_THREADS
+    if (interrupt_guard_disarm(&guard, st) < 0) goto done;
     if (st != ATTN_OK) {
         raise_status(st);
         goto done;
@@ -721,7 +808,7 @@ static struct PyModuleDef module_def = {
     module_methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__attn(void) {
-    if (PyType_Ready(&MHAType) < 0) return NULL;
+    if (PyType_Ready(&MHAType) < 0 || interrupt_guard_init() < 0) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
     Py_INCREF(&MHAType);
