@@ -16,13 +16,14 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build bench test test-c test-asan test-python test-python-asan python test-install test-tsan test-valgrind fuzz fuzz-build clean help
+.PHONY: all demo build bench test test-c test-asan test-python test-determinism test-python-asan python test-install test-tsan test-valgrind fuzz fuzz-build clean help
 
 all: build
 
 help:
 	@echo "make demo        build and run the demo"
 	@echo "make test        the C suite, the sanitizer tier (ASan+UBSan), the Python suite, the install test"
+	@echo "make test-determinism  MHA bits for 1-4 threads under every OpenBLAS core and kernel path"
 	@echo "make python      pip install the Python package attn (warnings are errors)"
 	@echo "make test-python the Python package against PyTorch 2.13 (ATTN_TEST_SEED=N)"
 	@echo "make test-python-asan  the Python suite on an ASan+UBSan build of the extension"
@@ -49,7 +50,7 @@ bench: build python
 
 # ---- tests ----
 
-test: test-c test-asan test-python test-install
+test: test-c test-asan test-python test-determinism test-install
 
 # Quick tier: warnings are errors; ctest prints its own summary.
 test-c: build
@@ -79,6 +80,24 @@ test-python: python
 		print(" ".join(p for p in i["supported_isas"] if p != i["isa"]))'); do \
 		echo "conformance on the $$isa path:"; \
 		ATTN_ISA=$$isa $(PYTHON) -m pytest $(CONFORMANCE) -q -p no:cacheprovider || exit 1; \
+	done
+
+# Bitwise thread-count independence of MHA (1-4 threads) under every
+# OpenBLAS kernel set this CPU can run, and, for the C test, every kernel
+# path: a CPU whose OpenBLAS core differs from the developer's cannot turn
+# CI red unnoticed (issue 9).
+test-determinism: build python
+	@isas=$$($(BUILD)/tools/attn info | sed -n 's/^supported paths: //p'); \
+	for core in $$(./scripts/blas_cores.sh); do \
+		for isa in $$isas; do \
+			OPENBLAS_CORETYPE=$$core ATTN_ISA=$$isa $(BUILD)/tests/c/test_mha >/dev/null 2>&1 || \
+				{ echo "test_mha failed: OPENBLAS_CORETYPE=$$core ATTN_ISA=$$isa"; \
+				  OPENBLAS_CORETYPE=$$core ATTN_ISA=$$isa $(BUILD)/tests/c/test_mha | tail -20; exit 1; }; \
+		done; \
+		out=$$(OPENBLAS_CORETYPE=$$core $(PYTHON) -m pytest tests/python/test_api.py -q \
+			-p no:cacheprovider -k thread_count 2>&1) || { echo "$$out"; exit 1; }; \
+		printf 'determinism, OpenBLAS core %-14s C (%s): ok; Python: %s\n' $$core "$$isas" \
+			"$$(echo "$$out" | tail -1)"; \
 	done
 
 # The Python suite on the extension and library built with ASan + UBSan
