@@ -9,6 +9,7 @@ argument and say what was expected.
 
 import numbers
 import os
+import sys
 
 import numpy as np
 
@@ -29,24 +30,64 @@ def _expected(kind):
     return "a real number type"
 
 
+def _torch():
+    return sys.modules["torch"]  # loaded: a torch tensor exists
+
+
+def _plain_class(cls):
+    """Whether a torch.Tensor subclass adds no semantics of its own, so that
+    its storage holds its values (torch.nn.Parameter, `as_subclass` to a bare
+    subclass). Subclasses with their own __torch_function__ or
+    __torch_dispatch__ (CausalBias, FakeTensor, DTensor, NestedTensor) may
+    keep a placeholder or nothing there."""
+    torch = _torch()
+    tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    plain_tf = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+    return tf in plain_tf and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+
+
+def _torch_numpy(x, name, kind):
+    """A NumPy view of a torch tensor, refusing every tensor whose storage
+    does not hold its values."""
+    torch = _torch()
+    if x.is_nested:
+        raise TypeError(f"{name} is a nested tensor; nested tensors are not supported "
+                        f"(pad them to one shape, e.g. {name}.to_padded_tensor(0.0))")
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor: meta tensors have a shape and dtype but no "
+                         f"data, so there is nothing to compute on")
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on device '{x.device}'; attn computes on the CPU, so pass {name}.cpu()"
+        )
+    cls = type(x)
+    if not _plain_class(cls):
+        hint = ", or is_causal=True for a causal mask" if cls.__name__ == "CausalBias" else ""
+        raise TypeError(
+            f"{name} is a {cls.__name__} ({cls.__module__}), a torch.Tensor subclass with "
+            f"semantics of its own: its storage need not hold its values, so attn cannot "
+            f"read it; pass a plain tensor{hint}"
+        )
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        raise TypeError(f"{name} is wrapped by a torch.func transform (grad, vmap, ...); attn "
+                        f"reads raw memory and cannot take part in one")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} has layout {x.layout}; attn reads strided tensors only: pass "
+                        f"{name}.to_dense()")
+    t = x.detach().resolve_conj().resolve_neg()
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"{name} is a torch tensor of dtype {t.dtype}; expected "
+                        f"{_expected(kind)}") from e
+
+
 def as_array(x, name, kind):
     """A NumPy view of `x` (no copy), with its dtype checked for `kind`."""
     if isinstance(x, np.ndarray):
         a = x
     elif _is_torch_tensor(x):
-        if x.device.type != "cpu":
-            raise ValueError(
-                f"{name} is on device '{x.device}'; attn computes on the CPU, "
-                f"so pass {name}.cpu()"
-            )
-        t = x.detach()
-        try:
-            a = t.resolve_conj().resolve_neg().numpy()
-        except (TypeError, RuntimeError) as e:
-            raise TypeError(
-                f"{name} is a torch tensor of dtype {t.dtype} and layout {t.layout}; "
-                f"expected a strided tensor of {_expected(kind)}"
-            ) from e
+        a = _torch_numpy(x, name, kind)
     else:
         if x is None:
             raise TypeError(f"{name} must be an array, not None")

@@ -1,0 +1,176 @@
+"""Regressions for what hostile users broke in the Python package (issue 9),
+one section per finding; docs/RELIABILITY.md lists them."""
+
+import copy
+import fractions
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+import attn
+from attn import _attn
+
+TOL = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-12, atol=1e-14)}
+
+
+def t(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def torch_sdpa(*args, **kw):
+    with warnings.catch_warnings():  # causal_lower_right with L > S warns about NaN
+        warnings.simplefilter("ignore")
+        return F.scaled_dot_product_attention(*args, **kw).numpy()
+
+
+# ---- 1. CausalBias and other tensor subclasses ----
+
+BIASES = {"upper_left": causal_upper_left, "lower_right": causal_lower_right}
+
+
+def make_bias(variant, L, S):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return BIASES[variant](L, S)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+@pytest.mark.parametrize("L, S", [(5, 7), (7, 5), (6, 6), (1, 4), (4, 1)])
+@pytest.mark.parametrize("variant", list(BIASES))
+def test_causal_bias_is_honoured_like_torch(rng, variant, L, S, batch, dtype):
+    """A CausalBias holds no mask in its storage (torch allocates an
+    uninitialised placeholder); it used to be read as one."""
+    q, k, v = (rng.standard_normal(batch + (n, e)).astype(dtype)
+               for n, e in ((L, 8), (S, 8), (S, 4)))
+    bias = make_bias(variant, L, S)
+    ref = torch_sdpa(t(q), t(k), t(v), attn_mask=bias)
+    ours = attn.scaled_dot_product_attention(q, k, v, bias)
+    assert ours.dtype == dtype
+    np.testing.assert_allclose(ours, ref, **TOL[dtype])
+    # The same tensors from torch, and the mask torch itself would build.
+    ours_t = attn.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=bias)
+    assert np.array_equal(ours_t, ours)
+    dense = attn.scaled_dot_product_attention(q, k, v, bias._materialize().numpy())
+    np.testing.assert_allclose(ours, dense, **TOL[dtype])
+
+
+def test_causal_bias_with_is_causal_raises_like_torch(rng):
+    q = rng.standard_normal((2, 5, 8))
+    for variant in BIASES:
+        bias = make_bias(variant, 5, 5)
+        with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+            F.scaled_dot_product_attention(t(q), t(q), t(q), attn_mask=bias, is_causal=True)
+        with pytest.raises(ValueError, match="attn_mask is a CausalBias.*is_causal=True"):
+            attn.scaled_dot_product_attention(q, q, q, bias, is_causal=True)
+
+
+def test_causal_bias_of_other_sizes_is_refused(rng):
+    q, k = rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 7, 8))
+    for variant in BIASES:
+        with pytest.raises(ValueError, match=r"attn_mask is a CausalBias for 5 queries and 6 keys.*"
+                                             r"query has L = 5 and key S = 7"):
+            attn.scaled_dot_product_attention(q, k, k, make_bias(variant, 5, 6))
+
+
+def test_causal_bias_in_mha_is_refused():
+    m = attn.MultiheadAttention(8, 2)
+    x = np.zeros((5, 8), np.float32)
+    with pytest.raises(TypeError, match="attn_mask is a CausalBias.*is_causal=True"):
+        m(x, x, x, attn_mask=causal_upper_left(5, 5))
+
+
+class _Lying(torch.Tensor):
+    """A subclass whose data are not its storage: torch functions see a
+    different tensor than the bytes."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.randn(2, 5, 8)
+
+
+HIDDEN = {
+    "lying subclass": lambda: torch.randn(2, 5, 8).as_subclass(_Lying),
+    "FakeTensor": _fake,
+    "UninitializedParameter": lambda: torch.nn.UninitializedParameter(),
+}
+
+
+@pytest.mark.parametrize("name", list(HIDDEN))
+def test_tensor_subclasses_with_their_own_semantics_are_refused(name):
+    x = HIDDEN[name]()
+    plain = np.zeros((2, 5, 8))
+    with pytest.raises(TypeError, match=f"key is a {type(x).__name__} .*torch.Tensor subclass"):
+        attn.scaled_dot_product_attention(plain, x, plain)
+    m = attn.MultiheadAttention(8, 2, dtype=np.float64)
+    with pytest.raises(TypeError, match=f"query is a {type(x).__name__}"):
+        m(x, plain, plain)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused(rng, transform):
+    q = torch.from_numpy(rng.standard_normal((2, 5, 8)))
+
+    def f(x):
+        return torch.from_numpy(attn.scaled_dot_product_attention(x, x, x)).sum()
+
+    with pytest.raises(TypeError, match="query is wrapped by a torch.func transform"):
+        getattr(torch.func, transform)(f)(q)
+
+
+def test_plain_subclasses_and_parameters_are_read(rng):
+    class Plain(torch.Tensor):
+        pass
+
+    q = torch.from_numpy(rng.standard_normal((2, 5, 8)))
+    ref = attn.scaled_dot_product_attention(q, q, q)
+    for x in (q.as_subclass(Plain), torch.nn.Parameter(q, requires_grad=False)):
+        assert np.array_equal(attn.scaled_dot_product_attention(x, x, x), ref)
+
+
+LAYOUTS = {
+    "sparse_coo": lambda x: x.to_sparse(),
+    "sparse_csr": lambda x: x[0].to_sparse_csr(),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_non_strided_layouts_are_refused(name):
+    x = LAYOUTS[name](torch.ones(2, 5, 8))
+    with pytest.raises(TypeError, match=f"value has layout {x.layout}.*to_dense"):
+        attn.scaled_dot_product_attention(np.ones((2, 5, 8)), np.ones((2, 5, 8)), x)
+
+
+# ---- 4. messages ----
+
+def test_meta_tensors_are_said_to_have_no_data():
+    q = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(ValueError) as info:
+        attn.scaled_dot_product_attention(q, torch.empty(2, 3, 4, device="meta"), q)
+    assert "key is a meta tensor" in str(info.value)
+    assert "no data" in str(info.value) and ".cpu()" not in str(info.value)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensors_are_said_to_be_unsupported(layout):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nt = torch.nested.nested_tensor([torch.zeros(2, 4), torch.zeros(3, 4)], layout=layout)
+    q = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(TypeError) as info:
+        attn.scaled_dot_product_attention(nt, q, q)
+    assert "query is a nested tensor" in str(info.value)
+    assert "not supported" in str(info.value) and "strided" not in str(info.value)
