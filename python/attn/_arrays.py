@@ -9,6 +9,7 @@ argument and say what was expected.
 
 import numbers
 import os
+import re
 import sys
 
 import numpy as np
@@ -114,10 +115,27 @@ def check_bool(x, name):
     raise TypeError(f"{name} must be a bool, not {type(x).__name__}")
 
 
+def _show(n):
+    """An int for a message: a 400-digit number would bury the message."""
+    digits = len(str(abs(n)))
+    if digits <= 30:
+        return str(n)
+    return f"{'a negative' if n < 0 else 'an'} int of {digits} digits"
+
+
+def _as_float(x, name):
+    """float(x), with an overflow named after the argument."""
+    try:
+        return float(x)
+    except OverflowError:
+        shown = _show(x) if isinstance(x, numbers.Integral) else "a number"
+        raise ValueError(f"{name} is {shown}, too large for a float") from None
+
+
 def check_probability(x, name):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], not {type(x).__name__}")
-    p = float(x)
+    p = _as_float(x, name)
     if not 0.0 <= p <= 1.0:  # NaN fails too
         raise ValueError(f"{name} is {p}; expected a probability in [0, 1]")
     return p
@@ -128,7 +146,7 @@ def check_scale(x, name="scale"):
         return None
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be None or a float, not {type(x).__name__}")
-    s = float(x)
+    s = _as_float(x, name)
     if not np.isfinite(s):
         raise ValueError(f"{name} is {s}; expected a finite number (or None for 1/sqrt(E))")
     return s
@@ -142,9 +160,9 @@ def check_int(x, name, minimum=1, optional=False):
         raise TypeError(f"{name} must be {what}, not {type(x).__name__}")
     n = int(x)
     if n < minimum:
-        raise ValueError(f"{name} is {n}; expected an int >= {minimum}")
+        raise ValueError(f"{name} is {_show(n)}; expected an int >= {minimum}")
     if n >= 2**63:
-        raise ValueError(f"{name} is {n}; expected an int < 2**63")
+        raise ValueError(f"{name} is {_show(n)}; expected an int < 2**63")
     return n
 
 
@@ -155,8 +173,17 @@ def check_seed(x, name="seed"):
         raise TypeError(f"{name} must be None or an int in [0, 2**64), not {type(x).__name__}")
     s = int(x)
     if not 0 <= s < 2**64:
-        raise ValueError(f"{name} is {s}; expected None or an int in [0, 2**64)")
+        raise ValueError(f"{name} is {_show(s)}; expected None or an int in [0, 2**64)")
     return s
+
+
+def check_device(device):
+    """torch's device argument: only the CPU, with any index."""
+    if device is None or re.fullmatch(r"cpu(:\d+)?", str(device)):
+        return
+    raise ValueError(
+        f"device is {device!r}; attn runs on the CPU (device=None, 'cpu' or 'cpu:N')"
+    )
 
 
 def random_seed():

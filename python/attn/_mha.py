@@ -14,6 +14,7 @@ from ._arrays import (
     PARAM,
     as_array,
     check_bool,
+    check_device,
     check_dtype,
     check_int,
     check_probability,
@@ -70,7 +71,8 @@ class MultiheadAttention:
 
     The arguments are torch's. ``dtype`` (float32 by default; NumPy or torch
     dtypes) sets the dtype of the parameters, inputs and outputs; ``device``
-    may only be None or "cpu". Beyond torch:
+    may only be None or the CPU ("cpu", "cpu:N", a torch CPU device). Beyond
+    torch:
 
     - ``head_dim``: project to num_heads * head_dim features, so that
       num_heads need not divide embed_dim.
@@ -132,8 +134,7 @@ class MultiheadAttention:
         kdim = check_int(kdim, "kdim", optional=True)
         vdim = check_int(vdim, "vdim", optional=True)
         batch_first = check_bool(batch_first, "batch_first")
-        if device is not None and str(device) != "cpu":
-            raise ValueError(f"device is {device!r}; attn runs on the CPU (device=None or 'cpu')")
+        check_device(device)
         dt = check_dtype(dtype)
         head_dim = check_int(head_dim, "head_dim", optional=True)
         seed = check_seed(seed)

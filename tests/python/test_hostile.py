@@ -174,3 +174,34 @@ def test_nested_tensors_are_said_to_be_unsupported(layout):
         attn.scaled_dot_product_attention(nt, q, q)
     assert "query is a nested tensor" in str(info.value)
     assert "not supported" in str(info.value) and "strided" not in str(info.value)
+
+
+@pytest.mark.parametrize("name, value", [("scale", 10**400), ("scale", fractions.Fraction(10**400)),
+                                         ("dropout_p", 10**400), ("dropout_p", -(10**400))],
+                         ids=["scale", "scale-fraction", "dropout_p", "dropout_p-negative"])
+def test_sdpa_numbers_too_large_for_a_float_name_the_argument(name, value):
+    q = np.zeros((2, 3, 4))
+    with pytest.raises(ValueError, match=f"{name} is .* too large for a float"):
+        attn.scaled_dot_product_attention(q, q, q, **{name: value})
+
+
+def test_mha_numbers_too_large_name_the_argument():
+    with pytest.raises(ValueError, match="dropout is .* too large for a float"):
+        attn.MultiheadAttention(8, 2, dropout=10**400)
+    with pytest.raises(ValueError, match=r"kdim is an int of 401 digits; expected an int < 2\*\*63"):
+        attn.MultiheadAttention(8, 2, kdim=10**400)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:3", torch.device("cpu", 0),
+                                    torch.device("cpu:1"), torch.device("cpu")])
+def test_mha_accepts_any_cpu_device(device):
+    m = attn.MultiheadAttention(8, 2, device=device)
+    assert m(np.zeros((3, 8), np.float32), np.zeros((3, 8), np.float32),
+             np.zeros((3, 8), np.float32))[0].shape == (3, 8)
+    assert pickle.loads(pickle.dumps(m)).embed_dim == 8
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cpu:x", "cpu:-1", "meta", 0])
+def test_mha_refuses_other_devices(device):
+    with pytest.raises(ValueError, match="device is .*CPU"):
+        attn.MultiheadAttention(8, 2, device=device)
