@@ -526,23 +526,27 @@ static PyObject *mha_config(MHAObject *self, PyObject *noargs) {
 
 PyDoc_STRVAR(mha_forward_doc,
              "forward(query, key, value, key_padding_mask, attn_mask, need_weights,\n"
-             "        average_attn_weights, is_causal, training, seed, rng_offset, empty)\n"
-             "-> (out, weights or None)");
+             "        average_attn_weights, is_causal, training, dropout, seed, rng_offset,\n"
+             "        empty) -> (out, weights or None)\n\n"
+             "dropout: this call's probability (the module's may change after construction).");
 
 static PyObject *mha_forward(MHAObject *self, PyObject *args) {
     PyObject *oq, *ok, *ov, *okpm, *omask, *empty;
     int need_w, average, causal, training;
+    double dropout;
     uint64_t seed = 0, rng_offset = 0;
     if (!mha_ready(self)) return NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOppppO&O&O:forward", &oq, &ok, &ov, &okpm, &omask, &need_w,
-                          &average, &causal, &training, convert_u64, &seed, convert_u64,
-                          &rng_offset, &empty))
+    if (!PyArg_ParseTuple(args, "OOOOOppppdO&O&O:forward", &oq, &ok, &ov, &okpm, &omask,
+                          &need_w, &average, &causal, &training, &dropout, convert_u64, &seed,
+                          convert_u64, &rng_offset, &empty))
         return NULL;
     attn_mha_forward_params fp;
     attn_mha_forward_params_init(&fp);
     fp.average_attn_weights = average;
     fp.is_causal = causal;
     fp.training = training;
+    fp.has_dropout = 1;
+    fp.dropout = dropout;
     fp.seed = seed;
     fp.rng_offset = rng_offset;
 

@@ -154,6 +154,112 @@ def test_non_strided_layouts_are_refused(name):
         attn.scaled_dot_product_attention(np.ones((2, 5, 8)), np.ones((2, 5, 8)), x)
 
 
+# ---- 2. MultiheadAttention attributes torch reads at every forward ----
+
+def mha_pair(**kw):
+    m = attn.MultiheadAttention(8, 2, dtype=np.float64, seed=5, **kw)
+    tm = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64, **kw)
+    tm.load_state_dict({k: t(v) for k, v in m.state_dict().items()})
+    return m, tm
+
+
+def run_torch(tm, *args, **kw):
+    with torch.no_grad():
+        y, w = tm(*(t(a) for a in args), **kw)
+    return y.numpy(), None if w is None else w.numpy()
+
+
+@pytest.mark.parametrize("start", [False, True])
+def test_mha_batch_first_set_after_construction(rng, start):
+    m, tm = mha_pair(batch_first=start)
+    m.eval(), tm.eval()
+    for flag in (not start, start, not start):
+        m.batch_first = tm.batch_first = flag
+        x = rng.standard_normal((3, 4, 8))  # (N, L, E) or (L, N, E): both fit
+        y = rng.standard_normal((3, 6, 8) if flag else (6, 4, 8))
+        ours, w = m(x, y, y)
+        ref, rw = run_torch(tm, x, y, y)
+        np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(w, rw, rtol=1e-12, atol=1e-14)
+        assert ours.flags.c_contiguous
+    # Unbatched inputs ignore it, as in torch.
+    x = rng.standard_normal((4, 8))
+    np.testing.assert_allclose(m(x, x, x)[0], run_torch(tm, x, x, x)[0], rtol=1e-12, atol=1e-14)
+
+
+def test_mha_batch_first_errors_speak_of_the_current_layout(rng):
+    m = attn.MultiheadAttention(8, 2)
+    m.batch_first = True
+    x, y = np.zeros((2, 4, 8), np.float32), np.zeros((3, 5, 8), np.float32)
+    with pytest.raises(ValueError, match=r"got 2 and 3 \(batch_first=True\)"):
+        m(x, y, y)
+    with pytest.raises(ValueError, match=r"query.shape\[1\] is 0"):
+        m(x[:, :0], y[:2], y[:2])
+    with pytest.raises(TypeError, match="batch_first must be a bool"):
+        m.batch_first = 1
+
+
+def test_mha_dropout_set_after_construction(rng):
+    x = rng.standard_normal((4, 2, 8))
+    # 0 -> 1: everything dropped, in both; the output is out_proj.bias.
+    m, tm = mha_pair(dropout=0.0)
+    m.dropout = tm.dropout = 1.0
+    ours, w = m(x, x, x)
+    ref, rw = run_torch(tm, x, x, x)
+    np.testing.assert_array_equal(w, 0.0)
+    np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(ours, np.broadcast_to(m.out_proj.bias, ours.shape), rtol=1e-12)
+    # 0.5 -> 0: nothing dropped, in training mode too.
+    m, tm = mha_pair(dropout=0.5)
+    m.dropout = tm.dropout = 0.0
+    ours, w = m(x, x, x)
+    ref, rw = run_torch(tm, x, x, x)
+    np.testing.assert_allclose(ours, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(w, rw, rtol=1e-12, atol=1e-14)
+    # 0 -> 0.9: about 90% of the weights are dropped.
+    m = attn.MultiheadAttention(8, 2, seed=1)
+    m.dropout = 0.9
+    y = rng.standard_normal((64, 4, 8)).astype(np.float32)
+    w = m(y, y, y, average_attn_weights=False)[1]
+    assert 0.87 < (w == 0).mean() < 0.93
+    with pytest.raises(ValueError, match="dropout is 1.5"):
+        m.dropout = 1.5
+    with pytest.raises(ValueError, match="dropout is .* too large for a float"):
+        m.dropout = 10**400
+    assert m.dropout == 0.9
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_mha_out_proj_replaced(rng, bias):
+    m, tm = mha_pair(bias=bias)
+    m.eval(), tm.eval()
+    lin = torch.nn.Linear(8, 8, bias=bias, dtype=torch.float64).requires_grad_(False)
+    m.out_proj = lin
+    tm.out_proj = lin
+    x = rng.standard_normal((4, 2, 8))
+    np.testing.assert_allclose(m(x, x, x)[0], run_torch(tm, x, x, x)[0], rtol=1e-12, atol=1e-14)
+    assert np.array_equal(m.state_dict()["out_proj.weight"], lin.weight.numpy())
+    # Another attn module's out_proj.
+    other = attn.MultiheadAttention(8, 2, bias=bias, dtype=np.float64, seed=9)
+    m.out_proj = other.out_proj
+    assert np.array_equal(m.out_proj.weight, other.out_proj.weight)
+    with pytest.raises(ValueError, match="out_proj.weight has shape"):
+        m.out_proj = torch.nn.Linear(8, 4, bias=bias)
+    with pytest.raises(ValueError, match="out_proj.bias"):
+        m.out_proj = torch.nn.Linear(8, 8, bias=not bias).requires_grad_(False)
+    with pytest.raises(TypeError, match="out_proj must have a weight"):
+        m.out_proj = None
+
+
+def test_mha_changed_attributes_survive_copy_and_pickle(rng):
+    m = attn.MultiheadAttention(8, 2, seed=3)
+    m.batch_first, m.dropout = True, 1.0
+    x = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert clone.batch_first is True and clone.dropout == 1.0
+        assert np.array_equal(clone(x, x, x)[0], m(x, x, x)[0])
+
+
 # ---- 4. messages ----
 
 def test_meta_tensors_are_said_to_have_no_data():
