@@ -47,9 +47,23 @@ def _plain_class(cls):
     return tf in plain_tf and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
 
 
-def _torch_numpy(x, name, kind):
+def tracks_grad(x):
+    """Whether torch would record `x` in an autograd graph right now."""
+    return _is_torch_tensor(x) and x.requires_grad and _torch().is_grad_enabled()
+
+
+def no_backward(what, remedy="pass detached tensors (tensor.detach())"):
+    return RuntimeError(
+        f"{what}, and torch's grad mode is on, but attn has no backward yet: its result would "
+        f"carry no gradient. Call it under torch.no_grad() or torch.inference_mode(), or "
+        f"{remedy}"
+    )
+
+
+def _torch_numpy(x, name, kind, copying):
     """A NumPy view of a torch tensor, refusing every tensor whose storage
-    does not hold its values."""
+    does not hold its values. `copying`: the values are copied (parameters),
+    so a tensor requiring grad is fine."""
     torch = _torch()
     if x.is_nested:
         raise TypeError(f"{name} is a nested tensor; nested tensors are not supported "
@@ -75,6 +89,8 @@ def _torch_numpy(x, name, kind):
     if x.layout != torch.strided:
         raise TypeError(f"{name} has layout {x.layout}; attn reads strided tensors only: pass "
                         f"{name}.to_dense()")
+    if not copying and tracks_grad(x):
+        raise no_backward(f"{name} requires grad")
     t = x.detach().resolve_conj().resolve_neg()
     try:
         return t.numpy()
@@ -88,7 +104,7 @@ def as_array(x, name, kind):
     if isinstance(x, np.ndarray):
         a = x
     elif _is_torch_tensor(x):
-        a = _torch_numpy(x, name, kind)
+        a = _torch_numpy(x, name, kind, copying=kind == PARAM)
     else:
         if x is None:
             raise TypeError(f"{name} must be an array, not None")

@@ -5,6 +5,7 @@ import collections
 import collections.abc
 import math
 import re
+import sys
 
 import numpy as np
 
@@ -14,12 +15,14 @@ from ._arrays import (
     MASK,
     PARAM,
     as_array,
+    _is_torch_tensor,
     check_bool,
     check_device,
     check_dtype,
     check_int,
     check_probability,
     check_seed,
+    no_backward,
     random_seed,
 )
 
@@ -112,6 +115,9 @@ class MultiheadAttention:
     and ``dropout`` as they are then; assigning ``out_proj`` (a torch Linear,
     another module's out_proj) copies its weight and bias in.
 
+    attn has no backward yet: a forward refuses (RuntimeError) an input that
+    requires grad in torch's grad mode, and torch inputs in grad mode when a
+    parameter was last copied from a tensor that requires grad.
     """
 
     in_proj_weight = _param_property("in_proj_weight", "(3D, embed_dim), or None")
@@ -182,6 +188,7 @@ class MultiheadAttention:
             self._params[name] = storage[offset : offset + n].reshape(shape)
         self._seed = seed
         self._calls = 0  # training-mode calls so far: the dropout rng_offset
+        self._grad_sources = set()  # parameters last copied from a tensor requiring grad
 
         self.embed_dim = embed_dim
         self.kdim = cfg["kdim"]
@@ -248,18 +255,19 @@ class MultiheadAttention:
     def __getstate__(self):
         args = dict(self._init_args, batch_first=self.batch_first, dropout=self.dropout)
         return {"args": args, "state": self.state_dict(), "training": self.training,
-                "calls": self._calls}
+                "calls": self._calls, "grad_sources": sorted(self._grad_sources)}
 
     def __setstate__(self, st):
         self.__init__(**st["args"])
         self.load_state_dict(st["state"])
         self.training = st["training"]
         self._calls = st["calls"]
+        self._grad_sources = set(st.get("grad_sources", ()))
 
     # ---- parameters ----
 
     def _staged(self, name, value, loading=False):
-        """(name, array) for a checked copy into `name`."""
+        """(name, array, requires_grad) for a checked copy into `name`."""
         a = as_array(value, name, PARAM)
         got, want = tuple(a.shape), tuple(self._params[name].shape)
         if got != want and loading:
@@ -267,11 +275,14 @@ class MultiheadAttention:
                              f"but this module's {name} has shape {want}")
         if got != want:
             raise ValueError(f"{name} has shape {got}; this module expects {want}")
-        return name, a
+        return name, a, _is_torch_tensor(value) and value.requires_grad
 
     def _commit(self, staged):
-        for name, a in staged:
+        # A copy of a tensor torch would train stands for a trainable
+        # parameter: forward then refuses to run where torch would track it.
+        for name, a, grad in staged:
             self._params[name][...] = a
+            (self._grad_sources.add if grad else self._grad_sources.discard)(name)
 
     def _set_param(self, name, value):
         if name not in self._params:
@@ -363,6 +374,7 @@ class MultiheadAttention:
         need_w = check_bool(need_weights, "need_weights")
         average = check_bool(average_attn_weights, "average_attn_weights")
         causal = check_bool(is_causal, "is_causal")
+        self._check_grad((query, key, value, key_padding_mask, attn_mask))
         dropping = self.training and self.dropout > 0.0
         seed, offset = 0, 0
         if dropping:
@@ -384,6 +396,19 @@ class MultiheadAttention:
         if dropping:
             self._calls += 1  # only calls that ran count
         return (out.swapaxes(0, 1) if swap else out), w
+
+    def _check_grad(self, inputs):
+        """attn has no backward: refuse a call torch would record for one
+        because of a parameter it would train (as_array refuses inputs that
+        require grad)."""
+        torch_inputs = any(_is_torch_tensor(x) for x in inputs)
+        if self._grad_sources and torch_inputs and sys.modules["torch"].is_grad_enabled():
+            name = next(n for n in self._params if n in self._grad_sources)
+            raise no_backward(
+                f"this module's {name} was copied from a tensor that requires grad (a parameter "
+                f"torch would train) and the inputs are torch tensors",
+                "load detached values (torch_module.state_dict() gives them)",
+            )
 
     def _message(self, msg, swapped):
         """A library message in the caller's terms: the handle is always

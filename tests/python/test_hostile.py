@@ -260,6 +260,54 @@ def test_mha_changed_attributes_survive_copy_and_pickle(rng):
         assert np.array_equal(clone(x, x, x)[0], m(x, x, x)[0])
 
 
+# ---- 3. tensors that require grad ----
+
+def test_sdpa_refuses_tensors_requiring_grad(rng):
+    q = torch.from_numpy(rng.standard_normal((2, 5, 8))).requires_grad_()
+    k = torch.from_numpy(rng.standard_normal((2, 5, 8)))
+    mask = torch.zeros(5, 5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="query requires grad.*no backward.*torch.no_grad"):
+        attn.scaled_dot_product_attention(q, k, k)
+    with pytest.raises(RuntimeError, match="attn_mask requires grad.*detach"):
+        attn.scaled_dot_product_attention(k, k, k, mask)
+    ref = attn.scaled_dot_product_attention(q.detach(), k, k, mask.detach())
+    with torch.no_grad():
+        assert np.array_equal(attn.scaled_dot_product_attention(q, k, k, mask), ref)
+    with torch.inference_mode():
+        assert np.array_equal(attn.scaled_dot_product_attention(q, k, k, mask), ref)
+
+
+def test_mha_refuses_inputs_requiring_grad(rng):
+    m = attn.MultiheadAttention(8, 2, dtype=np.float64)
+    x = torch.from_numpy(rng.standard_normal((4, 8))).requires_grad_()
+    with pytest.raises(RuntimeError, match="key requires grad.*no backward"):
+        m(x.detach(), x, x.detach())
+    with torch.no_grad():
+        m(x, x, x)
+
+
+def test_mha_parameters_from_tensors_requiring_grad(rng):
+    """attn's parameters are copies. Copied from tensors that require grad,
+    they stand for parameters torch would train, so a forward on torch
+    inputs in grad mode is refused; NumPy inputs and no_grad are fine."""
+    tm = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    x = torch.from_numpy(rng.standard_normal((4, 8)))
+    for load in (lambda m: m.load_state_dict(dict(tm.named_parameters())),
+                 lambda m: setattr(m, "in_proj_weight", tm.in_proj_weight),
+                 lambda m: setattr(m, "out_proj", tm.out_proj)):
+        m = attn.MultiheadAttention(8, 2, dtype=np.float64)
+        load(m)
+        with pytest.raises(RuntimeError, match="was copied from a tensor that requires grad.*"
+                                               "no backward"):
+            m(x, x, x)
+        m(x.numpy(), x.numpy(), x.numpy())
+        with torch.no_grad():
+            m(x, x, x)
+        # Detached values (what state_dict() gives) clear the mark.
+        m.load_state_dict(tm.state_dict())
+        m(x, x, x)
+
+
 # ---- 4. messages ----
 
 def test_meta_tensors_are_said_to_have_no_data():
