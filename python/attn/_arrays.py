@@ -168,7 +168,8 @@ def check_scale(x, name="scale"):
     return s
 
 
-def check_int(x, name, minimum=1, optional=False):
+def check_int(x, name, minimum=1, optional=False, maximum=2**63 - 1, bound=None):
+    """An int in [minimum, maximum]; `bound` says where the maximum comes from."""
     if x is None and optional:
         return None
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
@@ -177,8 +178,9 @@ def check_int(x, name, minimum=1, optional=False):
     n = int(x)
     if n < minimum:
         raise ValueError(f"{name} is {_show(n)}; expected an int >= {minimum}")
-    if n >= 2**63:
-        raise ValueError(f"{name} is {_show(n)}; expected an int < 2**63")
+    if n > maximum:
+        limit = "< 2**63" if maximum == 2**63 - 1 else f"<= {maximum}"
+        raise ValueError(f"{name} is {_show(n)}; expected an int {limit}{bound or ''}")
     return n
 
 

@@ -359,3 +359,23 @@ def test_mha_accepts_any_cpu_device(device):
 def test_mha_refuses_other_devices(device):
     with pytest.raises(ValueError, match="device is .*CPU"):
         attn.MultiheadAttention(8, 2, device=device)
+
+
+# ---- 5. the thread bound ----
+
+def test_max_threads_bounds_set_num_threads():
+    top = attn.max_threads()
+    assert isinstance(top, int) and top == _attn.max_threads() >= 1
+    try:
+        attn.set_num_threads(top)
+        assert attn.get_num_threads() == top
+        attn.set_num_threads(1)
+        for bad in (top + 1, 10**6, 2**63):
+            with pytest.raises(ValueError, match=f"num_threads is {bad}; expected .*<= {top}.*"
+                                                 r"attn.max_threads\(\)"):
+                attn.set_num_threads(bad)
+            assert attn.get_num_threads() == 1
+        with pytest.raises(ValueError, match="num_threads is -1"):
+            attn.set_num_threads(-1)
+    finally:
+        attn.set_num_threads(0)
