@@ -276,7 +276,8 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
  * two agree.
  *
  * Rows with every key masked give 0 (PyTorch gives NaN there). Dropout
- * (config.dropout) applies only when params.training is set.
+ * (config.dropout, or params.dropout with params.has_dropout) applies only
+ * when params.training is set.
  */
 
 typedef struct attn_mha attn_mha;
@@ -332,6 +333,11 @@ typedef struct attn_mha_forward_params {
     int is_causal;
     int training;                        /* dropout only when set            */
     uint64_t seed, rng_offset;           /* dropout stream (see attn_sdpa)   */
+    /* [attn] has_dropout: this call's training-mode dropout probability is
+     * `dropout` (in [0, 1]) instead of config.dropout, as torch reads
+     * module.dropout at every forward. 0 (the default) keeps the config's. */
+    int has_dropout;
+    double dropout;
 } attn_mha_forward_params;
 
 ATTN_API void attn_mha_forward_params_init(attn_mha_forward_params *params);

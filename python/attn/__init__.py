@@ -24,16 +24,27 @@ __all__ = [
     "MultiheadAttention",
     "set_num_threads",
     "get_num_threads",
+    "max_threads",
     "kernel_info",
     "__version__",
 ]
 
 
 def set_num_threads(num_threads):
-    """Threads each call uses (>= 1); 0 restores the default: the environment
-    variable ATTN_NUM_THREADS if set, else the number of processors. Results
-    do not depend on it."""
-    _attn.set_num_threads(_check_int(num_threads, "num_threads", minimum=0))
+    """Threads each call uses, 1 to max_threads(); 0 restores the default: the
+    environment variable ATTN_NUM_THREADS if set, else the number of
+    processors. Results do not depend on it. Outside [0, max_threads()] is a
+    ValueError."""
+    top = _attn.max_threads()
+    n = _check_int(num_threads, "num_threads", minimum=0, maximum=top,
+                   bound=" (the bound attn.max_threads() reports), or 0 for the default")
+    _attn.set_num_threads(n)
+
+
+def max_threads():
+    """The largest thread count set_num_threads() takes: 4 per processor, at
+    most 1024 (1 in a build without OpenMP)."""
+    return _attn.max_threads()
 
 
 def get_num_threads():

@@ -9,6 +9,8 @@ argument and say what was expected.
 
 import numbers
 import os
+import re
+import sys
 
 import numpy as np
 
@@ -29,24 +31,80 @@ def _expected(kind):
     return "a real number type"
 
 
+def _torch():
+    return sys.modules["torch"]  # loaded: a torch tensor exists
+
+
+def _plain_class(cls):
+    """Whether a torch.Tensor subclass adds no semantics of its own, so that
+    its storage holds its values (torch.nn.Parameter, `as_subclass` to a bare
+    subclass). Subclasses with their own __torch_function__ or
+    __torch_dispatch__ (CausalBias, FakeTensor, DTensor, NestedTensor) may
+    keep a placeholder or nothing there."""
+    torch = _torch()
+    tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+    plain_tf = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+    return tf in plain_tf and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+
+
+def tracks_grad(x):
+    """Whether torch would record `x` in an autograd graph right now."""
+    return _is_torch_tensor(x) and x.requires_grad and _torch().is_grad_enabled()
+
+
+def no_backward(what, remedy="pass detached tensors (tensor.detach())"):
+    return RuntimeError(
+        f"{what}, and torch's grad mode is on, but attn has no backward yet: its result would "
+        f"carry no gradient. Call it under torch.no_grad() or torch.inference_mode(), or "
+        f"{remedy}"
+    )
+
+
+def _torch_numpy(x, name, kind, copying):
+    """A NumPy view of a torch tensor, refusing every tensor whose storage
+    does not hold its values. `copying`: the values are copied (parameters),
+    so a tensor requiring grad is fine."""
+    torch = _torch()
+    if x.is_nested:
+        raise TypeError(f"{name} is a nested tensor; nested tensors are not supported "
+                        f"(pad them to one shape, e.g. {name}.to_padded_tensor(0.0))")
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor: meta tensors have a shape and dtype but no "
+                         f"data, so there is nothing to compute on")
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on device '{x.device}'; attn computes on the CPU, so pass {name}.cpu()"
+        )
+    cls = type(x)
+    if not _plain_class(cls):
+        hint = ", or is_causal=True for a causal mask" if cls.__name__ == "CausalBias" else ""
+        raise TypeError(
+            f"{name} is a {cls.__name__} ({cls.__module__}), a torch.Tensor subclass with "
+            f"semantics of its own: its storage need not hold its values, so attn cannot "
+            f"read it; pass a plain tensor{hint}"
+        )
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        raise TypeError(f"{name} is wrapped by a torch.func transform (grad, vmap, ...); attn "
+                        f"reads raw memory and cannot take part in one")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} has layout {x.layout}; attn reads strided tensors only: pass "
+                        f"{name}.to_dense()")
+    if not copying and tracks_grad(x):
+        raise no_backward(f"{name} requires grad")
+    t = x.detach().resolve_conj().resolve_neg()
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"{name} is a torch tensor of dtype {t.dtype}; expected "
+                        f"{_expected(kind)}") from e
+
+
 def as_array(x, name, kind):
     """A NumPy view of `x` (no copy), with its dtype checked for `kind`."""
     if isinstance(x, np.ndarray):
         a = x
     elif _is_torch_tensor(x):
-        if x.device.type != "cpu":
-            raise ValueError(
-                f"{name} is on device '{x.device}'; attn computes on the CPU, "
-                f"so pass {name}.cpu()"
-            )
-        t = x.detach()
-        try:
-            a = t.resolve_conj().resolve_neg().numpy()
-        except (TypeError, RuntimeError) as e:
-            raise TypeError(
-                f"{name} is a torch tensor of dtype {t.dtype} and layout {t.layout}; "
-                f"expected a strided tensor of {_expected(kind)}"
-            ) from e
+        a = _torch_numpy(x, name, kind, copying=kind == PARAM)
     else:
         if x is None:
             raise TypeError(f"{name} must be an array, not None")
@@ -73,10 +131,27 @@ def check_bool(x, name):
     raise TypeError(f"{name} must be a bool, not {type(x).__name__}")
 
 
+def _show(n):
+    """An int for a message: a 400-digit number would bury the message."""
+    digits = len(str(abs(n)))
+    if digits <= 30:
+        return str(n)
+    return f"{'a negative' if n < 0 else 'an'} int of {digits} digits"
+
+
+def _as_float(x, name):
+    """float(x), with an overflow named after the argument."""
+    try:
+        return float(x)
+    except OverflowError:
+        shown = _show(x) if isinstance(x, numbers.Integral) else "a number"
+        raise ValueError(f"{name} is {shown}, too large for a float") from None
+
+
 def check_probability(x, name):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], not {type(x).__name__}")
-    p = float(x)
+    p = _as_float(x, name)
     if not 0.0 <= p <= 1.0:  # NaN fails too
         raise ValueError(f"{name} is {p}; expected a probability in [0, 1]")
     return p
@@ -87,13 +162,14 @@ def check_scale(x, name="scale"):
         return None
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be None or a float, not {type(x).__name__}")
-    s = float(x)
+    s = _as_float(x, name)
     if not np.isfinite(s):
         raise ValueError(f"{name} is {s}; expected a finite number (or None for 1/sqrt(E))")
     return s
 
 
-def check_int(x, name, minimum=1, optional=False):
+def check_int(x, name, minimum=1, optional=False, maximum=2**63 - 1, bound=None):
+    """An int in [minimum, maximum]; `bound` says where the maximum comes from."""
     if x is None and optional:
         return None
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
@@ -101,9 +177,10 @@ def check_int(x, name, minimum=1, optional=False):
         raise TypeError(f"{name} must be {what}, not {type(x).__name__}")
     n = int(x)
     if n < minimum:
-        raise ValueError(f"{name} is {n}; expected an int >= {minimum}")
-    if n >= 2**63:
-        raise ValueError(f"{name} is {n}; expected an int < 2**63")
+        raise ValueError(f"{name} is {_show(n)}; expected an int >= {minimum}")
+    if n > maximum:
+        limit = "< 2**63" if maximum == 2**63 - 1 else f"<= {maximum}"
+        raise ValueError(f"{name} is {_show(n)}; expected an int {limit}{bound or ''}")
     return n
 
 
@@ -114,8 +191,17 @@ def check_seed(x, name="seed"):
         raise TypeError(f"{name} must be None or an int in [0, 2**64), not {type(x).__name__}")
     s = int(x)
     if not 0 <= s < 2**64:
-        raise ValueError(f"{name} is {s}; expected None or an int in [0, 2**64)")
+        raise ValueError(f"{name} is {_show(s)}; expected None or an int in [0, 2**64)")
     return s
+
+
+def check_device(device):
+    """torch's device argument: only the CPU, with any index."""
+    if device is None or re.fullmatch(r"cpu(:\d+)?", str(device)):
+        return
+    raise ValueError(
+        f"device is {device!r}; attn runs on the CPU (device=None, 'cpu' or 'cpu:N')"
+    )
 
 
 def random_seed():

@@ -4,6 +4,8 @@ over libattn's attn_mha."""
 import collections
 import collections.abc
 import math
+import re
+import sys
 
 import numpy as np
 
@@ -13,11 +15,14 @@ from ._arrays import (
     MASK,
     PARAM,
     as_array,
+    _is_torch_tensor,
     check_bool,
+    check_device,
     check_dtype,
     check_int,
     check_probability,
     check_seed,
+    no_backward,
     random_seed,
 )
 
@@ -64,13 +69,29 @@ class _OutProj:
         )
 
 
+def _transposed_first(shape):
+    """np.empty for a batch-first forward: the first array asked for, the
+    output (its shape is the transposed query's), is allocated (N, L, E) and
+    handed over as its (L, N, E) transpose; the weights are not transposed."""
+    calls = []
+
+    def empty(shp, dtype):
+        calls.append(shp)
+        if len(calls) == 1 and tuple(shp) == tuple(shape):
+            return np.empty((shp[1], shp[0]) + tuple(shp[2:]), dtype).swapaxes(0, 1)
+        return np.empty(shp, dtype)
+
+    return empty
+
+
 class MultiheadAttention:
     """Multi-head attention with the parameters, options and results of
     ``torch.nn.MultiheadAttention`` (PyTorch 2.13), computed by libattn.
 
     The arguments are torch's. ``dtype`` (float32 by default; NumPy or torch
     dtypes) sets the dtype of the parameters, inputs and outputs; ``device``
-    may only be None or "cpu". Beyond torch:
+    may only be None or the CPU ("cpu", "cpu:N", a torch CPU device). Beyond
+    torch:
 
     - ``head_dim``: project to num_heads * head_dim features, so that
       num_heads need not divide embed_dim.
@@ -90,7 +111,13 @@ class MultiheadAttention:
     ``out_proj.bias`` (E); D = num_heads * head_dim. Absent ones are None.
 
     Like a new torch module, a new attn module is in training mode: dropout
-    applies until ``eval()``.
+    applies until ``eval()``. Like torch, every forward reads ``batch_first``
+    and ``dropout`` as they are then; assigning ``out_proj`` (a torch Linear,
+    another module's out_proj) copies its weight and bias in.
+
+    attn has no backward yet: a forward refuses (RuntimeError) an input that
+    requires grad in torch's grad mode, and torch inputs in grad mode when a
+    parameter was last copied from a tensor that requires grad.
     """
 
     in_proj_weight = _param_property("in_proj_weight", "(3D, embed_dim), or None")
@@ -132,12 +159,13 @@ class MultiheadAttention:
         kdim = check_int(kdim, "kdim", optional=True)
         vdim = check_int(vdim, "vdim", optional=True)
         batch_first = check_bool(batch_first, "batch_first")
-        if device is not None and str(device) != "cpu":
-            raise ValueError(f"device is {device!r}; attn runs on the CPU (device=None or 'cpu')")
+        check_device(device)
         dt = check_dtype(dtype)
         head_dim = check_int(head_dim, "head_dim", optional=True)
         seed = check_seed(seed)
 
+        # batch_first and dropout are read at every forward, like torch, so
+        # the handle is always sequence-first and gets dropout per call.
         self._handle = _attn.MHA(
             embed_dim,
             num_heads,
@@ -147,7 +175,7 @@ class MultiheadAttention:
             bias=bias,
             add_bias_kv=add_bias_kv,
             add_zero_attn=add_zero_attn,
-            batch_first=batch_first,
+            batch_first=False,
             dropout=dropout,
             dtype=dt.name,
             init_seed=random_seed() if seed is None else seed,
@@ -160,6 +188,7 @@ class MultiheadAttention:
             self._params[name] = storage[offset : offset + n].reshape(shape)
         self._seed = seed
         self._calls = 0  # training-mode calls so far: the dropout rng_offset
+        self._grad_sources = set()  # parameters last copied from a tensor requiring grad
 
         self.embed_dim = embed_dim
         self.kdim = cfg["kdim"]
@@ -172,36 +201,95 @@ class MultiheadAttention:
         self.add_zero_attn = add_zero_attn
         self.dtype = dt
         self.training = True
-        self.out_proj = _OutProj(self)
+        self._out_proj = _OutProj(self)
         self._init_args["dtype"] = dt.name  # a picklable form of the dtype
         self._init_args["device"] = None
+
+    # ---- attributes torch reads at every forward ----
+
+    @property
+    def batch_first(self):
+        """(N, L, E) inputs and outputs when True, (L, N, E) when False; read
+        at every forward, so it may be changed at any time."""
+        return self._batch_first
+
+    @batch_first.setter
+    def batch_first(self, value):
+        self._batch_first = check_bool(value, "batch_first")
+
+    @property
+    def dropout(self):
+        """The dropout probability of training-mode calls; read at every
+        forward."""
+        return self._dropout
+
+    @dropout.setter
+    def dropout(self, value):
+        self._dropout = check_probability(value, "dropout")
+
+    @property
+    def out_proj(self):
+        """The output projection: ``weight`` (E, D) and ``bias`` (E) viewing
+        the module's storage. Assigning an object with ``weight`` and
+        ``bias`` (a torch Linear, another module's out_proj) copies them in."""
+        return self._out_proj
+
+    @out_proj.setter
+    def out_proj(self, value):
+        if not hasattr(value, "weight") or not hasattr(value, "bias"):
+            raise TypeError(f"out_proj must have a weight and a bias (like a torch Linear), "
+                            f"not {type(value).__name__}")
+        has_bias = "out_proj.bias" in self._params
+        if (value.bias is not None) != has_bias:
+            raise ValueError(
+                f"out_proj.bias is {'missing' if has_bias else 'present'} in the new out_proj, "
+                f"but this module was built with bias={has_bias}"
+            )
+        staged = [self._staged("out_proj.weight", value.weight)]
+        if has_bias:
+            staged.append(self._staged("out_proj.bias", value.bias))
+        self._commit(staged)
 
     # ---- copy and pickle: the configuration, the parameters, the mode ----
 
     def __getstate__(self):
-        return {"args": self._init_args, "state": self.state_dict(),
-                "training": self.training, "calls": self._calls}
+        args = dict(self._init_args, batch_first=self.batch_first, dropout=self.dropout)
+        return {"args": args, "state": self.state_dict(), "training": self.training,
+                "calls": self._calls, "grad_sources": sorted(self._grad_sources)}
 
     def __setstate__(self, st):
         self.__init__(**st["args"])
         self.load_state_dict(st["state"])
         self.training = st["training"]
         self._calls = st["calls"]
+        self._grad_sources = set(st.get("grad_sources", ()))
 
     # ---- parameters ----
+
+    def _staged(self, name, value, loading=False):
+        """(name, array, requires_grad) for a checked copy into `name`."""
+        a = as_array(value, name, PARAM)
+        got, want = tuple(a.shape), tuple(self._params[name].shape)
+        if got != want and loading:
+            raise ValueError(f"load_state_dict: {name} has shape {got} in the state dict, "
+                             f"but this module's {name} has shape {want}")
+        if got != want:
+            raise ValueError(f"{name} has shape {got}; this module expects {want}")
+        return name, a, _is_torch_tensor(value) and value.requires_grad
+
+    def _commit(self, staged):
+        # A copy of a tensor torch would train stands for a trainable
+        # parameter: forward then refuses to run where torch would track it.
+        for name, a, grad in staged:
+            self._params[name][...] = a
+            (self._grad_sources.add if grad else self._grad_sources.discard)(name)
 
     def _set_param(self, name, value):
         if name not in self._params:
             raise ValueError(
                 f"this module has no parameter '{name}'; it has: {', '.join(self._params)}"
             )
-        a = as_array(value, name, PARAM)
-        dst = self._params[name]
-        if a.shape != dst.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(a.shape)}; this module expects {tuple(dst.shape)}"
-            )
-        dst[...] = a
+        self._commit([self._staged(name, value)])
 
     def named_parameters(self):
         """(name, array) pairs in state_dict() order; the arrays are live views."""
@@ -239,19 +327,9 @@ class MultiheadAttention:
                 + "; ".join(parts)
                 + f". This module's keys are: {', '.join(self._params)}"
             )
-        staged = []
-        for name, dst in self._params.items():
-            if name not in state_dict:
-                continue
-            a = as_array(state_dict[name], name, PARAM)
-            if a.shape != dst.shape:
-                raise ValueError(
-                    f"load_state_dict: {name} has shape {tuple(a.shape)} in the state dict, "
-                    f"but this module's {name} has shape {tuple(dst.shape)}"
-                )
-            staged.append((dst, a))
-        for dst, a in staged:
-            dst[...] = a
+        staged = [self._staged(name, state_dict[name], loading=True)
+                  for name in self._params if name in state_dict]
+        self._commit(staged)
         return _IncompatibleKeys(missing, unexpected)
 
     # ---- mode ----
@@ -296,6 +374,7 @@ class MultiheadAttention:
         need_w = check_bool(need_weights, "need_weights")
         average = check_bool(average_attn_weights, "average_attn_weights")
         causal = check_bool(is_causal, "is_causal")
+        self._check_grad((query, key, value, key_padding_mask, attn_mask))
         dropping = self.training and self.dropout > 0.0
         seed, offset = 0, 0
         if dropping:
@@ -303,16 +382,42 @@ class MultiheadAttention:
                 seed = random_seed()
             else:
                 seed, offset = self._seed, self._calls
+        # The handle is sequence-first: batch-first inputs go in as their
+        # (L, N, E) transposes and the output comes back (N, L, E) in memory.
+        swap = self.batch_first and q.ndim == 3
+        if swap:
+            q, k, v = (a.swapaxes(0, 1) if a.ndim == 3 else a for a in (q, k, v))
+        empty = _transposed_first(q.shape) if swap else np.empty
         try:
-            result = self._handle.forward(
-                q, k, v, kpm, mask, need_w, average, causal, dropping, seed, offset, np.empty
-            )
+            out, w = self._handle.forward(q, k, v, kpm, mask, need_w, average, causal, dropping,
+                                          self.dropout, seed, offset, empty)
         except ValueError as e:
-            msg = str(e).replace("batch_first=0", "batch_first=False")
-            raise ValueError(msg.replace("batch_first=1", "batch_first=True")) from None
+            raise ValueError(self._message(str(e), swap)) from None
         if dropping:
             self._calls += 1  # only calls that ran count
-        return result
+        return (out.swapaxes(0, 1) if swap else out), w
+
+    def _check_grad(self, inputs):
+        """attn has no backward: refuse a call torch would record for one
+        because of a parameter it would train (as_array refuses inputs that
+        require grad)."""
+        torch_inputs = any(_is_torch_tensor(x) for x in inputs)
+        if self._grad_sources and torch_inputs and sys.modules["torch"].is_grad_enabled():
+            name = next(n for n in self._params if n in self._grad_sources)
+            raise no_backward(
+                f"this module's {name} was copied from a tensor that requires grad (a parameter "
+                f"torch would train) and the inputs are torch tensors",
+                "load detached values (torch_module.state_dict() gives them)",
+            )
+
+    def _message(self, msg, swapped):
+        """A library message in the caller's terms: the handle is always
+        sequence-first, and saw batch-first inputs transposed."""
+        msg = msg.replace("batch_first=0", f"batch_first={self.batch_first}")
+        if swapped:  # dims 0 and 1 of the inputs were exchanged
+            msg = re.sub(r"\b(query|key|value)\.(shape|strides)\[([01])\]",
+                         lambda m: f"{m[1]}.{m[2]}[{1 - int(m[3])}]", msg)
+        return msg
 
     __call__ = forward
 

@@ -2,6 +2,7 @@
 libattn's attn_sdpa()."""
 
 import re
+import sys
 
 import numpy as np
 
@@ -29,6 +30,29 @@ def _python_names(message):
     return _C_OPERAND.sub(lambda m: _PY_NAME[m.group(1)], message)
 
 
+def _causal_bias(mask):
+    """(alignment, L, S) of a torch CausalBias, or None. Its storage is an
+    uninitialised placeholder: what it means is only in these fields."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    if bias is None or not isinstance(mask, bias.CausalBias):
+        return None
+    upper = mask.variant == bias.CausalVariant.UPPER_LEFT
+    return "top-left" if upper else "bottom-right", mask.seq_len_q, mask.seq_len_kv
+
+
+def _check_causal_bias(found, causal, q, k):
+    alignment, lq, skv = found
+    if causal:  # torch: "CausalBias should not be used with causal=True"
+        raise ValueError("attn_mask is a CausalBias, which already is a causal mask; torch "
+                         "refuses it with is_causal=True, and so does attn")
+    if q.ndim >= 2 and k.ndim >= 2 and (q.shape[-2], k.shape[-2]) != (lq, skv):
+        raise ValueError(
+            f"attn_mask is a CausalBias for {lq} queries and {skv} keys, but query has "
+            f"L = {q.shape[-2]} and key S = {k.shape[-2]}"
+        )
+    return alignment
+
+
 def scaled_dot_product_attention(
     query,
     key,
@@ -54,7 +78,9 @@ def scaled_dot_product_attention(
     takes, with any strides (read in place). Batch dimensions broadcast.
 
     attn_mask: broadcastable to (..., Hq, L, S); bool (True = the key takes
-    part) or float (added to the scores; -inf removes the key).
+    part) or float (added to the scores; -inf removes the key); or torch's
+    ``causal_upper_left(L, S)`` / ``causal_lower_right(L, S)`` (a CausalBias),
+    taken as is_causal with the top-left / bottom-right alignment.
     is_causal: query i sees key j iff j <= i (``causal_alignment="top-left"``,
     PyTorch's) or j <= i + S - L (``"bottom-right"``, for KV caches). Unlike
     PyTorch, a mask and is_causal may be combined: a key takes part only if
@@ -82,17 +108,21 @@ def scaled_dot_product_attention(
             f"query, key and value must share one dtype; got {q.dtype}, {k.dtype} "
             f"and {v.dtype}"
         )
-    mask = None
-    if attn_mask is not None:
-        mask = as_array(attn_mask, "attn_mask", MASK)
-        if mask.ndim == 0:  # a scalar broadcasts like any size-1 array
-            mask = mask.reshape(1)
-    p = check_probability(dropout_p, "dropout_p")
     causal = check_bool(is_causal, "is_causal")
     if not isinstance(causal_alignment, str) or causal_alignment not in _CAUSAL:
         raise ValueError(
             f"causal_alignment is {causal_alignment!r}; expected 'top-left' or 'bottom-right'"
         )
+    mask = None
+    bias = _causal_bias(attn_mask)
+    if bias is not None:  # honoured as the causal option it stands for
+        causal_alignment = _check_causal_bias(bias, causal, q, k)
+        causal = True
+    elif attn_mask is not None:
+        mask = as_array(attn_mask, "attn_mask", MASK)
+        if mask.ndim == 0:  # a scalar broadcasts like any size-1 array
+            mask = mask.reshape(1)
+    p = check_probability(dropout_p, "dropout_p")
     s = check_scale(scale)
     gqa = check_bool(enable_gqa, "enable_gqa")
     seed = check_seed(seed)

@@ -610,23 +610,27 @@ static PyObject *mha_config(MHAObject *self, PyObject *noargs) {
 
 PyDoc_STRVAR(mha_forward_doc,
              "forward(query, key, value, key_padding_mask, attn_mask, need_weights,\n"
-             "        average_attn_weights, is_causal, training, seed, rng_offset, empty)\n"
-             "-> (out, weights or None)");
+             "        average_attn_weights, is_causal, training, dropout, seed, rng_offset,\n"
+             "        empty) -> (out, weights or None)\n\n"
+             "dropout: this call's probability (the module's may change after construction).");
 
 static PyObject *mha_forward(MHAObject *self, PyObject *args) {
     PyObject *oq, *ok, *ov, *okpm, *omask, *empty;
     int need_w, average, causal, training;
+    double dropout;
     uint64_t seed = 0, rng_offset = 0;
     if (!mha_ready(self)) return NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOppppO&O&O:forward", &oq, &ok, &ov, &okpm, &omask, &need_w,
-                          &average, &causal, &training, convert_u64, &seed, convert_u64,
-                          &rng_offset, &empty))
+    if (!PyArg_ParseTuple(args, "OOOOOppppdO&O&O:forward", &oq, &ok, &ov, &okpm, &omask,
+                          &need_w, &average, &causal, &training, &dropout, convert_u64, &seed,
+                          convert_u64, &rng_offset, &empty))
         return NULL;
     attn_mha_forward_params fp;
     attn_mha_forward_params_init(&fp);
     fp.average_attn_weights = average;
     fp.is_causal = causal;
     fp.training = training;
+    fp.has_dropout = 1;
+    fp.dropout = dropout;
     fp.seed = seed;
     fp.rng_offset = rng_offset;
 
@@ -723,13 +727,22 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 0 || n > 4096) {
-        PyErr_Format(PyExc_ValueError, "num_threads is %ld; expected 1 to 4096, or 0 for the "
-                     "default", n);
+    /* The library would clamp silently; a caller asking for more is told. */
+    const int top = attn_max_threads();
+    if (n < 0 || n > top) {
+        PyErr_Format(PyExc_ValueError,
+                     "num_threads is %ld; expected 1 to %d (attn.max_threads()), or 0 for the "
+                     "default", n, top);
         return NULL;
     }
     attn_set_num_threads((int)n);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_max_threads(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyLong_FromLong(attn_max_threads());
 }
 
 static PyObject *py_get_num_threads(PyObject *self, PyObject *noargs) {
@@ -794,6 +807,7 @@ static PyMethodDef module_methods[] = {
     {"version", py_version, METH_NOARGS, "the linked library's version string"},
     {"set_num_threads", py_set_num_threads, METH_O, "attn_set_num_threads(n); 0 = default"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},
+    {"max_threads", py_max_threads, METH_NOARGS, "attn_max_threads(): the bound on the count"},
     {"isa", py_isa, METH_NOARGS, "the kernel path calls take now"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the paths this CPU and OS can run"},
     {"blas_info", py_blas_info, METH_NOARGS, "attn_blas_info(): the CBLAS behind MHA"},

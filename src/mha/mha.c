@@ -395,6 +395,14 @@ static void weights_shape(const attn_mha *m, const mha_shapes *s, bool average, 
     *rank = r;
 }
 
+/* [attn] A per-call dropout must be a probability, like config.dropout. */
+static attn_status check_dropout(const attn_mha_forward_params *p) {
+    if (p != NULL && p->has_dropout && !(p->dropout >= 0.0 && p->dropout <= 1.0))
+        return attn__fail(ATTN_ERR_INVALID, "dropout is %g; expected a probability in [0, 1]",
+                          p->dropout);
+    return ATTN_OK;
+}
+
 attn_status attn_mha_out_shapes(const attn_mha *m, const attn_tensor *query,
                                 const attn_tensor *key, const attn_mha_forward_params *params,
                                 int need_weights, int *out_rank,
@@ -405,7 +413,8 @@ attn_status attn_mha_out_shapes(const attn_mha *m, const attn_tensor *query,
     if (out_rank == NULL || out_shape == NULL)
         return attn__fail(ATTN_ERR_NULL, "out_rank/out_shape is NULL");
     mha_shapes s;
-    attn_status st = resolve_shapes(m, query, key, NULL, &s);
+    attn_status st = check_dropout(params);
+    if (st == ATTN_OK) st = resolve_shapes(m, query, key, NULL, &s);
     if (st != ATTN_OK) return st;
     *out_rank = query->rank;
     memcpy(out_shape, query->shape, sizeof(int64_t) * (size_t)query->rank);
@@ -633,7 +642,8 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     const size_t es = attn_dtype_size(dt);
     const volatile int *cancel = attn__cancel_flag();
     mha_shapes s;
-    attn_status st = resolve_shapes(m, query, key, value, &s);
+    attn_status st = check_dropout(params);
+    if (st == ATTN_OK) st = resolve_shapes(m, query, key, value, &s);
     if (st != ATTN_OK) return st;
     const int64_t N = s.N, L = s.L, S = s.S, Sx = s.S_ext, H = c->num_heads,
                   hd = c->head_dim, D = m->D, E = c->embed_dim;
@@ -800,7 +810,8 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         r.causal = params->is_causal && !causal_in_mask ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
         r.has_scale = 1;
         r.scale = 1.0 / sqrt((double)hd);
-        r.dropout_p = params->training ? c->dropout : 0.0;
+        const double p_drop = params->has_dropout ? params->dropout : c->dropout;
+        r.dropout_p = params->training ? p_drop : 0.0;
         r.seed = params->seed;
         r.rng_offset = params->rng_offset;
         r.out = &oh;

@@ -472,5 +472,55 @@ static void thread_count_independence(void) {
         }
 }
 
+/* [attn] params.has_dropout: this call's dropout replaces config.dropout
+ * (the Python module reads m.dropout at every forward, as torch does). */
+static void per_call_dropout(void) {
+    attn_mha_config cfg;
+    attn_mha_config_init(&cfg, 8, 2);
+    cfg.dtype = ATTN_DTYPE_F64;
+    cfg.dropout = 0.5;
+    cfg.init_seed = 3;
+    attn_mha *m;
+    CHECK_OK(attn_mha_create(&cfg, &m));
+    const int64_t shape[2] = {5, 8}, wshape[2] = {5, 5};
+    double x[40], y0[40], y[40], w[25], *bo = param(m, "out_proj.bias");
+    for (int i = 0; i < 40; i++) x[i] = sin(i + 1.0);
+    attn_tensor tx, ty0, ty, tw;
+    attn_tensor_init(&tx, x, ATTN_DTYPE_F64, 2, shape);
+    attn_tensor_init(&ty0, y0, ATTN_DTYPE_F64, 2, shape);
+    attn_tensor_init(&ty, y, ATTN_DTYPE_F64, 2, shape);
+    attn_tensor_init(&tw, w, ATTN_DTYPE_F64, 2, wshape);
+    attn_mha_forward_params fp;
+    attn_mha_forward_params_init(&fp); /* eval mode: no dropout */
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty0, NULL));
+    fp.training = 1;
+    fp.seed = 7;
+    fp.has_dropout = 1;
+    fp.dropout = 0.0;
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL));
+    CHECK(memcmp(y, y0, sizeof y) == 0, "dropout 0 for this call dropped something");
+    fp.dropout = 1.0;
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, &tw));
+    for (int i = 0; i < 40; i++) CHECK(y[i] == bo[i % 8], "dropout 1: out[%d] is not the bias", i);
+    for (int i = 0; i < 25; i++) CHECK(w[i] == 0.0, "dropout 1: weight %d is %g", i, w[i]);
+    fp.has_dropout = 0; /* config.dropout = 0.5 again */
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, &tw));
+    int zeros = 0;
+    for (int i = 0; i < 25; i++) zeros += w[i] == 0.0;
+    CHECK(zeros > 0 && zeros < 25, "config dropout 0.5: %d of 25 weights dropped", zeros);
+    fp.has_dropout = 1;
+    const double bad[2] = {1.5, NAN};
+    for (int b = 0; b < 2; b++) {
+        fp.dropout = bad[b];
+        CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_INVALID);
+        int orank, wrank;
+        int64_t oshape[ATTN_MAX_RANK], ws[ATTN_MAX_RANK];
+        CHECK_STATUS(attn_mha_out_shapes(m, &tx, &tx, &fp, 1, &orank, oshape, &wrank, ws),
+                     ATTN_ERR_INVALID);
+    }
+    free(bo);
+    attn_mha_destroy(m);
+}
+
 HARNESS_MAIN(T(random_modules), T(parameter_names_and_order), T(initialisation),
-             T(thread_count_independence))
+             T(thread_count_independence), T(per_call_dropout))

@@ -172,7 +172,8 @@ def test_torch_tensors_in_numpy_out(rng):
     v = torch.randn(3, 7, 1, dtype=torch.float64).expand(3, 7, 6)  # zero stride
     mask = torch.rand(5, 7) < 0.8
     mask[:, 0] = True
-    out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with torch.no_grad():  # q requires grad; attn has no backward (test_hostile.py)
+        out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert isinstance(out, np.ndarray) and out.shape == (2, 3, 5, 6)
     ref = F.scaled_dot_product_attention(q.detach(), k, v.contiguous(), attn_mask=mask)
     np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-14)
