@@ -83,6 +83,7 @@ int attn_get_num_threads(void) {
  * region. attn notes when it asks for more than one thread, and a child
  * forked after that runs attn single-threaded (correct, and never a hang;
  * a child that wants threads should be started with exec or spawn). */
+#ifdef _OPENMP
 static atomic_bool pool_started;
 static atomic_bool forked_child;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
@@ -91,6 +92,7 @@ static void in_child(void) {
     if (atomic_load(&pool_started)) atomic_store(&forked_child, true);
 }
 static void register_atfork(void) { pthread_atfork(NULL, NULL, in_child); }
+#endif
 
 int attn__threads(void) {
 #ifdef _OPENMP
