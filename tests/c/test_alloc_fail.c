@@ -199,7 +199,8 @@ static attn_status mha_run(void *state, bool compare) {
  * kind 1: kdim != vdim != E, batch_first, strided inputs (packed copies),
  *         a non-contiguous output, 3-D bool attn_mask, per-head weights,
  *         float64, dropout in training;
- * kind 2: unbatched, float key_padding_mask, add_zero_attn, causal. */
+ * kind 2: unbatched, float key_padding_mask, add_zero_attn, causal, this
+ *         call's own dropout (params.has_dropout) on a module without. */
 static void mha_setup(mha_state *s, rng *r, int kind) {
     memset(s, 0, sizeof *s);
     const int64_t N = 2, L = 4, S = 5, E = 8, H = 2;
@@ -252,6 +253,9 @@ static void mha_setup(mha_state *s, rng *r, int kind) {
         tt_make_output(&s->out, r, dt, 2, qs, LAYOUT_RANDOM);
         tt_make_output(&s->weights, r, dt, 2, ws, LAYOUT_RANDOM);
         s->fp.is_causal = 1;
+        s->fp.training = 1;
+        s->fp.has_dropout = 1;
+        s->fp.dropout = 0.4;
     }
     if (s->kpm.storage) s->fp.key_padding_mask = &s->kpm.t;
     if (s->mask.storage) s->fp.attn_mask = &s->mask.t;

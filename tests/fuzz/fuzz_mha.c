@@ -209,6 +209,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fp.training = pick_flag(&f);
     fp.seed = fz_u64(&f);
     fp.rng_offset = fz_bool(&f) ? fz_u64(&f) : 0;
+    if (fz_one_in(&f, 8)) { /* this call's dropout instead of the module's */
+        static const double ps[] = {0.0, 0.5, 1.0, 0.1, -0.1, 1.5, NAN, INFINITY};
+        fp.has_dropout = 1;
+        fp.dropout = ps[fz_u8(&f) % 8];
+    }
 
     SEQ_SHAPE(L, c.embed_dim);
     make(&f, &out, pick_dtype(&f, dt), rank, shape, true, &vals);
@@ -262,8 +267,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     bool run = st_shape != ATTN_OK || (backed && work >= 0 && work <= WORK_LIMIT);
     if (run) {
+        fz_hostile h;
+        fz_hostile_begin(&f, &h, &out, fz_bool(&f) ? &query : &value);
         st = attn_mha_forward(m, &query.t, &key.t, &value.t, fpp, &out.t,
                               need_weights ? &weights.t : NULL);
+        fz_hostile_end(&h, st);
         fz_check_status(st, "attn_mha_forward");
         FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_forward leaked %ld blocks",
                   fz_live_blocks() - module_blocks);
@@ -274,7 +282,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                       "rejected with %d", (int)st_shape);
         if (st == ATTN_OK && vals.tame) {
             FZ_ASSERT(fz_all_finite(&out.t, false), "finite inputs gave a non-finite output");
-            double p = (fpp != NULL && fp.training) ? c.dropout : 0.0;
+            const double dropout = fp.has_dropout ? fp.dropout : c.dropout;
+            double p = (fpp != NULL && fp.training) ? dropout : 0.0;
             double wmax = p < 1.0 ? (1.0 / (1.0 - p)) * (1 + 1e-6) : 0.0;
             if (need_weights)
                 FZ_ASSERT(values_in(&weights.t, 0.0, wmax), "a weight is outside [0, %g]", wmax);

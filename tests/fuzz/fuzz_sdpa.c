@@ -11,6 +11,7 @@
  *  - no allocation made by the library outlives a call;
  *  - on success with finite, moderate inputs: out finite, weights in
  *    [0, 1/(1-p)], lse finite or -inf (a row with no visible key);
+ *  - an output aliasing an input, or a set cancel flag, never gives ATTN_OK;
  *  - ASan/UBSan: no access outside the exactly-sized buffers, no UB.
  */
 #include "fuzz_util.h"
@@ -270,8 +271,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int64_t work = st_shape == ATTN_OK ? work_of(orank, oshape, k) : 0;
     bool run = st_shape != ATTN_OK || (backed && work >= 0 && work <= WORK_LIMIT);
     if (run) {
+        fz_hostile h;
+        const fz_tensor *inputs[3] = {&pr.q, &pr.k, &pr.v};
+        fz_hostile_begin(&f, &h, out == NULL ? NULL : &pr.out, inputs[fz_u8(&f) % 3]);
         attn_status st = attn_sdpa(q, k, v, params, out, pr.has_weights ? &pr.weights.t : NULL,
                                    pr.has_lse ? &pr.lse.t : NULL);
+        fz_hostile_end(&h, st);
         fz_check_status(st, "attn_sdpa");
         FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa leaked %ld blocks", fz_live_blocks());
         if (st_shape != ATTN_OK) {

@@ -206,3 +206,29 @@ size_t fz_set_alloc_limit(size_t max_bytes) {
     alloc_limit = max_bytes;
     return old;
 }
+
+void fz_hostile_begin(fz *f, fz_hostile *h, fz_tensor *output, const fz_tensor *input) {
+    memset((void *)h, 0, sizeof *h);
+    if (!fz_one_in(f, 12)) return;
+    if (fz_bool(f) && output != NULL && input != NULL && output->t.data != NULL &&
+        input->t.data != NULL) {
+        h->kind = 1;
+        h->output = output;
+        h->saved_data = output->t.data;
+        output->t.data = input->t.data; /* both views hold the element there */
+    } else {
+        h->kind = 2;
+        h->flag = 1;
+        attn_set_cancel_flag(&h->flag);
+    }
+}
+
+void fz_hostile_end(fz_hostile *h, attn_status st) {
+    if (h->kind == 1) {
+        h->output->t.data = h->saved_data;
+        FZ_ASSERT(st != ATTN_OK, "an output aliasing an input was accepted");
+    } else if (h->kind == 2) {
+        attn_set_cancel_flag(NULL);
+        FZ_ASSERT(st != ATTN_OK, "a call with its cancel flag set succeeded");
+    }
+}

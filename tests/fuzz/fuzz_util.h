@@ -182,4 +182,18 @@ static inline void fz_check_status(attn_status st, const char *call) {
     FZ_ASSERT(strlen(msg) < 8192, "%s: message too long", call);
 }
 
+/* Hostile calls (issue 9), applied to one call at a time: an output
+ * pointed at an input's first element (in-place attention) must be refused,
+ * never computed; a call whose cancel flag is already set must not succeed.
+ * fz_hostile_begin picks one of them, or none, from the input;
+ * fz_hostile_end undoes it after the call and checks the status. */
+typedef struct fz_hostile {
+    int kind; /* 0 none, 1 alias, 2 cancel */
+    fz_tensor *output;
+    void *saved_data;
+    volatile int flag;
+} fz_hostile;
+void fz_hostile_begin(fz *f, fz_hostile *h, fz_tensor *output, const fz_tensor *input);
+void fz_hostile_end(fz_hostile *h, attn_status st);
+
 #endif
