@@ -118,6 +118,8 @@ def test_fork_after_a_parallel_call():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ulimit -v is Linux's")
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="ASan reserves terabytes of shadow memory: no address-space limit")
 def test_address_space_limit_gives_memory_error():
     """MultiheadAttention(512, 8) on (64, 1024, 512) under ulimit -v 1300000
     spun forever inside OpenBLAS's buffer allocator. Now MemoryError, and
