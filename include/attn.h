@@ -367,8 +367,23 @@ ATTN_API attn_status attn_npy_load(const char *path, attn_tensor *out);
 ATTN_API attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out);
 ATTN_API void attn_npy_free(attn_tensor *t);
 
-/* Writes any strided tensor as a little-endian, C-order .npy file. */
+/*
+ * Writes any strided tensor as a little-endian, C-order .npy file, and
+ * atomically: the bytes go to a temporary file in path's folder
+ * (".NAME.XXXXXXXX.tmp"), are flushed to disk (fsync), and only then is it
+ * renamed over path. On any failure (a full disk, a missing folder, ...)
+ * the call returns ATTN_ERR_IO, path is left as it was and the temporary is
+ * removed; a process killed during the write may leave the temporary.
+ * A symbolic link is followed (the file it points to is replaced, keeping
+ * its permission bits; other links to that file keep the old data). An
+ * existing target that is not a regular file (/dev/null, a FIFO) is written
+ * in place. A folder is never replaced.
+ */
 ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
+/* The same bytes to an open file descriptor, from its current position:
+ * for pipes, sockets, or a caller's own temporary file. Neither syncs nor
+ * closes fd. ATTN_ERR_IO (with the system's reason) if a write fails. */
+ATTN_API attn_status attn_npy_write_fd(int fd, const attn_tensor *t);
 
 /* ------------------------------------------------------------------------ */
 /* Threads, kernels, memory                                                  */
