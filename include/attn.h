@@ -366,6 +366,11 @@ ATTN_API attn_status attn_mha_out_shapes(const attn_mha *mha, const attn_tensor 
 ATTN_API attn_status attn_npy_load(const char *path, attn_tensor *out);
 ATTN_API attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out);
 ATTN_API void attn_npy_free(attn_tensor *t);
+/* Only the header of a .npy file: its dtype, rank and shape as the file
+ * states them (rank 0 for a 0-d array; shape gets `rank` entries). Reads no
+ * more than the header, so a file whose data is cut short still answers. */
+ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, int *rank,
+                                          int64_t shape[ATTN_MAX_RANK]);
 
 /*
  * Writes any strided tensor as a little-endian, C-order .npy file, and

@@ -98,6 +98,38 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
     return CLI_OK;
 }
 
+/* What a run holds: inputs, outputs, the kernel's time. */
+typedef struct sdpa_run {
+    attn_tensor q, k, v, mask, out, w, lse;
+    double ms;
+} sdpa_run;
+
+/* Loads one input; CLI_OK, or CLI_RUNTIME with the message printed. -q, -k
+ * and -v need 2 or more dimensions: a file of rank 0 or 1 loads as rank 1
+ * (a 0-d array as shape (1,)), so the rank reported is the file's own. */
+static int load_input(const char *option, const char *path, attn_tensor *t, bool needs_matrix) {
+    char what[32];
+    snprintf(what, sizeof what, "reading %s", option);
+    attn_status st = attn_npy_load(path, t);
+    if (st != ATTN_OK) return cli_fail(what, st);
+    if (!needs_matrix || t->rank >= 2) return CLI_OK;
+    attn_dtype dtype;
+    int rank = t->rank;
+    int64_t shape[ATTN_MAX_RANK];
+    if (attn_npy_read_header(path, &dtype, &rank, shape) != ATTN_OK) rank = t->rank;
+    fprintf(stderr, "attn: %s: '%s' holds an array of rank %d%s; sdpa needs 2 to %d dimensions\n",
+            what, path, rank, rank == 0 ? " (a 0-d array)" : "", ATTN_MAX_RANK);
+    return CLI_RUNTIME;
+}
+
+static int load_inputs(const sdpa_args *a, sdpa_run *r) {
+    int rc = load_input("-q", a->q, &r->q, true);
+    if (rc == CLI_OK) rc = load_input("-k", a->k, &r->k, true);
+    if (rc == CLI_OK) rc = load_input("-v", a->v, &r->v, true);
+    if (rc == CLI_OK && a->mask) rc = load_input("--mask", a->mask, &r->mask, false);
+    return rc;
+}
+
 /* Allocates a C-contiguous tensor of the given shape and q's dtype. */
 static attn_status make_output(attn_tensor *t, attn_dtype dtype, int rank, const int64_t *shape) {
     int64_t n = 1;
@@ -109,66 +141,62 @@ static attn_status make_output(attn_tensor *t, attn_dtype dtype, int rank, const
     return st;
 }
 
+/* Allocates the outputs and runs attn_sdpa, timing it. */
+static int compute(sdpa_args *a, sdpa_run *r) {
+    if (a->mask) a->params.attn_mask = &r->mask;
+    int rank;
+    int64_t shape[ATTN_MAX_RANK], wshape[ATTN_MAX_RANK];
+    attn_status st = attn_sdpa_out_shape(&r->q, &r->k, &r->v, &a->params, &rank, shape);
+    if (st != ATTN_OK) return cli_fail("sdpa", st);
+    memcpy(wshape, shape, sizeof shape);
+    wshape[rank - 1] = r->k.shape[r->k.rank - 2];
+    if ((st = make_output(&r->out, r->q.dtype, rank, shape)) != ATTN_OK ||
+        (a->weights && (st = make_output(&r->w, r->q.dtype, rank, wshape)) != ATTN_OK) ||
+        (a->lse && (st = make_output(&r->lse, r->q.dtype, rank - 1, shape)) != ATTN_OK))
+        return cli_fail("allocating outputs", st);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    st = attn_sdpa(&r->q, &r->k, &r->v, &a->params, &r->out, a->weights ? &r->w : NULL,
+                   a->lse ? &r->lse : NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    r->ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
+    return st == ATTN_OK ? CLI_OK : cli_fail("sdpa", st);
+}
+
+static int write_outputs(const sdpa_args *a, const sdpa_run *r) {
+    attn_status st;
+    if ((st = attn_npy_save(a->out, &r->out)) != ATTN_OK) return cli_fail("writing -o", st);
+    if (a->weights && (st = attn_npy_save(a->weights, &r->w)) != ATTN_OK)
+        return cli_fail("writing --weights", st);
+    if (a->lse && (st = attn_npy_save(a->lse, &r->lse)) != ATTN_OK)
+        return cli_fail("writing --lse", st);
+    return CLI_OK;
+}
+
 int cli_sdpa(int argc, char **argv) {
     sdpa_args a;
     int rc = parse_args(argc, argv, &a);
     if (rc != CLI_OK) return rc;
     if (a.threads > 0) attn_set_num_threads(a.threads);
-
-    attn_tensor q = {0}, k = {0}, v = {0}, mask = {0}, out = {0}, w = {0}, lse = {0};
-    attn_status st;
-    rc = CLI_OK;
-    const char *what = NULL;
-    if ((st = attn_npy_load(a.q, &q)) != ATTN_OK) what = "reading -q";
-    else if ((st = attn_npy_load(a.k, &k)) != ATTN_OK) what = "reading -k";
-    else if ((st = attn_npy_load(a.v, &v)) != ATTN_OK) what = "reading -v";
-    else if (a.mask && (st = attn_npy_load(a.mask, &mask)) != ATTN_OK) what = "reading --mask";
-    if (what == NULL) {
-        if (a.mask) a.params.attn_mask = &mask;
-        int rank;
-        int64_t shape[ATTN_MAX_RANK];
-        if ((st = attn_sdpa_out_shape(&q, &k, &v, &a.params, &rank, shape)) != ATTN_OK) {
-            what = "sdpa";
-        } else {
-            int64_t wshape[ATTN_MAX_RANK];
-            memcpy(wshape, shape, sizeof shape);
-            wshape[rank - 1] = k.shape[k.rank - 2];
-            if ((st = make_output(&out, q.dtype, rank, shape)) != ATTN_OK ||
-                (a.weights && (st = make_output(&w, q.dtype, rank, wshape)) != ATTN_OK) ||
-                (a.lse && (st = make_output(&lse, q.dtype, rank - 1, shape)) != ATTN_OK))
-                what = "allocating outputs";
-        }
-    }
-    double ms = 0;
-    if (what == NULL) {
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        st = attn_sdpa(&q, &k, &v, &a.params, &out, a.weights ? &w : NULL, a.lse ? &lse : NULL);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
-        if (st != ATTN_OK) what = "sdpa";
-    }
-    if (what == NULL && (st = attn_npy_save(a.out, &out)) != ATTN_OK) what = "writing -o";
-    if (what == NULL && a.weights && (st = attn_npy_save(a.weights, &w)) != ATTN_OK)
-        what = "writing --weights";
-    if (what == NULL && a.lse && (st = attn_npy_save(a.lse, &lse)) != ATTN_OK)
-        what = "writing --lse";
-    if (what != NULL) {
-        rc = cli_fail(what, st);
-    } else {
+    sdpa_run r;
+    memset(&r, 0, sizeof r);
+    rc = load_inputs(&a, &r);
+    if (rc == CLI_OK) rc = compute(&a, &r);
+    if (rc == CLI_OK) rc = write_outputs(&a, &r);
+    if (rc == CLI_OK) {
         char sq[96], sk[96], sv[96], so[96];
         printf("sdpa: q%s k%s v%s -> out%s %s, %s path, %d threads, %.3f ms -> %s\n",
-               cli_shape(&q, sq, sizeof sq), cli_shape(&k, sk, sizeof sk),
-               cli_shape(&v, sv, sizeof sv), cli_shape(&out, so, sizeof so),
-               attn_dtype_name(out.dtype), attn_isa_name(attn_get_isa()),
-               attn_get_num_threads(), ms, a.out);
+               cli_shape(&r.q, sq, sizeof sq), cli_shape(&r.k, sk, sizeof sk),
+               cli_shape(&r.v, sv, sizeof sv), cli_shape(&r.out, so, sizeof so),
+               attn_dtype_name(r.out.dtype), attn_isa_name(attn_get_isa()),
+               attn_get_num_threads(), r.ms, a.out);
     }
-    attn_npy_free(&q);
-    attn_npy_free(&k);
-    attn_npy_free(&v);
-    attn_npy_free(&mask);
-    free(out.data);
-    free(w.data);
-    free(lse.data);
+    attn_npy_free(&r.q);
+    attn_npy_free(&r.k);
+    attn_npy_free(&r.v);
+    attn_npy_free(&r.mask);
+    free(r.out.data);
+    free(r.w.data);
+    free(r.lse.data);
     return rc;
 }

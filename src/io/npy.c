@@ -13,6 +13,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* fstat, fileno */
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -277,18 +278,16 @@ attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out) {
     return decode_data(&info, (const unsigned char *)bytes + offset, out);
 }
 
-attn_status attn_npy_load(const char *path, attn_tensor *out) {
-    attn__clear_error();
-    if (out == NULL) return attn__fail(ATTN_ERR_NULL, "out is NULL");
-    memset(out, 0, sizeof *out);
-    if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
+/* Reads the first min(file size, limit) bytes of a regular file into *buf
+ * (the caller frees it with attn__free). */
+static attn_status read_start(const char *path, size_t limit, unsigned char **buf, size_t *got) {
     char shown[ATTN__MESSAGE_PATH]; /* a path too long to quote whole */
+    *buf = NULL;
     FILE *f = fopen(path, "rb");
     if (f == NULL)
         return attn__fail(ATTN_ERR_IO, "cannot open '%s': %s", attn__message_path(path, shown),
                           strerror(errno));
     attn_status st = ATTN_OK;
-    unsigned char *buf = NULL;
     struct stat info;
     long long file_size = -1;
     if (fstat(fileno(f), &info) == 0 && S_ISREG(info.st_mode)) file_size = info.st_size;
@@ -298,27 +297,64 @@ attn_status attn_npy_load(const char *path, attn_tensor *out) {
     } else {
         /* The file's own size bounds every allocation: a hostile header
          * length can at most make the parse fail, never size a buffer. */
-        size_t want = (size_t)file_size;
-        buf = attn__alloc(want > 0 ? want : 1);
-        if (buf == NULL) {
+        size_t want = (size_t)file_size < limit ? (size_t)file_size : limit;
+        *buf = attn__alloc(want > 0 ? want : 1);
+        if (*buf == NULL) {
             st = ATTN_ERR_NOMEM;
-        } else {
-            if (fread(buf, 1, want, f) != want)
-                st = attn__fail(ATTN_ERR_IO, "cannot read '%s': %s",
-                                attn__message_path(path, shown),
-                                ferror(f) ? strerror(errno) : "file shrank while reading");
-            if (st == ATTN_OK) {
-                st = attn_npy_parse(buf, want, out);
-                if (st != ATTN_OK) { /* "PATH: " before the parser's message */
-                    attn__prefix_error(st, ": ");
-                    attn__prefix_error(st, attn__message_path(path, shown));
-                }
-            }
+        } else if (fread(*buf, 1, want, f) != want) {
+            st = attn__fail(ATTN_ERR_IO, "cannot read '%s': %s", attn__message_path(path, shown),
+                            ferror(f) ? strerror(errno) : "file shrank while reading");
         }
+        *got = want;
     }
-    attn__free(buf);
     fclose(f);
+    if (st != ATTN_OK) {
+        attn__free(*buf);
+        *buf = NULL;
+    }
     return st;
+}
+
+/* "PATH: " before the parser's message. */
+static attn_status name_the_file(attn_status st, const char *path) {
+    char shown[ATTN__MESSAGE_PATH];
+    attn__prefix_error(st, ": ");
+    return attn__prefix_error(st, attn__message_path(path, shown));
+}
+
+attn_status attn_npy_load(const char *path, attn_tensor *out) {
+    attn__clear_error();
+    if (out == NULL) return attn__fail(ATTN_ERR_NULL, "out is NULL");
+    memset(out, 0, sizeof *out);
+    if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
+    unsigned char *buf;
+    size_t size = 0;
+    attn_status st = read_start(path, SIZE_MAX, &buf, &size);
+    if (st == ATTN_OK && (st = attn_npy_parse(buf, size, out)) != ATTN_OK)
+        name_the_file(st, path);
+    attn__free(buf);
+    return st;
+}
+
+attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, int *rank,
+                                 int64_t shape[ATTN_MAX_RANK]) {
+    attn__clear_error();
+    if (path == NULL || dtype == NULL || rank == NULL || shape == NULL)
+        return attn__fail(ATTN_ERR_NULL, "%s is NULL",
+                          !path ? "path" : !dtype ? "dtype" : !rank ? "rank" : "shape");
+    unsigned char *buf;
+    size_t size = 0, offset = 0;
+    /* Magic, version and length (at most 12 bytes), then the header. */
+    attn_status st = read_start(path, 12 + (size_t)MAX_HEADER, &buf, &size);
+    npy_info info;
+    if (st == ATTN_OK && (st = parse_preamble(buf, size, &info, &offset)) != ATTN_OK)
+        name_the_file(st, path);
+    attn__free(buf);
+    if (st != ATTN_OK) return st;
+    *dtype = info.dtype;
+    *rank = info.rank;
+    memcpy(shape, info.shape, sizeof(int64_t) * (size_t)info.rank);
+    return ATTN_OK;
 }
 
 void attn_npy_free(attn_tensor *t) {

@@ -147,6 +147,17 @@ static void exit_codes(void) {
         CHECK(strstr(log, cases[i].needle) != NULL, "attn %s: message lacks '%s':\n%s",
               cases[i].args, cases[i].needle, log);
     }
+    /* Issue 9: a 0-d input was reported as "rank 1", the shape it loads as. */
+    char scalar[512];
+    size_t n = 0;
+    snprintf(scalar, sizeof scalar, "%s/npy/f64_scalar.npy", ATTN_TEST_DATA);
+    unsigned char *bytes = tt_read_file(scalar, &n);
+    snprintf(scalar, sizeof scalar, "%s/scalar.npy", dir);
+    CHECK(bytes != NULL && tt_write_file(scalar, bytes, n) == 0, "copying f64_scalar.npy");
+    free(bytes);
+    int rc0 = run("sdpa -q scalar.npy -k k.npy -v v.npy -o o.npy", log, sizeof log);
+    CHECK(rc0 == 1 && strstr(log, "-q") && strstr(log, "rank 0") && !strstr(log, "rank 1"),
+          "0-d -q: %d %s", rc0, log);
     /* A malformed .npy is a runtime error with the parser's message. */
     char path[256];
     snprintf(path, sizeof path, "%s/bad.npy", dir);

@@ -54,13 +54,49 @@ static void numpy_fixtures(void) {
     check_fixture("f32_v2", ATTN_DTYPE_F32, 3, s234);
     check_fixture("f32_v3", ATTN_DTYPE_F32, 3, s234);
     check_fixture("f32_rank1", ATTN_DTYPE_F32, 1, s7);
-    /* A 0-d array reads as shape (1,). Its value is -1. */
+    /* A 0-d array (shape ()) reads as shape (1,). Its value is -1. */
     char path[512];
     snprintf(path, sizeof path, "%s/npy/f64_scalar.npy", ATTN_TEST_DATA);
     attn_tensor t;
     CHECK_OK(attn_npy_load(path, &t));
     CHECK(t.rank == 1 && t.shape[0] == 1 && ((double *)t.data)[0] == -1.0, "0-d array");
     attn_npy_free(&t);
+}
+
+/* The header alone, as the file has it: a 0-d array is rank 0 there (issue
+ * 9: the tool called a 0-d input "rank 1", the shape it is loaded as). */
+static void read_header(void) {
+    char path[512];
+    attn_dtype dtype;
+    int rank = -1;
+    int64_t shape[ATTN_MAX_RANK];
+    snprintf(path, sizeof path, "%s/npy/f64_scalar.npy", ATTN_TEST_DATA);
+    CHECK_OK(attn_npy_read_header(path, &dtype, &rank, shape));
+    CHECK(dtype == ATTN_DTYPE_F64 && rank == 0, "f64_scalar: %s rank %d", attn_dtype_name(dtype),
+          rank);
+    snprintf(path, sizeof path, "%s/npy/f32_fortran.npy", ATTN_TEST_DATA);
+    CHECK_OK(attn_npy_read_header(path, &dtype, &rank, shape));
+    CHECK(dtype == ATTN_DTYPE_F32 && rank == 3 && shape[0] == 2 && shape[1] == 3 && shape[2] == 4,
+          "f32_fortran: %s rank %d", attn_dtype_name(dtype), rank);
+    CHECK_STATUS(attn_npy_read_header("/nonexistent.npy", &dtype, &rank, shape), ATTN_ERR_IO);
+    CHECK_STATUS(attn_npy_read_header(path, NULL, &rank, shape), ATTN_ERR_NULL);
+    snprintf(path, sizeof path, "%s/npy", ATTN_TEST_DATA);
+    CHECK_STATUS(attn_npy_read_header(path, &dtype, &rank, shape), ATTN_ERR_IO);
+    /* Only the header is read: a file whose data is cut short still has one. */
+    char cut[] = "/tmp/attn_test_header_XXXXXX";
+    int fd = mkstemp(cut);
+    CHECK(fd >= 0, "mkstemp");
+    if (fd < 0) return;
+    static const char head[] = "\x93NUMPY\x01\x00\x40\x00{'descr': '<f4', 'fortran_order': "
+                               "False, 'shape': (5, 7), }    \n";
+    CHECK(write(fd, head, sizeof head - 1) == (ssize_t)(sizeof head - 1), "write");
+    close(fd);
+    CHECK_OK(attn_npy_read_header(cut, &dtype, &rank, shape));
+    CHECK(rank == 2 && shape[0] == 5 && shape[1] == 7, "cut file: rank %d", rank);
+    CHECK(truncate(cut, 20) == 0, "truncate");
+    CHECK_STATUS(attn_npy_read_header(cut, &dtype, &rank, shape), ATTN_ERR_FORMAT);
+    CHECK(strstr(attn_last_error(), cut) != NULL, "message lacks the path: %s", attn_last_error());
+    remove(cut);
 }
 
 /* Every truncation of a valid file is rejected, never over-read (ASan). */
@@ -259,6 +295,6 @@ static void long_paths_keep_the_reason(void) {
     tt_remove_tree(root);
 }
 
-HARNESS_MAIN(T(numpy_fixtures), T(every_truncation_fails), T(round_trips),
+HARNESS_MAIN(T(numpy_fixtures), T(read_header), T(every_truncation_fails), T(round_trips),
              T(failed_save_keeps_old_file), T(save_through_links_and_fifos),
              T(long_paths_keep_the_reason))
