@@ -7,7 +7,7 @@
 
 static const char usage[] =
     "usage: attn [demo]                 run the embedded demo (the default)\n"
-    "       attn sdpa -q Q.npy -k K.npy -v V.npy [options]\n"
+    "       attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n"
     "                                   scaled dot-product attention on .npy files\n"
     "       attn info                   version, kernel path, threads, BLAS\n"
     "       attn --help | --version\n"
@@ -20,11 +20,13 @@ static const char usage[] =
     "  --scale S               score scale (default 1/sqrt(E))\n"
     "  --gqa                   grouped-query attention (query heads share K/V heads)\n"
     "  --dropout P --seed N    reproducible dropout on the attention weights\n"
-    "  -o OUT.npy              output (default out.npy)\n"
+    "  -o OUT.npy              the output (required)\n"
     "  --weights W.npy         also write the attention weights (..., L, S)\n"
     "  --lse LSE.npy           also write the log-sum-exp per row (..., L)\n"
     "  --threads N             threads (default: ATTN_NUM_THREADS or all cores)\n"
     "\n"
+    "Outputs are all written or none: each goes to a temporary file beside its\n"
+    "target and is renamed over it only when every output is complete.\n"
     "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
 
 static int info(void) {

@@ -43,7 +43,6 @@ static int parse_u64(const char *s, unsigned long long *out) {
 static int parse_args(int argc, char **argv, sdpa_args *a) {
     memset(a, 0, sizeof *a);
     attn_sdpa_params_init(&a->params);
-    a->out = "out.npy";
     for (int i = 0; i < argc; i++) {
         const char *opt = argv[i];
         /* Options that take a value: -x VALUE. */
@@ -93,6 +92,8 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
     }
     if (a->q == NULL || a->k == NULL || a->v == NULL)
         return usage_error("%s", "-q, -k and -v are required");
+    if (a->out == NULL) /* no default: a silent ./out.npy overwrote files */
+        return usage_error("%s", "-o OUT.npy is required");
     if (a->params.dropout_p > 0 && !a->seed_given)
         return usage_error("%s", "--dropout needs --seed N, so that the result is reproducible");
     return CLI_OK;
@@ -163,14 +164,21 @@ static int compute(sdpa_args *a, sdpa_run *r) {
     return st == ATTN_OK ? CLI_OK : cli_fail("sdpa", st);
 }
 
-static int write_outputs(const sdpa_args *a, const sdpa_run *r) {
-    attn_status st;
-    if ((st = attn_npy_save(a->out, &r->out)) != ATTN_OK) return cli_fail("writing -o", st);
-    if (a->weights && (st = attn_npy_save(a->weights, &r->w)) != ATTN_OK)
-        return cli_fail("writing --weights", st);
-    if (a->lse && (st = attn_npy_save(a->lse, &r->lse)) != ATTN_OK)
-        return cli_fail("writing --lse", st);
-    return CLI_OK;
+/* Resolves the output files before any work, so that a missing folder or
+ * two options naming one file fail at once. */
+static int add_outputs(const sdpa_args *a) {
+    int rc = outputs_add("-o", a->out);
+    if (rc == CLI_OK && a->weights) rc = outputs_add("--weights", a->weights);
+    if (rc == CLI_OK && a->lse) rc = outputs_add("--lse", a->lse);
+    return rc;
+}
+
+/* All outputs or none: each is staged in full before any is renamed. */
+static int write_outputs(const sdpa_run *r) {
+    int rc = outputs_stage("-o", &r->out);
+    if (rc == CLI_OK) rc = outputs_stage("--weights", &r->w);
+    if (rc == CLI_OK) rc = outputs_stage("--lse", &r->lse);
+    return rc == CLI_OK ? outputs_commit() : rc;
 }
 
 int cli_sdpa(int argc, char **argv) {
@@ -180,9 +188,11 @@ int cli_sdpa(int argc, char **argv) {
     if (a.threads > 0) attn_set_num_threads(a.threads);
     sdpa_run r;
     memset(&r, 0, sizeof r);
-    rc = load_inputs(&a, &r);
+    rc = add_outputs(&a);
+    if (rc == CLI_OK) rc = load_inputs(&a, &r);
     if (rc == CLI_OK) rc = compute(&a, &r);
-    if (rc == CLI_OK) rc = write_outputs(&a, &r);
+    if (rc == CLI_OK) rc = write_outputs(&r);
+    if (rc != CLI_OK) outputs_abort(); /* removes any temporary */
     if (rc == CLI_OK) {
         char sq[96], sk[96], sv[96], so[96];
         printf("sdpa: q%s k%s v%s -> out%s %s, %s path, %d threads, %.3f ms -> %s\n",
