@@ -10,6 +10,9 @@ enum { CLI_OK = 0, CLI_RUNTIME = 1, CLI_USAGE = 2 };
 
 int cli_demo(void);
 int cli_sdpa(int argc, char **argv);
+/* The "sdpa options:" part of the usage text, shared by `attn --help` and
+ * `attn sdpa --help`. */
+extern const char cli_sdpa_options[];
 
 /* Prints "attn: <what>: <library message>" and returns CLI_RUNTIME. */
 int cli_fail(const char *what, attn_status status);

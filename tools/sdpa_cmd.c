@@ -1,8 +1,10 @@
 /* sdpa_cmd.c — `attn sdpa`: attention on .npy files. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <ctype.h>
 #include <errno.h>
-#include <stdbool.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,34 +19,71 @@ typedef struct sdpa_args {
     int seed_given;
 } sdpa_args;
 
-static int usage_error(const char *fmt, const char *arg) {
+const char cli_sdpa_options[] =
+    "sdpa options:\n"
+    "  -o OUT.npy              the output (required)\n"
+    "  --mask M.npy            bool (true = attend) or float (added) mask,\n"
+    "                          broadcastable to (..., L, S)\n"
+    "  --causal[=top-left]     causal mask aligned to the first key (PyTorch)\n"
+    "  --causal=bottom-right   causal mask aligned to the last key (KV cache)\n"
+    "  --scale S               score scale (default 1/sqrt(E))\n"
+    "  --gqa                   grouped-query attention (query heads share K/V heads)\n"
+    "  --dropout P --seed N    reproducible dropout on the attention weights\n"
+    "  --weights W.npy         also write the attention weights (..., L, S)\n"
+    "  --lse LSE.npy           also write the log-sum-exp per row (..., L)\n"
+    "  --threads N             threads, 1 to attn_max_threads() (default:\n"
+    "                          ATTN_NUM_THREADS or all cores)\n"
+    "  -h, --help              this text\n"
+    "\n"
+    "Outputs are all written or none: each goes to a temporary file beside its\n"
+    "target and is renamed over it only when every output is complete.\n"
+    "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
+
+/* parse_args's answer to -h/--help. */
+enum { PARSED_HELP = -1 };
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 1, 2)))
+#endif
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "attn sdpa: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\n(see attn --help)\n");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n(see attn sdpa --help)\n");
+    va_end(ap);
     return CLI_USAGE;
 }
 
+/* strtod reports ERANGE for subnormal results too (1e-310): those are
+ * finite, usable values. Refused: overflow to infinity, and a nonzero
+ * number that underflowed to 0 (1e-400). */
 static int parse_double(const char *s, double *out) {
     char *end;
     errno = 0;
     *out = strtod(s, &end);
-    return end != s && *end == '\0' && errno == 0 && isfinite(*out);
+    if (end == s || *end != '\0' || !isfinite(*out)) return 0;
+    return errno != ERANGE || *out != 0;
 }
 
 static int parse_u64(const char *s, unsigned long long *out) {
+    /* strtoull skips leading space and negates a '-': " -1" would be 2^64-1. */
+    const char *p = s;
+    while (isspace((unsigned char)*p)) p++;
+    if (*p == '-') return 0;
     char *end;
     errno = 0;
-    if (*s == '-') return 0;
     *out = strtoull(s, &end, 10);
     return end != s && *end == '\0' && errno == 0;
 }
 
-/* Returns CLI_OK or CLI_USAGE. */
+/* Returns CLI_OK, CLI_USAGE or PARSED_HELP. */
 static int parse_args(int argc, char **argv, sdpa_args *a) {
     memset(a, 0, sizeof *a);
     attn_sdpa_params_init(&a->params);
     for (int i = 0; i < argc; i++) {
         const char *opt = argv[i];
+        if (strcmp(opt, "--help") == 0 || strcmp(opt, "-h") == 0) return PARSED_HELP;
         /* Options that take a value: -x VALUE. */
         const char **path = strcmp(opt, "-q") == 0           ? &a->q
                             : strcmp(opt, "-k") == 0         ? &a->k
@@ -63,7 +102,7 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
             *path = val;
         } else if (strcmp(opt, "--scale") == 0) {
             if (!parse_double(val, &a->params.scale))
-                return usage_error("--scale: '%s' is not a finite number", val);
+                return usage_error("--scale: '%s' is not a finite, representable number", val);
             a->params.has_scale = 1;
         } else if (strcmp(opt, "--dropout") == 0) {
             if (!parse_double(val, &a->params.dropout_p) || a->params.dropout_p < 0 ||
@@ -77,8 +116,12 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
             a->seed_given = 1;
         } else if (strcmp(opt, "--threads") == 0) {
             unsigned long long n;
-            if (!parse_u64(val, &n) || n < 1 || n > 4096)
-                return usage_error("--threads: '%s' is not a count from 1 to 4096", val);
+            /* Above the bound the library would clamp it without a word. */
+            const int max = attn_max_threads();
+            if (!parse_u64(val, &n) || n < 1 || n > (unsigned long long)max)
+                return usage_error("--threads: '%s' is not a count from 1 to %d "
+                                   "(attn_max_threads() on this machine)",
+                                   val, max);
             a->threads = (int)n;
         } else if (strcmp(opt, "--causal") == 0 || strcmp(opt, "--causal=top-left") == 0) {
             a->params.causal = ATTN_CAUSAL_TOP_LEFT;
@@ -184,6 +227,11 @@ static int write_outputs(const sdpa_run *r) {
 int cli_sdpa(int argc, char **argv) {
     sdpa_args a;
     int rc = parse_args(argc, argv, &a);
+    if (rc == PARSED_HELP) {
+        printf("usage: attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n\n%s",
+               cli_sdpa_options);
+        return CLI_OK;
+    }
     if (rc != CLI_OK) return rc;
     if (a.threads > 0) attn_set_num_threads(a.threads);
     sdpa_run r;

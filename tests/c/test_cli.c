@@ -37,6 +37,18 @@ static int run(const char *args, char *buf, size_t size) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+/* The same with stdout going to /dev/full (every write fails with ENOSPC);
+ * buf gets stderr. */
+static int run_to_full(const char *args, char *buf, size_t size) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "cd %s && '%s' %s 2>&1 >/dev/full", dir, ATTN_CLI, args);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(buf, 1, size - 1, p) : 0;
+    buf[n] = '\0';
+    int status = p ? pclose(p) : -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 static int count(const char *hay, const char *needle) {
     int n = 0;
     for (const char *p = hay; (p = strstr(p, needle)) != NULL; p++) n++;
@@ -166,6 +178,24 @@ static void exit_codes(void) {
          "-o and --weights"},
         {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --weights w.npy --lse ./w.npy", 2,
          "--weights and --lse"},
+        /* Issue 9: messages that named the wrong thing, values refused or
+         * taken wrongly. */
+        {"info extra", 2, "info takes no arguments"},
+        {"sdpa --help", 0, "usage: attn sdpa"},
+        {"sdpa -q q.npy -h", 0, "-o OUT.npy"},
+        {"help", 0, "usage: attn"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale 1e-310", 0, "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --dropout 1e-320 --seed 1", 0,
+         "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale 0", 0, "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale 1e-400", 2, "--scale"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale -1e400", 2, "--scale"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 0.1 --seed ' -1'", 2, "--seed"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 0.1 --seed '\t-1'", 2, "--seed"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 0.1 --seed -0", 2, "--seed"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --dropout 0.1 "
+         "--seed 18446744073709551615", 0, "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --threads ' -1'", 2, "--threads"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int rc = run(cases[i].args, log, sizeof log);
@@ -185,6 +215,25 @@ static void exit_codes(void) {
     int rc0 = run("sdpa -q scalar.npy -k k.npy -v v.npy -o o.npy", log, sizeof log);
     CHECK(rc0 == 1 && strstr(log, "-q") && strstr(log, "rank 0") && !strstr(log, "rank 1"),
           "0-d -q: %d %s", rc0, log);
+    /* Issue 9: --threads above attn_max_threads() was clamped silently. */
+    char args[256], bound[32];
+    snprintf(args, sizeof args, "sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --threads %d",
+             attn_max_threads() + 1);
+    snprintf(bound, sizeof bound, "%d", attn_max_threads());
+    rc0 = run(args, log, sizeof log);
+    CHECK(rc0 == 2 && strstr(log, "--threads") && strstr(log, bound), "--threads max+1: %d %s",
+          rc0, log);
+    snprintf(args, sizeof args, "sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --threads %d",
+             attn_max_threads());
+    CHECK(run(args, log, sizeof log) == 0, "--threads max: %s", log);
+    /* Issue 9: a failed write to stdout exited 0. */
+    const char *to_full[] = {"info", "--help", "--version", "sdpa --help",
+                             "sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy"};
+    for (int i = 0; i < 5; i++) {
+        rc0 = run_to_full(to_full[i], log, sizeof log);
+        CHECK(rc0 == 1 && strstr(log, "standard output") && strstr(log, strerror(ENOSPC)),
+              "attn %s >/dev/full: exit %d, stderr: %s", to_full[i], rc0, log);
+    }
     /* A malformed .npy is a runtime error with the parser's message. */
     char path[256];
     snprintf(path, sizeof path, "%s/bad.npy", dir);
