@@ -108,10 +108,13 @@ static void sdpa_on_files(void) {
     p.seed = 17;
     CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, &p, &o.t, &w.t, &l.t));
     static char log[8192];
-    int rc = run("sdpa -q q.npy -k k.npy -v v.npy --mask m.npy --causal=bottom-right --gqa "
-                 "--scale -0.25 --dropout 0.2 --seed 17 -o o.npy --weights w.npy --lse l.npy "
-                 "--threads 2",
-                 log, sizeof log);
+    char args[512];
+    snprintf(args, sizeof args,
+             "sdpa -q q.npy -k k.npy -v v.npy --mask m.npy --causal=bottom-right --gqa "
+             "--scale -0.25 --dropout 0.2 --seed 17 -o o.npy --weights w.npy --lse l.npy "
+             "--threads %d", /* 1 in a build without OpenMP */
+             attn_max_threads() < 2 ? 1 : 2);
+    int rc = run(args, log, sizeof log);
     CHECK(rc == 0, "sdpa exited %d:\n%s", rc, log);
     CHECK(strstr(log, "sdpa: q(2, 4, 5, 8) k(2, 2, 7, 8) v(2, 2, 7, 3) -> out(2, 4, 5, 3)") != NULL,
           "summary line: %s", log);
@@ -416,12 +419,59 @@ static void signal_during_write_leaves_nothing(void) {
     }
 }
 
+/* Issue 9: messages were cut at 512 bytes, so a long path hid the reason.
+ * A 4000-byte path (nested folders) must show with its reason, and one
+ * longer than PATH_MAX must still name its reason. */
+static void long_paths_keep_the_reason(void) {
+    static char rel[4200], full[4300], arg[12000], log_path[128];
+    size_t used = (size_t)snprintf(rel, sizeof rel, "long");
+    for (;;) { /* rel: long/000...0/000...0/..., about 4000 bytes */
+        snprintf(full, sizeof full, "%s/%s", dir, rel);
+        CHECK(mkdir(full, 0700) == 0, "mkdir: %s", strerror(errno));
+        if (used > 3900) break;
+        used += (size_t)snprintf(rel + used, sizeof rel - used, "/%0100d", 0);
+    }
+    snprintf(arg, sizeof arg, "%s/bad.npy", full);
+    CHECK(tt_write_file(arg, "\x93NUMPY\x01\x00\x10\x00{", 11) == 0, "writing bad.npy");
+    snprintf(log_path, sizeof log_path, "%s/long.log", dir);
+    struct {
+        const char *option, *name, *reason;
+    } cases[] = {
+        {"-q", "/bad.npy", "truncated"},
+        {"-o", "/nodir/o.npy", NULL}, /* strerror(ENOENT) */
+        {"-o", NULL, NULL},           /* a 9000-byte name: strerror(ENAMETOOLONG) */
+    };
+    for (int i = 0; i < 3; i++) {
+        if (cases[i].name != NULL) {
+            snprintf(arg, sizeof arg, "%s%s", rel, cases[i].name);
+        } else {
+            memset(arg, 'a', 9000);
+            arg[9000] = '\0';
+        }
+        const char *reason = cases[i].reason ? cases[i].reason
+                             : cases[i].name ? strerror(ENOENT)
+                                             : strerror(ENAMETOOLONG);
+        const char *args[] = {"sdpa", "-q", i == 0 ? arg : "q.npy", "-k", "k.npy", "-v", "v.npy",
+                              "--gqa", "-o", i == 0 ? "o.npy" : arg, NULL};
+        int rc = wait_for(spawn(dir, args, 0, log_path));
+        size_t n = 0;
+        char *log = (char *)tt_read_file(log_path, &n);
+        CHECK(rc == 1 && log && strstr(log, reason) && strstr(log, cases[i].option),
+              "%s %zu-byte path: exit %d, %zu bytes of stderr, the last: %s", cases[i].option,
+              strlen(arg), rc, n, log && n > 100 ? log + n - 100 : log ? log : "");
+        if (cases[i].name != NULL)
+            CHECK(log && strstr(log, arg), "%s: stderr lacks the whole path", cases[i].option);
+        free(log);
+    }
+}
+
 int main(int argc, char **argv) {
     snprintf(dir, sizeof dir, "/tmp/attn_cli_XXXXXX");
     if (mkdtemp(dir) == NULL) return 1;
     static const harness_test tests[] = {T(demo), T(sdpa_on_files), T(exit_codes),
                                          T(failed_run_writes_nothing),
-                                         T(signal_during_write_leaves_nothing)};
+                                         T(signal_during_write_leaves_nothing),
+                                         T(long_paths_keep_the_reason)};
     int rc = harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
