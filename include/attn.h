@@ -379,10 +379,12 @@ ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, i
  * renamed over path. On any failure (a full disk, a missing folder, ...)
  * the call returns ATTN_ERR_IO, path is left as it was and the temporary is
  * removed; a process killed during the write may leave the temporary.
- * A symbolic link is followed (the file it points to is replaced, keeping
- * its permission bits; other links to that file keep the old data). An
- * existing target that is not a regular file (/dev/null, a FIFO) is written
- * in place. A folder is never replaced.
+ * The new file keeps the old one's permission bits, and its owner where
+ * the caller may set it; other hard links to the old file keep the old
+ * data. A symbolic link is followed: the file it points to is replaced (a
+ * dangling link is itself replaced). An existing target that is not a
+ * regular file (/dev/null, a FIFO) is written in place. A folder is never
+ * replaced.
  */
 ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
 /* The same bytes to an open file descriptor, from its current position:

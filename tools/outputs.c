@@ -210,8 +210,15 @@ int outputs_stage(const char *option, const attn_tensor *t) {
                 option, o->path, strerror(err));
         return CLI_RUNTIME;
     }
-    struct stat st; /* the replacement keeps the old file's permission bits */
-    if (o->exists && fstatat(o->dir_fd, o->name, &st, 0) == 0) (void)fchmod(fd, st.st_mode & 0777);
+    struct stat st; /* the replacement keeps the old file's owner and permission bits */
+    if (o->exists && fstatat(o->dir_fd, o->name, &st, 0) == 0) {
+        if (fchown(fd, st.st_uid, st.st_gid) != 0) {
+            /* only root may give a file away: it stays ours */
+        }
+        if (fchmod(fd, st.st_mode & 0777) != 0) {
+            /* our own new file: cannot fail in practice, and is no reason to stop */
+        }
+    }
     attn_status status = attn_npy_write_fd(fd, t);
     if (status == ATTN_OK && fsync(fd) != 0) err = errno; /* on disk before any rename */
     if (close(fd) != 0 && status == ATTN_OK && err == 0) err = errno;

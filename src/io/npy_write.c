@@ -165,8 +165,12 @@ static int replace(const target *tg, const attn_tensor *t, const char **what) {
     int err = create_temp(tg, temp, &fd);
     if (err != 0) return err;
     *what = "cannot write";
-    /* The new file keeps the old one's permission bits. */
-    if (tg->exists && fchmod(fd, tg->st.st_mode & 0777) != 0) err = errno;
+    if (tg->exists) { /* the new file keeps the old one's owner and permission bits */
+        if (fchown(fd, tg->st.st_uid, tg->st.st_gid) != 0) {
+            /* only root may give a file away: it stays the caller's */
+        }
+        if (fchmod(fd, tg->st.st_mode & 0777) != 0) err = errno;
+    }
     if (err == 0) err = write_npy(fd, t);
     /* On disk before the name points at it: a crash never shows a file
      * whose data was not written. */
