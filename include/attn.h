@@ -372,9 +372,31 @@ ATTN_API attn_status attn_mha_out_shapes(const attn_mha *mha, const attn_tensor 
 ATTN_API attn_status attn_npy_load(const char *path, attn_tensor *out);
 ATTN_API attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out);
 ATTN_API void attn_npy_free(attn_tensor *t);
+/* Only the header of a .npy file: its dtype, rank and shape as the file
+ * states them (rank 0 for a 0-d array; shape gets `rank` entries). Reads no
+ * more than the header, so a file whose data is cut short still answers. */
+ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, int *rank,
+                                          int64_t shape[ATTN_MAX_RANK]);
 
-/* Writes any strided tensor as a little-endian, C-order .npy file. */
+/*
+ * Writes any strided tensor as a little-endian, C-order .npy file, and
+ * atomically: the bytes go to a temporary file in path's folder
+ * (".NAME.XXXXXXXX.tmp"), are flushed to disk (fsync), and only then is it
+ * renamed over path. On any failure (a full disk, a missing folder, ...)
+ * the call returns ATTN_ERR_IO, path is left as it was and the temporary is
+ * removed; a process killed during the write may leave the temporary.
+ * The new file keeps the old one's permission bits, and its owner where
+ * the caller may set it; other hard links to the old file keep the old
+ * data. A symbolic link is followed: the file it points to is replaced (a
+ * dangling link is itself replaced). An existing target that is not a
+ * regular file (/dev/null, a FIFO) is written in place. A folder is never
+ * replaced.
+ */
 ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
+/* The same bytes to an open file descriptor, from its current position:
+ * for pipes, sockets, or a caller's own temporary file. Neither syncs nor
+ * closes fd. ATTN_ERR_IO (with the system's reason) if a write fails. */
+ATTN_API attn_status attn_npy_write_fd(int fd, const attn_tensor *t);
 
 /* ------------------------------------------------------------------------ */
 /* Threads, kernels, memory                                                  */

@@ -10,9 +10,24 @@ enum { CLI_OK = 0, CLI_RUNTIME = 1, CLI_USAGE = 2 };
 
 int cli_demo(void);
 int cli_sdpa(int argc, char **argv);
+/* The "sdpa options:" part of the usage text, shared by `attn --help` and
+ * `attn sdpa --help`. */
+extern const char cli_sdpa_options[];
 
 /* Prints "attn: <what>: <library message>" and returns CLI_RUNTIME. */
 int cli_fail(const char *what, attn_status status);
+
+/* Output files, all or none (outputs.c). outputs_add resolves a target
+ * and refuses one that another option already names (CLI_USAGE); the first
+ * call installs the SIGINT/SIGTERM/SIGHUP handlers that remove staged
+ * temporaries. outputs_stage writes an option's tensor to a temporary beside
+ * its target (CLI_OK for an option never added); outputs_commit renames them
+ * all over their targets; outputs_abort removes them. Each failure is
+ * reported on stderr and returns CLI_RUNTIME. */
+int outputs_add(const char *option, const char *path);
+int outputs_stage(const char *option, const attn_tensor *t);
+int outputs_commit(void);
+void outputs_abort(void);
 
 /* "(3, 30, 128)" */
 const char *cli_shape(const attn_tensor *t, char *buf, size_t size);

@@ -1,4 +1,5 @@
 /* main.c — the attn command-line tool: dispatches to demo, sdpa, info. */
+#include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
@@ -7,25 +8,13 @@
 
 static const char usage[] =
     "usage: attn [demo]                 run the embedded demo (the default)\n"
-    "       attn sdpa -q Q.npy -k K.npy -v V.npy [options]\n"
+    "       attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n"
     "                                   scaled dot-product attention on .npy files\n"
     "       attn info                   version, kernel path, threads, BLAS\n"
-    "       attn --help | --version\n"
-    "\n"
-    "sdpa options:\n"
-    "  --mask M.npy            bool (true = attend) or float (added) mask,\n"
-    "                          broadcastable to (..., L, S)\n"
-    "  --causal[=top-left]     causal mask aligned to the first key (PyTorch)\n"
-    "  --causal=bottom-right   causal mask aligned to the last key (KV cache)\n"
-    "  --scale S               score scale (default 1/sqrt(E))\n"
-    "  --gqa                   grouped-query attention (query heads share K/V heads)\n"
-    "  --dropout P --seed N    reproducible dropout on the attention weights\n"
-    "  -o OUT.npy              output (default out.npy)\n"
-    "  --weights W.npy         also write the attention weights (..., L, S)\n"
-    "  --lse LSE.npy           also write the log-sum-exp per row (..., L)\n"
-    "  --threads N             threads (default: ATTN_NUM_THREADS or all cores)\n"
-    "\n"
-    "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
+    "       attn help | --help | --version\n"
+    "\n";
+
+static void print_usage(FILE *to) { fprintf(to, "%s%s", usage, cli_sdpa_options); }
 
 static int info(void) {
     attn_isa isa = attn_get_isa();
@@ -43,16 +32,18 @@ static int info(void) {
     return CLI_OK;
 }
 
-int main(int argc, char **argv) {
+static int run_command(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "demo") == 0) {
         if (argc > 2) {
-            fprintf(stderr, "attn: demo takes no arguments\n%s", usage);
+            fprintf(stderr, "attn: demo takes no arguments\n");
+            print_usage(stderr);
             return CLI_USAGE;
         }
         return cli_demo();
     }
-    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs(usage, stdout);
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+        strcmp(argv[1], "help") == 0) {
+        print_usage(stdout);
         return CLI_OK;
     }
     if (strcmp(argv[1], "--version") == 0) {
@@ -60,7 +51,25 @@ int main(int argc, char **argv) {
         return CLI_OK;
     }
     if (strcmp(argv[1], "sdpa") == 0) return cli_sdpa(argc - 2, argv + 2);
-    if (strcmp(argv[1], "info") == 0 && argc == 2) return info();
-    fprintf(stderr, "attn: unknown command '%s'\n%s", argv[1], usage);
+    if (strcmp(argv[1], "info") == 0) {
+        if (argc == 2) return info();
+        fprintf(stderr, "attn: info takes no arguments\n(see attn --help)\n");
+        return CLI_USAGE;
+    }
+    fprintf(stderr, "attn: unknown command '%s'\n", argv[1]);
+    print_usage(stderr);
     return CLI_USAGE;
+}
+
+int main(int argc, char **argv) {
+    int rc = run_command(argc, argv);
+    /* Output that never arrived (a full disk, a closed pipe) is a failure:
+     * stdout is buffered, so the error shows at the flush. */
+    errno = 0;
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "attn: cannot write to standard output: %s\n",
+                errno != 0 ? strerror(errno) : "write error");
+        if (rc == CLI_OK) rc = CLI_RUNTIME;
+    }
+    return rc;
 }

@@ -1,8 +1,10 @@
 /* sdpa_cmd.c — `attn sdpa`: attention on .npy files. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <ctype.h>
 #include <errno.h>
-#include <stdbool.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,35 +19,71 @@ typedef struct sdpa_args {
     int seed_given;
 } sdpa_args;
 
-static int usage_error(const char *fmt, const char *arg) {
+const char cli_sdpa_options[] =
+    "sdpa options:\n"
+    "  -o OUT.npy              the output (required)\n"
+    "  --mask M.npy            bool (true = attend) or float (added) mask,\n"
+    "                          broadcastable to (..., L, S)\n"
+    "  --causal[=top-left]     causal mask aligned to the first key (PyTorch)\n"
+    "  --causal=bottom-right   causal mask aligned to the last key (KV cache)\n"
+    "  --scale S               score scale (default 1/sqrt(E))\n"
+    "  --gqa                   grouped-query attention (query heads share K/V heads)\n"
+    "  --dropout P --seed N    reproducible dropout on the attention weights\n"
+    "  --weights W.npy         also write the attention weights (..., L, S)\n"
+    "  --lse LSE.npy           also write the log-sum-exp per row (..., L)\n"
+    "  --threads N             threads, 1 to attn_max_threads() (default:\n"
+    "                          ATTN_NUM_THREADS or all cores)\n"
+    "  -h, --help              this text\n"
+    "\n"
+    "Outputs are all written or none: each goes to a temporary file beside its\n"
+    "target and is renamed over it only when every output is complete.\n"
+    "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
+
+/* parse_args's answer to -h/--help. */
+enum { PARSED_HELP = -1 };
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 1, 2)))
+#endif
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "attn sdpa: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\n(see attn --help)\n");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n(see attn sdpa --help)\n");
+    va_end(ap);
     return CLI_USAGE;
 }
 
+/* strtod reports ERANGE for subnormal results too (1e-310): those are
+ * finite, usable values. Refused: overflow to infinity, and a nonzero
+ * number that underflowed to 0 (1e-400). */
 static int parse_double(const char *s, double *out) {
     char *end;
     errno = 0;
     *out = strtod(s, &end);
-    return end != s && *end == '\0' && errno == 0 && isfinite(*out);
+    if (end == s || *end != '\0' || !isfinite(*out)) return 0;
+    return errno != ERANGE || *out != 0;
 }
 
 static int parse_u64(const char *s, unsigned long long *out) {
+    /* strtoull skips leading space and negates a '-': " -1" would be 2^64-1. */
+    const char *p = s;
+    while (isspace((unsigned char)*p)) p++;
+    if (*p == '-') return 0;
     char *end;
     errno = 0;
-    if (*s == '-') return 0;
     *out = strtoull(s, &end, 10);
     return end != s && *end == '\0' && errno == 0;
 }
 
-/* Returns CLI_OK or CLI_USAGE. */
+/* Returns CLI_OK, CLI_USAGE or PARSED_HELP. */
 static int parse_args(int argc, char **argv, sdpa_args *a) {
     memset(a, 0, sizeof *a);
     attn_sdpa_params_init(&a->params);
-    a->out = "out.npy";
     for (int i = 0; i < argc; i++) {
         const char *opt = argv[i];
+        if (strcmp(opt, "--help") == 0 || strcmp(opt, "-h") == 0) return PARSED_HELP;
         /* Options that take a value: -x VALUE. */
         const char **path = strcmp(opt, "-q") == 0           ? &a->q
                             : strcmp(opt, "-k") == 0         ? &a->k
@@ -64,7 +102,7 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
             *path = val;
         } else if (strcmp(opt, "--scale") == 0) {
             if (!parse_double(val, &a->params.scale))
-                return usage_error("--scale: '%s' is not a finite number", val);
+                return usage_error("--scale: '%s' is not a finite, representable number", val);
             a->params.has_scale = 1;
         } else if (strcmp(opt, "--dropout") == 0) {
             if (!parse_double(val, &a->params.dropout_p) || a->params.dropout_p < 0 ||
@@ -78,8 +116,12 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
             a->seed_given = 1;
         } else if (strcmp(opt, "--threads") == 0) {
             unsigned long long n;
-            if (!parse_u64(val, &n) || n < 1 || n > 4096)
-                return usage_error("--threads: '%s' is not a count from 1 to 4096", val);
+            /* Above the bound the library would clamp it without a word. */
+            const int max = attn_max_threads();
+            if (!parse_u64(val, &n) || n < 1 || n > (unsigned long long)max)
+                return usage_error("--threads: '%s' is not a count from 1 to %d "
+                                   "(attn_max_threads() on this machine)",
+                                   val, max);
             a->threads = (int)n;
         } else if (strcmp(opt, "--causal") == 0 || strcmp(opt, "--causal=top-left") == 0) {
             a->params.causal = ATTN_CAUSAL_TOP_LEFT;
@@ -93,9 +135,43 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
     }
     if (a->q == NULL || a->k == NULL || a->v == NULL)
         return usage_error("%s", "-q, -k and -v are required");
+    if (a->out == NULL) /* no default: a silent ./out.npy overwrote files */
+        return usage_error("%s", "-o OUT.npy is required");
     if (a->params.dropout_p > 0 && !a->seed_given)
         return usage_error("%s", "--dropout needs --seed N, so that the result is reproducible");
     return CLI_OK;
+}
+
+/* What a run holds: inputs, outputs, the kernel's time. */
+typedef struct sdpa_run {
+    attn_tensor q, k, v, mask, out, w, lse;
+    double ms;
+} sdpa_run;
+
+/* Loads one input; CLI_OK, or CLI_RUNTIME with the message printed. -q, -k
+ * and -v need 2 or more dimensions: a file of rank 0 or 1 loads as rank 1
+ * (a 0-d array as shape (1,)), so the rank reported is the file's own. */
+static int load_input(const char *option, const char *path, attn_tensor *t, bool needs_matrix) {
+    char what[32];
+    snprintf(what, sizeof what, "reading %s", option);
+    attn_status st = attn_npy_load(path, t);
+    if (st != ATTN_OK) return cli_fail(what, st);
+    if (!needs_matrix || t->rank >= 2) return CLI_OK;
+    attn_dtype dtype;
+    int rank = t->rank;
+    int64_t shape[ATTN_MAX_RANK];
+    if (attn_npy_read_header(path, &dtype, &rank, shape) != ATTN_OK) rank = t->rank;
+    fprintf(stderr, "attn: %s: '%s' holds an array of rank %d%s; sdpa needs 2 to %d dimensions\n",
+            what, path, rank, rank == 0 ? " (a 0-d array)" : "", ATTN_MAX_RANK);
+    return CLI_RUNTIME;
+}
+
+static int load_inputs(const sdpa_args *a, sdpa_run *r) {
+    int rc = load_input("-q", a->q, &r->q, true);
+    if (rc == CLI_OK) rc = load_input("-k", a->k, &r->k, true);
+    if (rc == CLI_OK) rc = load_input("-v", a->v, &r->v, true);
+    if (rc == CLI_OK && a->mask) rc = load_input("--mask", a->mask, &r->mask, false);
+    return rc;
 }
 
 /* Allocates a C-contiguous tensor of the given shape and q's dtype. */
@@ -109,66 +185,76 @@ static attn_status make_output(attn_tensor *t, attn_dtype dtype, int rank, const
     return st;
 }
 
+/* Allocates the outputs and runs attn_sdpa, timing it. */
+static int compute(sdpa_args *a, sdpa_run *r) {
+    if (a->mask) a->params.attn_mask = &r->mask;
+    int rank;
+    int64_t shape[ATTN_MAX_RANK], wshape[ATTN_MAX_RANK];
+    attn_status st = attn_sdpa_out_shape(&r->q, &r->k, &r->v, &a->params, &rank, shape);
+    if (st != ATTN_OK) return cli_fail("sdpa", st);
+    memcpy(wshape, shape, sizeof shape);
+    wshape[rank - 1] = r->k.shape[r->k.rank - 2];
+    if ((st = make_output(&r->out, r->q.dtype, rank, shape)) != ATTN_OK ||
+        (a->weights && (st = make_output(&r->w, r->q.dtype, rank, wshape)) != ATTN_OK) ||
+        (a->lse && (st = make_output(&r->lse, r->q.dtype, rank - 1, shape)) != ATTN_OK))
+        return cli_fail("allocating outputs", st);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    st = attn_sdpa(&r->q, &r->k, &r->v, &a->params, &r->out, a->weights ? &r->w : NULL,
+                   a->lse ? &r->lse : NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    r->ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
+    return st == ATTN_OK ? CLI_OK : cli_fail("sdpa", st);
+}
+
+/* Resolves the output files before any work, so that a missing folder or
+ * two options naming one file fail at once. */
+static int add_outputs(const sdpa_args *a) {
+    int rc = outputs_add("-o", a->out);
+    if (rc == CLI_OK && a->weights) rc = outputs_add("--weights", a->weights);
+    if (rc == CLI_OK && a->lse) rc = outputs_add("--lse", a->lse);
+    return rc;
+}
+
+/* All outputs or none: each is staged in full before any is renamed. */
+static int write_outputs(const sdpa_run *r) {
+    int rc = outputs_stage("-o", &r->out);
+    if (rc == CLI_OK) rc = outputs_stage("--weights", &r->w);
+    if (rc == CLI_OK) rc = outputs_stage("--lse", &r->lse);
+    return rc == CLI_OK ? outputs_commit() : rc;
+}
+
 int cli_sdpa(int argc, char **argv) {
     sdpa_args a;
     int rc = parse_args(argc, argv, &a);
+    if (rc == PARSED_HELP) {
+        printf("usage: attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n\n%s",
+               cli_sdpa_options);
+        return CLI_OK;
+    }
     if (rc != CLI_OK) return rc;
     if (a.threads > 0) attn_set_num_threads(a.threads);
-
-    attn_tensor q = {0}, k = {0}, v = {0}, mask = {0}, out = {0}, w = {0}, lse = {0};
-    attn_status st;
-    rc = CLI_OK;
-    const char *what = NULL;
-    if ((st = attn_npy_load(a.q, &q)) != ATTN_OK) what = "reading -q";
-    else if ((st = attn_npy_load(a.k, &k)) != ATTN_OK) what = "reading -k";
-    else if ((st = attn_npy_load(a.v, &v)) != ATTN_OK) what = "reading -v";
-    else if (a.mask && (st = attn_npy_load(a.mask, &mask)) != ATTN_OK) what = "reading --mask";
-    if (what == NULL) {
-        if (a.mask) a.params.attn_mask = &mask;
-        int rank;
-        int64_t shape[ATTN_MAX_RANK];
-        if ((st = attn_sdpa_out_shape(&q, &k, &v, &a.params, &rank, shape)) != ATTN_OK) {
-            what = "sdpa";
-        } else {
-            int64_t wshape[ATTN_MAX_RANK];
-            memcpy(wshape, shape, sizeof shape);
-            wshape[rank - 1] = k.shape[k.rank - 2];
-            if ((st = make_output(&out, q.dtype, rank, shape)) != ATTN_OK ||
-                (a.weights && (st = make_output(&w, q.dtype, rank, wshape)) != ATTN_OK) ||
-                (a.lse && (st = make_output(&lse, q.dtype, rank - 1, shape)) != ATTN_OK))
-                what = "allocating outputs";
-        }
-    }
-    double ms = 0;
-    if (what == NULL) {
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        st = attn_sdpa(&q, &k, &v, &a.params, &out, a.weights ? &w : NULL, a.lse ? &lse : NULL);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
-        if (st != ATTN_OK) what = "sdpa";
-    }
-    if (what == NULL && (st = attn_npy_save(a.out, &out)) != ATTN_OK) what = "writing -o";
-    if (what == NULL && a.weights && (st = attn_npy_save(a.weights, &w)) != ATTN_OK)
-        what = "writing --weights";
-    if (what == NULL && a.lse && (st = attn_npy_save(a.lse, &lse)) != ATTN_OK)
-        what = "writing --lse";
-    if (what != NULL) {
-        rc = cli_fail(what, st);
-    } else {
+    sdpa_run r;
+    memset(&r, 0, sizeof r);
+    rc = add_outputs(&a);
+    if (rc == CLI_OK) rc = load_inputs(&a, &r);
+    if (rc == CLI_OK) rc = compute(&a, &r);
+    if (rc == CLI_OK) rc = write_outputs(&r);
+    if (rc != CLI_OK) outputs_abort(); /* removes any temporary */
+    if (rc == CLI_OK) {
         char sq[96], sk[96], sv[96], so[96];
         printf("sdpa: q%s k%s v%s -> out%s %s, %s path, %d threads, %.3f ms -> %s\n",
-               cli_shape(&q, sq, sizeof sq), cli_shape(&k, sk, sizeof sk),
-               cli_shape(&v, sv, sizeof sv), cli_shape(&out, so, sizeof so),
-               attn_dtype_name(out.dtype), attn_isa_name(attn_get_isa()),
-               attn_get_num_threads(), ms, a.out);
+               cli_shape(&r.q, sq, sizeof sq), cli_shape(&r.k, sk, sizeof sk),
+               cli_shape(&r.v, sv, sizeof sv), cli_shape(&r.out, so, sizeof so),
+               attn_dtype_name(r.out.dtype), attn_isa_name(attn_get_isa()),
+               attn_get_num_threads(), r.ms, a.out);
     }
-    attn_npy_free(&q);
-    attn_npy_free(&k);
-    attn_npy_free(&v);
-    attn_npy_free(&mask);
-    free(out.data);
-    free(w.data);
-    free(lse.data);
+    attn_npy_free(&r.q);
+    attn_npy_free(&r.k);
+    attn_npy_free(&r.v);
+    attn_npy_free(&r.mask);
+    free(r.out.data);
+    free(r.w.data);
+    free(r.lse.data);
     return rc;
 }

@@ -23,6 +23,20 @@ attn_status attn__fail(attn_status status, const char *fmt, ...)
     ;
 /* Clears the thread's message at the start of a public call. */
 void attn__clear_error(void);
+/* Puts `prefix` in front of the thread's message (which it may quote). */
+attn_status attn__prefix_error(attn_status status, const char *prefix);
+
+enum {
+    /* Bytes a message holds, its NUL included. */
+    ATTN__MESSAGE_SIZE = 8192,
+    /* Bytes a path may take in a message: any path the system accepts
+     * (PATH_MAX is 4096 on Linux) shows whole, and the reason after it
+     * always fits. */
+    ATTN__MESSAGE_PATH = 4200
+};
+/* `path` for a message: itself when it fits in ATTN__MESSAGE_PATH bytes,
+ * else its start and end around "...", written to buf. */
+const char *attn__message_path(const char *path, char buf[ATTN__MESSAGE_PATH]);
 
 /* ---- memory (alloc.c) ---- */
 

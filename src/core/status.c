@@ -1,6 +1,7 @@
 /* status.c — version, status strings and the per-thread error message. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -28,7 +29,7 @@ const char *attn_strerror(attn_status status) {
 /* One message per thread: concurrent calls never see each other's errors. */
 /* Room for a message that quotes a full path (PATH_MAX is 4096 on Linux)
  * and still says what went wrong after it. */
-static _Thread_local char last_error[8192];
+static _Thread_local char last_error[ATTN__MESSAGE_SIZE];
 
 const char *attn_last_error(void) { return last_error; }
 
@@ -40,4 +41,21 @@ attn_status attn__fail(attn_status status, const char *fmt, ...) {
     vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
     return status;
+}
+
+attn_status attn__prefix_error(attn_status status, const char *prefix) {
+    size_t n = strlen(prefix), len = strlen(last_error);
+    if (n > sizeof last_error - 1) n = sizeof last_error - 1;
+    if (len > sizeof last_error - 1 - n) len = sizeof last_error - 1 - n;
+    memmove(last_error + n, last_error, len);
+    memcpy(last_error, prefix, n);
+    last_error[n + len] = '\0';
+    return status;
+}
+
+const char *attn__message_path(const char *path, char buf[ATTN__MESSAGE_PATH]) {
+    const size_t len = strlen(path), keep = (ATTN__MESSAGE_PATH - 4) / 2;
+    if (len < ATTN__MESSAGE_PATH) return path;
+    snprintf(buf, ATTN__MESSAGE_PATH, "%.*s...%s", (int)keep, path, path + len - keep + 1);
+    return buf;
 }

@@ -13,6 +13,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* fstat, fileno */
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -277,100 +278,87 @@ attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out) {
     return decode_data(&info, (const unsigned char *)bytes + offset, out);
 }
 
+/* Reads the first min(file size, limit) bytes of a regular file into *buf
+ * (the caller frees it with attn__free). */
+static attn_status read_start(const char *path, size_t limit, unsigned char **buf, size_t *got) {
+    char shown[ATTN__MESSAGE_PATH]; /* a path too long to quote whole */
+    *buf = NULL;
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return attn__fail(ATTN_ERR_IO, "cannot open '%s': %s", attn__message_path(path, shown),
+                          strerror(errno));
+    attn_status st = ATTN_OK;
+    struct stat info;
+    long long file_size = -1;
+    if (fstat(fileno(f), &info) == 0 && S_ISREG(info.st_mode)) file_size = info.st_size;
+    if (file_size < 0) {
+        st = attn__fail(ATTN_ERR_IO, "cannot read '%s': not a regular file",
+                        attn__message_path(path, shown));
+    } else {
+        /* The file's own size bounds every allocation: a hostile header
+         * length can at most make the parse fail, never size a buffer. */
+        size_t want = (size_t)file_size < limit ? (size_t)file_size : limit;
+        *buf = attn__alloc(want > 0 ? want : 1);
+        if (*buf == NULL) {
+            st = ATTN_ERR_NOMEM;
+        } else if (fread(*buf, 1, want, f) != want) {
+            st = attn__fail(ATTN_ERR_IO, "cannot read '%s': %s", attn__message_path(path, shown),
+                            ferror(f) ? strerror(errno) : "file shrank while reading");
+        }
+        *got = want;
+    }
+    fclose(f);
+    if (st != ATTN_OK) {
+        attn__free(*buf);
+        *buf = NULL;
+    }
+    return st;
+}
+
+/* "PATH: " before the parser's message. */
+static attn_status name_the_file(attn_status st, const char *path) {
+    char shown[ATTN__MESSAGE_PATH];
+    attn__prefix_error(st, ": ");
+    return attn__prefix_error(st, attn__message_path(path, shown));
+}
+
 attn_status attn_npy_load(const char *path, attn_tensor *out) {
     attn__clear_error();
     if (out == NULL) return attn__fail(ATTN_ERR_NULL, "out is NULL");
     memset(out, 0, sizeof *out);
     if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) return attn__fail(ATTN_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    attn_status st = ATTN_OK;
-    unsigned char *buf = NULL;
-    struct stat info;
-    long long file_size = -1;
-    if (fstat(fileno(f), &info) == 0 && S_ISREG(info.st_mode)) file_size = info.st_size;
-    if (file_size < 0) {
-        st = attn__fail(ATTN_ERR_IO, "cannot read '%s': not a regular file", path);
-    } else {
-        /* The file's own size bounds every allocation: a hostile header
-         * length can at most make the parse fail, never size a buffer. */
-        size_t want = (size_t)file_size;
-        buf = attn__alloc(want > 0 ? want : 1);
-        if (buf == NULL) {
-            st = ATTN_ERR_NOMEM;
-        } else {
-            if (fread(buf, 1, want, f) != want)
-                st = attn__fail(ATTN_ERR_IO, "cannot read '%s': %s", path,
-                                ferror(f) ? strerror(errno) : "file shrank while reading");
-            if (st == ATTN_OK) {
-                st = attn_npy_parse(buf, want, out);
-                if (st != ATTN_OK) {
-                    char msg[512];
-                    snprintf(msg, sizeof msg, "%s", attn_last_error());
-                    attn__fail(st, "%s: %s", path, msg);
-                }
-            }
-        }
-    }
+    unsigned char *buf;
+    size_t size = 0;
+    attn_status st = read_start(path, SIZE_MAX, &buf, &size);
+    if (st == ATTN_OK && (st = attn_npy_parse(buf, size, out)) != ATTN_OK)
+        name_the_file(st, path);
     attn__free(buf);
-    fclose(f);
     return st;
+}
+
+attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, int *rank,
+                                 int64_t shape[ATTN_MAX_RANK]) {
+    attn__clear_error();
+    if (path == NULL || dtype == NULL || rank == NULL || shape == NULL)
+        return attn__fail(ATTN_ERR_NULL, "%s is NULL",
+                          !path ? "path" : !dtype ? "dtype" : !rank ? "rank" : "shape");
+    unsigned char *buf;
+    size_t size = 0, offset = 0;
+    /* Magic, version and length (at most 12 bytes), then the header. */
+    attn_status st = read_start(path, 12 + (size_t)MAX_HEADER, &buf, &size);
+    npy_info info;
+    if (st == ATTN_OK && (st = parse_preamble(buf, size, &info, &offset)) != ATTN_OK)
+        name_the_file(st, path);
+    attn__free(buf);
+    if (st != ATTN_OK) return st;
+    *dtype = info.dtype;
+    *rank = info.rank;
+    memcpy(shape, info.shape, sizeof(int64_t) * (size_t)info.rank);
+    return ATTN_OK;
 }
 
 void attn_npy_free(attn_tensor *t) {
     if (t == NULL) return;
     attn__free(t->data);
     memset(t, 0, sizeof *t);
-}
-
-attn_status attn_npy_save(const char *path, const attn_tensor *t) {
-    attn__clear_error();
-    if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
-    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
-    if (st != ATTN_OK) return st;
-    const char *descr = t->dtype == ATTN_DTYPE_F32   ? "<f4"
-                        : t->dtype == ATTN_DTYPE_F64 ? "<f8"
-                                                     : "|b1";
-    char dict[512], shape[256];
-    attn__shape_str(shape, sizeof shape, t->rank, t->shape);
-    int n = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
-                     descr, shape);
-    /* Pad with spaces so the data starts on a 64-byte boundary; end with \n. */
-    size_t total = 10 + (size_t)n + 1;
-    size_t pad = (64 - total % 64) % 64;
-    size_t hlen = (size_t)n + pad + 1;
-    unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (unsigned char)(hlen & 0xff),
-                             (unsigned char)(hlen >> 8)};
-    FILE *f = fopen(path, "wb");
-    if (f == NULL) return attn__fail(ATTN_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
-    bool ok = fwrite(pre, 1, sizeof pre, f) == sizeof pre &&
-              fwrite(dict, 1, (size_t)n, f) == (size_t)n;
-    for (size_t i = 0; ok && i < pad; i++) ok = fputc(' ', f) != EOF;
-    ok = ok && fputc('\n', f) != EOF;
-    /* Elements in C order through the strides, little-endian, buffered. */
-    size_t es = attn_dtype_size(t->dtype);
-    unsigned char chunk[1 << 14];
-    size_t used = 0;
-    int64_t numel = attn_tensor_numel(t), idx[ATTN_MAX_RANK] = {0};
-    const bool big = *(const unsigned char *)&(uint16_t){1} == 0;
-    for (int64_t i = 0; ok && i < numel; i++) {
-        int64_t off = 0;
-        for (int d = 0; d < t->rank; d++) off += idx[d] * t->strides[d];
-        const unsigned char *src = (const unsigned char *)t->data + off * (int64_t)es;
-        for (size_t k = 0; k < es; k++) chunk[used + k] = src[big ? es - 1 - k : k];
-        if (t->dtype == ATTN_DTYPE_BOOL) chunk[used] = chunk[used] != 0;
-        used += es;
-        if (used + 8 > sizeof chunk) {
-            ok = fwrite(chunk, 1, used, f) == used;
-            used = 0;
-        }
-        for (int d = t->rank - 1; d >= 0; d--) {
-            if (++idx[d] < t->shape[d]) break;
-            idx[d] = 0;
-        }
-    }
-    if (ok && used > 0) ok = fwrite(chunk, 1, used, f) == used;
-    if (fclose(f) != 0) ok = false;
-    if (!ok) return attn__fail(ATTN_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
-    return ATTN_OK;
 }

@@ -3,9 +3,20 @@
  * .npy files (compared with the library), --help/--version, and exit codes
  * 0 / 1 / 2 with the library's message on stderr.
  */
-#define _POSIX_C_SOURCE 200809L /* popen, mkdtemp */
+#define _GNU_SOURCE /* popen, mkdtemp, symlink, RLIMIT_FSIZE, mount */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/mount.h>
+#endif
 
 #include "testutil.h"
 
@@ -19,6 +30,18 @@ static char dir[64];
 static int run(const char *args, char *buf, size_t size) {
     char cmd[2048];
     snprintf(cmd, sizeof cmd, "cd %s && '%s' %s 2>&1", dir, ATTN_CLI, args);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(buf, 1, size - 1, p) : 0;
+    buf[n] = '\0';
+    int status = p ? pclose(p) : -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* The same with stdout going to /dev/full (every write fails with ENOSPC);
+ * buf gets stderr. */
+static int run_to_full(const char *args, char *buf, size_t size) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "cd %s && '%s' %s 2>&1 >/dev/full", dir, ATTN_CLI, args);
     FILE *p = popen(cmd, "r");
     size_t n = p ? fread(buf, 1, size - 1, p) : 0;
     buf[n] = '\0';
@@ -85,17 +108,20 @@ static void sdpa_on_files(void) {
     p.seed = 17;
     CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, &p, &o.t, &w.t, &l.t));
     static char log[8192];
-    int rc = run("sdpa -q q.npy -k k.npy -v v.npy --mask m.npy --causal=bottom-right --gqa "
-                 "--scale -0.25 --dropout 0.2 --seed 17 -o o.npy --weights w.npy --lse l.npy "
-                 "--threads 2",
-                 log, sizeof log);
+    char args[512];
+    snprintf(args, sizeof args,
+             "sdpa -q q.npy -k k.npy -v v.npy --mask m.npy --causal=bottom-right --gqa "
+             "--scale -0.25 --dropout 0.2 --seed 17 -o o.npy --weights w.npy --lse l.npy "
+             "--threads %d", /* 1 in a build without OpenMP */
+             attn_max_threads() < 2 ? 1 : 2);
+    int rc = run(args, log, sizeof log);
     CHECK(rc == 0, "sdpa exited %d:\n%s", rc, log);
     CHECK(strstr(log, "sdpa: q(2, 4, 5, 8) k(2, 2, 7, 8) v(2, 2, 7, 3) -> out(2, 4, 5, 3)") != NULL,
           "summary line: %s", log);
     const char *names[3] = {"o.npy", "w.npy", "l.npy"};
     test_tensor *want[3] = {&o, &w, &l};
+    char path[256];
     for (int i = 0; i < 3; i++) {
-        char path[256];
         snprintf(path, sizeof path, "%s/%s", dir, names[i]);
         attn_tensor got;
         CHECK_OK(attn_npy_load(path, &got));
@@ -107,15 +133,21 @@ static void sdpa_on_files(void) {
         }
         attn_npy_free(&got);
     }
-    /* Default output name. */
-    CHECK(run("sdpa -q q.npy -k k.npy -v v.npy --gqa --causal", log, sizeof log) == 0, "%s", log);
-    CHECK(strstr(log, "-> out.npy") != NULL, "default -o is out.npy: %s", log);
+    /* Issue 9: without -o the tool silently wrote ./out.npy. */
+    rc = run("sdpa -q q.npy -k k.npy -v v.npy --gqa --causal", log, sizeof log);
+    CHECK(rc == 2 && strstr(log, "-o") != NULL, "no -o: %d %s", rc, log);
+    snprintf(path, sizeof path, "%s/out.npy", dir);
+    CHECK(access(path, F_OK) != 0, "out.npy was written");
     test_tensor *all[] = {&q, &k, &v, &m, &o, &w, &l};
     for (int i = 0; i < 7; i++) tt_free(all[i]);
 }
 
 static void exit_codes(void) {
     static char log[8192];
+    char sub[128], link[128];
+    snprintf(sub, sizeof sub, "%s/sub", dir);
+    snprintf(link, sizeof link, "%s/link.npy", dir);
+    CHECK(mkdir(sub, 0700) == 0 && symlink("o.npy", link) == 0, "setup");
     CHECK(run("--help", log, sizeof log) == 0 && strstr(log, "usage: attn") != NULL, "--help");
     CHECK(run("--version", log, sizeof log) == 0 && strstr(log, ATTN_VERSION_STRING) != NULL,
           "--version");
@@ -127,18 +159,46 @@ static void exit_codes(void) {
     } cases[] = {
         {"bogus", 2, "unknown command"},
         {"sdpa -q q.npy -k k.npy", 2, "required"},
-        {"sdpa -q q.npy -k k.npy -v v.npy --frobnicate", 2, "unknown option"},
-        {"sdpa -q q.npy -k k.npy -v v.npy --scale abc", 2, "--scale"},
-        {"sdpa -q q.npy -k k.npy -v v.npy --dropout 0.5", 2, "--seed"},
-        {"sdpa -q q.npy -k k.npy -v v.npy --dropout 2 --seed 1", 2, "probability"},
-        {"sdpa -q q.npy -k k.npy -v v.npy --threads 0", 2, "--threads"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --frobnicate", 2, "unknown option"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --scale abc", 2, "--scale"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 0.5", 2, "--seed"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 2 --seed 1", 2, "probability"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --threads 0", 2, "--threads"},
         {"sdpa -q q.npy -k k.npy -v", 2, "needs a value"},
-        {"sdpa -q missing.npy -k k.npy -v v.npy", 1, "missing.npy"},
-        {"sdpa -q q.npy -k k.npy -v v.npy", 1, "enable_gqa"}, /* 4 vs 2 heads without --gqa */
-        {"sdpa -q q.npy -k k.npy -v v.npy --gqa --mask q.npy", 1, "attn_mask"},
-        {"sdpa -q m.npy -k k.npy -v v.npy", 1, "float32 or float64"},
+        {"sdpa -q missing.npy -k k.npy -v v.npy -o o.npy", 1, "missing.npy"},
+        /* 4 vs 2 heads without --gqa */
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy", 1, "enable_gqa"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa --mask q.npy -o o.npy", 1, "attn_mask"},
+        {"sdpa -q m.npy -k k.npy -v v.npy -o o.npy", 1, "float32 or float64"},
         {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o /nonexistent/o.npy", 1, "/nonexistent/o.npy"},
         {"demo extra", 2, "no arguments"},
+        /* Issue 9: two outputs to one file kept only the last. */
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o same.npy --weights same.npy", 2,
+         "-o and --weights"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o x.npy --lse sub/../x.npy", 2,
+         "-o and --lse"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --weights link.npy", 2,
+         "-o and --weights"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --weights w.npy --lse ./w.npy", 2,
+         "--weights and --lse"},
+        /* Issue 9: messages that named the wrong thing, values refused or
+         * taken wrongly. */
+        {"info extra", 2, "info takes no arguments"},
+        {"sdpa --help", 0, "usage: attn sdpa"},
+        {"sdpa -q q.npy -h", 0, "-o OUT.npy"},
+        {"help", 0, "usage: attn"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale 1e-310", 0, "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --dropout 1e-320 --seed 1", 0,
+         "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale 0", 0, "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale 1e-400", 2, "--scale"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --scale -1e400", 2, "--scale"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 0.1 --seed ' -1'", 2, "--seed"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 0.1 --seed '\t-1'", 2, "--seed"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --dropout 0.1 --seed -0", 2, "--seed"},
+        {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --dropout 0.1 "
+         "--seed 18446744073709551615", 0, "-> o.npy"},
+        {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy --threads ' -1'", 2, "--threads"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int rc = run(cases[i].args, log, sizeof log);
@@ -147,6 +207,36 @@ static void exit_codes(void) {
         CHECK(strstr(log, cases[i].needle) != NULL, "attn %s: message lacks '%s':\n%s",
               cases[i].args, cases[i].needle, log);
     }
+    /* Issue 9: a 0-d input was reported as "rank 1", the shape it loads as. */
+    char scalar[512];
+    size_t n = 0;
+    snprintf(scalar, sizeof scalar, "%s/npy/f64_scalar.npy", ATTN_TEST_DATA);
+    unsigned char *bytes = tt_read_file(scalar, &n);
+    snprintf(scalar, sizeof scalar, "%s/scalar.npy", dir);
+    CHECK(bytes != NULL && tt_write_file(scalar, bytes, n) == 0, "copying f64_scalar.npy");
+    free(bytes);
+    int rc0 = run("sdpa -q scalar.npy -k k.npy -v v.npy -o o.npy", log, sizeof log);
+    CHECK(rc0 == 1 && strstr(log, "-q") && strstr(log, "rank 0") && !strstr(log, "rank 1"),
+          "0-d -q: %d %s", rc0, log);
+    /* Issue 9: --threads above attn_max_threads() was clamped silently. */
+    char args[256], bound[32];
+    snprintf(args, sizeof args, "sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --threads %d",
+             attn_max_threads() + 1);
+    snprintf(bound, sizeof bound, "%d", attn_max_threads());
+    rc0 = run(args, log, sizeof log);
+    CHECK(rc0 == 2 && strstr(log, "--threads") && strstr(log, bound), "--threads max+1: %d %s",
+          rc0, log);
+    snprintf(args, sizeof args, "sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy --threads %d",
+             attn_max_threads());
+    CHECK(run(args, log, sizeof log) == 0, "--threads max: %s", log);
+    /* Issue 9: a failed write to stdout exited 0. */
+    const char *to_full[] = {"info", "--help", "--version", "sdpa --help",
+                             "sdpa -q q.npy -k k.npy -v v.npy --gqa -o o.npy"};
+    for (int i = 0; i < 5; i++) {
+        rc0 = run_to_full(to_full[i], log, sizeof log);
+        CHECK(rc0 == 1 && strstr(log, "standard output") && strstr(log, strerror(ENOSPC)),
+              "attn %s >/dev/full: exit %d, stderr: %s", to_full[i], rc0, log);
+    }
     /* A malformed .npy is a runtime error with the parser's message. */
     char path[256];
     snprintf(path, sizeof path, "%s/bad.npy", dir);
@@ -154,15 +244,235 @@ static void exit_codes(void) {
     static const char bad[] = "\x93NUMPY\x01\x00\x10\x00{'descr': '<f4'";
     fwrite(bad, 1, sizeof bad - 1, f);
     fclose(f);
-    int rc = run("sdpa -q bad.npy -k k.npy -v v.npy", log, sizeof log);
+    int rc = run("sdpa -q bad.npy -k k.npy -v v.npy -o o.npy", log, sizeof log);
     CHECK(rc == 1 && strstr(log, "bad.npy") && strstr(log, "truncated"), "bad.npy: %d %s", rc, log);
+}
+
+/* ---- what a failed or interrupted run leaves on disk ---- */
+
+/* Starts `attn args...` in folder cwd with stdout and stderr in log_path.
+ * fsize_limit > 0 caps the size of files it writes (EFBIG, as a full disk
+ * gives ENOSPC). */
+static pid_t spawn(const char *cwd, const char *const *args, long fsize_limit,
+                   const char *log_path) {
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    int fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (chdir(cwd) != 0 || fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(126);
+    /* The test's own dispositions must not leak in (a shell may ignore SIGINT). */
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    if (fsize_limit > 0) {
+        struct rlimit lim = {(rlim_t)fsize_limit, (rlim_t)fsize_limit};
+        signal(SIGXFSZ, SIG_IGN);
+        setrlimit(RLIMIT_FSIZE, &lim);
+    }
+    char *argv[32] = {(char *)ATTN_CLI};
+    for (int i = 0; args[i] != NULL && i < 30; i++) argv[i + 1] = (char *)args[i];
+    execv(ATTN_CLI, argv);
+    _exit(127);
+}
+
+/* The exit code, or -signal when it died of one. */
+static int wait_for(pid_t pid) {
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? -WTERMSIG(status) : -999;
+}
+
+static void save_vector(const char *path, attn_dtype dtype, int64_t L, int64_t E, rng *r) {
+    const int64_t shape[4] = {1, 1, L, E};
+    test_tensor x;
+    tt_make(&x, r, dtype, 4, shape, LAYOUT_CONTIGUOUS, 1, 0);
+    CHECK_OK(attn_npy_save(path, &x.t));
+    tt_free(&x);
+}
+
+/* Both files hold what they held before, and the folder holds only them. */
+static void check_untouched(const char *folder, const char *what) {
+    char names[512], path[256];
+    const char *old[2] = {"old o", "old w"}, *name[2] = {"o.npy", "w.npy"};
+    for (int i = 0; i < 2; i++) {
+        size_t n = 0;
+        snprintf(path, sizeof path, "%s/%s", folder, name[i]);
+        unsigned char *now = tt_read_file(path, &n);
+        CHECK(now != NULL && n == 5 && memcmp(now, old[i], 5) == 0,
+              "%s: %s changed (%zu bytes now)", what, name[i], n);
+        free(now);
+    }
+    CHECK(tt_list_dir(folder, names, sizeof names) == 2 && strcmp(names, "o.npy w.npy") == 0,
+          "%s: the folder holds %s", what, names);
+}
+
+static void make_old_outputs(const char *folder) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/o.npy", folder);
+    CHECK(tt_write_file(path, "old o", 5) == 0, "writing %s", path);
+    snprintf(path, sizeof path, "%s/w.npy", folder);
+    CHECK(tt_write_file(path, "old w", 5) == 0, "writing %s", path);
+}
+
+/* Issue 9: outputs were written one at a time, in place. A full disk left a
+ * truncated --weights; -o was already replaced when --weights failed. Now
+ * every output goes to a temporary first and none is renamed unless all are
+ * complete. The full disk is a 64 KiB tmpfs when the test may mount one,
+ * and always a 64 KiB file-size limit (EFBIG). */
+static void failed_run_writes_nothing(void) {
+    rng r = {harness_seed() ^ 0x3131};
+    char folder[128], path[256], log_path[128];
+    snprintf(path, sizeof path, "%s/fq.npy", dir);
+    save_vector(path, ATTN_DTYPE_F32, 160, 4, &r); /* weights (1, 1, 160, 160): 100 KiB */
+    snprintf(path, sizeof path, "%s/fv.npy", dir);
+    save_vector(path, ATTN_DTYPE_F32, 160, 2, &r); /* out: 1.4 KiB */
+    snprintf(folder, sizeof folder, "%s/full", dir);
+    snprintf(log_path, sizeof log_path, "%s/full.log", dir);
+    const char *args[] = {"sdpa", "-q", "../fq.npy", "-k", "../fq.npy", "-v", "../fv.npy",
+                          "-o", "o.npy", "--weights", "w.npy", NULL};
+    for (int variant = 0; variant < 2; variant++) {
+        CHECK(mkdir(folder, 0700) == 0, "mkdir %s", folder);
+        bool mounted = false;
+#ifdef __linux__
+        if (variant == 0) mounted = mount("tmpfs", folder, "tmpfs", 0, "size=64k") == 0;
+#endif
+        if (variant == 0 && !mounted) {
+            printf("  a 64 KiB tmpfs: skipped, cannot mount (%s)\n", strerror(errno));
+            rmdir(folder);
+            continue;
+        }
+        make_old_outputs(folder);
+        int rc = wait_for(spawn(folder, args, mounted ? 0 : 64 * 1024, log_path));
+        size_t n = 0;
+        char *log = (char *)tt_read_file(log_path, &n);
+        const char *reason = strerror(mounted ? ENOSPC : EFBIG);
+        CHECK(rc == 1 && log && strstr(log, "--weights") && strstr(log, reason),
+              "%s: exit %d, log: %.*s", reason, rc, (int)n, log ? log : "");
+        free(log);
+        check_untouched(folder, reason);
+#ifdef __linux__
+        if (mounted) CHECK(umount(folder) == 0, "umount %s: %s", folder, strerror(errno));
+#endif
+        tt_remove_tree(folder);
+    }
+    /* An output whose folder is missing fails before anything is written. */
+    static char log[8192];
+    snprintf(path, sizeof path, "%s/fq.npy", dir);
+    size_t before_n = 0, after_n = 0;
+    unsigned char *before = tt_read_file(path, &before_n);
+    int rc = run("sdpa -q fq.npy -k fq.npy -v fv.npy -o fq.npy --weights nodir/w.npy", log,
+                 sizeof log);
+    CHECK(rc == 1 && strstr(log, "--weights") && strstr(log, "nodir/w.npy") &&
+              strstr(log, strerror(ENOENT)),
+          "nodir: %d %s", rc, log);
+    unsigned char *after = tt_read_file(path, &after_n);
+    CHECK(before && after && before_n == after_n && memcmp(before, after, before_n) == 0,
+          "fq.npy (-q and -o) changed though the run failed");
+    free(before);
+    free(after);
+}
+
+/* Issue 9: SIGINT/SIGTERM during a large --weights write left a file whose
+ * header promised more than it held. The signal must leave no output and
+ * no temporary: the tool removes its temporaries, then dies of the signal. */
+static void signal_during_write_leaves_nothing(void) {
+    rng r = {harness_seed() ^ 0x5151};
+    char folder[128], path[256], log_path[128];
+    snprintf(path, sizeof path, "%s/sq.npy", dir);
+    save_vector(path, ATTN_DTYPE_F64, 4096, 1, &r); /* weights: 4096 x 4096 float64, 128 MiB */
+    snprintf(folder, sizeof folder, "%s/sig", dir);
+    snprintf(log_path, sizeof log_path, "%s/sig.log", dir);
+    const char *args[] = {"sdpa", "-q", "../sq.npy", "-k", "../sq.npy", "-v", "../sq.npy",
+                          "-o", "o.npy", "--weights", "w.npy", NULL};
+    const int sigs[2] = {SIGTERM, SIGINT};
+    for (int i = 0; i < 2; i++) {
+        CHECK(mkdir(folder, 0700) == 0, "mkdir %s", folder);
+        make_old_outputs(folder);
+        pid_t pid = spawn(folder, args, 0, log_path);
+        /* Signal once some file in the folder has passed 1 MiB: the
+         * weights are being written. */
+        bool sent = false, ended = false;
+        int status = 0;
+        const time_t deadline = time(NULL) + 120;
+        while (!sent && !ended && time(NULL) < deadline) {
+            ended = waitpid(pid, &status, WNOHANG) == pid;
+            DIR *d = opendir(folder);
+            for (struct dirent *e; d != NULL && !sent && (e = readdir(d)) != NULL;) {
+                struct stat st;
+                char entry[512];
+                snprintf(entry, sizeof entry, "%s/%s", folder, e->d_name);
+                if (!ended && stat(entry, &st) == 0 && S_ISREG(st.st_mode) &&
+                    st.st_size > (1 << 20))
+                    sent = kill(pid, sigs[i]) == 0;
+            }
+            if (d != NULL) closedir(d);
+            nanosleep(&(struct timespec){0, 500000}, NULL);
+        }
+        if (!ended && !sent) kill(pid, SIGKILL);
+        int rc = ended ? (WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status))
+                       : wait_for(pid);
+        CHECK(sent && rc == -sigs[i], "signal %d: sent %d, the tool ended with %d", sigs[i], sent,
+              rc);
+        check_untouched(folder, strsignal(sigs[i]));
+        tt_remove_tree(folder);
+    }
+}
+
+/* Issue 9: messages were cut at 512 bytes, so a long path hid the reason.
+ * A 4000-byte path (nested folders) must show with its reason, and one
+ * longer than PATH_MAX must still name its reason. */
+static void long_paths_keep_the_reason(void) {
+    static char rel[4200], full[4300], arg[12000], log_path[128];
+    size_t used = (size_t)snprintf(rel, sizeof rel, "long");
+    for (;;) { /* rel: long/000...0/000...0/..., about 4000 bytes */
+        snprintf(full, sizeof full, "%s/%s", dir, rel);
+        CHECK(mkdir(full, 0700) == 0, "mkdir: %s", strerror(errno));
+        if (used > 3900) break;
+        used += (size_t)snprintf(rel + used, sizeof rel - used, "/%0100d", 0);
+    }
+    snprintf(arg, sizeof arg, "%s/bad.npy", full);
+    CHECK(tt_write_file(arg, "\x93NUMPY\x01\x00\x10\x00{", 11) == 0, "writing bad.npy");
+    snprintf(log_path, sizeof log_path, "%s/long.log", dir);
+    struct {
+        const char *option, *name, *reason;
+    } cases[] = {
+        {"-q", "/bad.npy", "truncated"},
+        {"-o", "/nodir/o.npy", NULL}, /* strerror(ENOENT) */
+        {"-o", NULL, NULL},           /* a 9000-byte name: strerror(ENAMETOOLONG) */
+    };
+    for (int i = 0; i < 3; i++) {
+        if (cases[i].name != NULL) {
+            snprintf(arg, sizeof arg, "%s%s", rel, cases[i].name);
+        } else {
+            memset(arg, 'a', 9000);
+            arg[9000] = '\0';
+        }
+        const char *reason = cases[i].reason ? cases[i].reason
+                             : cases[i].name ? strerror(ENOENT)
+                                             : strerror(ENAMETOOLONG);
+        const char *args[] = {"sdpa", "-q", i == 0 ? arg : "q.npy", "-k", "k.npy", "-v", "v.npy",
+                              "--gqa", "-o", i == 0 ? "o.npy" : arg, NULL};
+        int rc = wait_for(spawn(dir, args, 0, log_path));
+        size_t n = 0;
+        char *log = (char *)tt_read_file(log_path, &n);
+        CHECK(rc == 1 && log && strstr(log, reason) && strstr(log, cases[i].option),
+              "%s %zu-byte path: exit %d, %zu bytes of stderr, the last: %s", cases[i].option,
+              strlen(arg), rc, n, log && n > 100 ? log + n - 100 : log ? log : "");
+        if (cases[i].name != NULL)
+            CHECK(log && strstr(log, arg), "%s: stderr lacks the whole path", cases[i].option);
+        free(log);
+    }
 }
 
 int main(int argc, char **argv) {
     snprintf(dir, sizeof dir, "/tmp/attn_cli_XXXXXX");
     if (mkdtemp(dir) == NULL) return 1;
-    static const harness_test tests[] = {T(demo), T(sdpa_on_files), T(exit_codes)};
-    int rc = harness_main(argc, argv, tests, 3);
+    static const harness_test tests[] = {T(demo), T(sdpa_on_files), T(exit_codes),
+                                         T(failed_run_writes_nothing),
+                                         T(signal_during_write_leaves_nothing),
+                                         T(long_paths_keep_the_reason)};
+    int rc = harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);

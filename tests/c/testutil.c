@@ -1,4 +1,9 @@
 /* testutil.c — see testutil.h. */
+#define _XOPEN_SOURCE 700 /* nftw, strdup */
+#include <dirent.h>
+#include <ftw.h>
+#include <sys/stat.h>
+
 #include "testutil.h"
 
 static int64_t numel(int rank, const int64_t *shape) {
@@ -318,3 +323,64 @@ double max_abs_diff(const double *a, const double *b, int64_t n) {
     }
     return m;
 }
+
+/* ---- files ---- */
+
+static int compare_names(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+int tt_list_dir(const char *dir, char *buf, size_t size) {
+    DIR *d = opendir(dir);
+    if (d == NULL) return -1;
+    char *names[256];
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (n < 256) names[n] = strdup(e->d_name);
+        n++;
+    }
+    closedir(d);
+    const int kept = n < 256 ? n : 256;
+    qsort(names, (size_t)kept, sizeof names[0], compare_names);
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < kept; i++) {
+        if (used < size)
+            used += (size_t)snprintf(buf + used, size - used, i ? " %s" : "%s", names[i]);
+        free(names[i]);
+    }
+    return n;
+}
+
+unsigned char *tt_read_file(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return NULL;
+    size_t cap = 4096, n = 0;
+    unsigned char *buf = malloc(cap);
+    for (size_t got; buf != NULL && (got = fread(buf + n, 1, cap - n, f)) > 0;) {
+        n += got;
+        if (n == cap) {
+            unsigned char *bigger = realloc(buf, cap *= 2);
+            if (bigger == NULL) free(buf);
+            buf = bigger;
+        }
+    }
+    fclose(f);
+    *size = n;
+    return buf;
+}
+
+int tt_write_file(const char *path, const void *bytes, size_t size) {
+    FILE *f = fopen(path, "wb");
+    if (f == NULL) return -1;
+    const bool ok = fwrite(bytes, 1, size, f) == size;
+    return fclose(f) == 0 && ok ? 0 : -1;
+}
+
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+void tt_remove_tree(const char *path) { nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }

@@ -67,4 +67,16 @@ void oracle_free(oracle_sdpa_result *res);
 /* max |a - b| over n elements, treating equal infinities and NaN==NaN as 0. */
 double max_abs_diff(const double *a, const double *b, int64_t n);
 
+/* ---- files, for the tests of what is left on disk ---- */
+
+/* The names in dir (without "." and ".."), sorted and joined by single
+ * spaces into buf; returns how many there are, -1 if dir cannot be read. */
+int tt_list_dir(const char *dir, char *buf, size_t size);
+/* A whole file (caller frees), its size in *size; NULL if unreadable. */
+unsigned char *tt_read_file(const char *path, size_t *size);
+/* Creates or truncates path with these bytes; 0 on success. */
+int tt_write_file(const char *path, const void *bytes, size_t size);
+/* Removes path and everything under it (`rm -rf`). */
+void tt_remove_tree(const char *path);
+
 #endif

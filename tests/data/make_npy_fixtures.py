@@ -17,6 +17,8 @@ def values(shape, dtype):
 
 def save(name, array, version=None, fortran=False):
     arr = np.asfortranarray(array) if fortran else np.ascontiguousarray(array)
+    if array.ndim == 0:  # both of those return at least one dimension
+        arr = array
     with open(f"npy/{name}.npy", "wb") as f:
         npy_format.write_array(f, arr, version=version)
 

@@ -1,0 +1,282 @@
+/*
+ * outputs.c — a command's output files: all of them, or none.
+ *
+ * outputs_add resolves each target (its folder, opened, and its name) and
+ * refuses two options naming one file. outputs_stage writes a tensor in full
+ * to a temporary file in its target's folder and flushes it to disk.
+ * outputs_commit renames every temporary over its target, but only once all
+ * are complete; outputs_abort removes them. SIGINT, SIGTERM and SIGHUP
+ * remove them too before the tool dies of the signal, so a failed or
+ * interrupted run leaves every target as it was.
+ *
+ * Like attn_npy_save, a symbolic link is followed (the file it points to is
+ * replaced) and an existing target that is not a regular file (/dev/null, a
+ * FIFO) is written in place, at commit time, before the renames.
+ */
+#define _XOPEN_SOURCE 700 /* openat, renameat, unlinkat, fsync, sigaction; realpath */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+enum { MAX_OUTPUTS = 8 };
+
+typedef struct output {
+    const char *option, *path;
+    const attn_tensor *tensor; /* staged, or to be written in place */
+    int dir_fd;
+    char name[NAME_MAX + 1], temp[NAME_MAX + 1];
+    volatile sig_atomic_t temp_exists; /* read by the signal handler */
+    bool exists, in_place;             /* in place: an existing device or FIFO */
+    dev_t dev;                         /* of the file if it exists, else the folder's */
+    ino_t ino;
+} output;
+
+/* Static, so that the signal handler can reach the temporaries' names. */
+static output outputs[MAX_OUTPUTS];
+static volatile sig_atomic_t count;
+
+static const int handled[3] = {SIGINT, SIGTERM, SIGHUP};
+static pthread_t main_thread; /* the one that stages and commits */
+
+/* Async-signal-safe: pthread_kill, unlinkat, signal and raise only. */
+static void on_signal(int sig) {
+    /* Blocking signals holds them off one thread only: one that lands on a
+     * library worker thread is passed to the main thread, where it waits
+     * while a temporary is being created or the renames are under way. */
+    if (!pthread_equal(pthread_self(), main_thread)) {
+        pthread_kill(main_thread, sig);
+        return;
+    }
+    for (int i = 0; i < count; i++)
+        if (outputs[i].temp_exists) unlinkat(outputs[i].dir_fd, outputs[i].temp, 0);
+    signal(sig, SIG_DFL);
+    raise(sig); /* delivered as the handler returns: the tool dies of it */
+}
+
+static void install_handlers(void) {
+    main_thread = pthread_self();
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (int i = 0; i < 3; i++) sigaddset(&sa.sa_mask, handled[i]);
+    for (int i = 0; i < 3; i++) {
+        struct sigaction old;
+        /* A signal the tool was started ignoring (nohup) stays ignored. */
+        if (sigaction(handled[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN)
+            sigaction(handled[i], &sa, NULL);
+    }
+}
+
+/* While temporaries are created and renamed, so that the handler's list
+ * and the disk agree. */
+static void block_signals(bool block, sigset_t *saved) {
+    if (!block) {
+        sigprocmask(SIG_SETMASK, saved, NULL);
+        return;
+    }
+    sigset_t set;
+    sigemptyset(&set);
+    for (int i = 0; i < 3; i++) sigaddset(&set, handled[i]);
+    sigprocmask(SIG_BLOCK, &set, saved);
+}
+
+/* Folder and name of the file path would write (a symbolic link followed).
+ * Returns 0 or an errno value. */
+static int resolve(const char *path, output *o) {
+    char full[PATH_MAX], dir[PATH_MAX];
+    const char *p = path;
+    struct stat st;
+    bool exists = false;
+    if (path[0] == '\0') return ENOENT;
+    if (realpath(path, full) != NULL) {
+        if (stat(full, &st) != 0) return errno;
+        if (S_ISDIR(st.st_mode)) return EISDIR;
+        exists = true;
+        p = full;
+    } else if (errno != ENOENT) {
+        return errno;
+    }
+    const size_t len = strlen(p);
+    if (len >= sizeof dir) return ENAMETOOLONG;
+    memcpy(dir, p, len + 1);
+    char *slash = strrchr(dir, '/');
+    const char *name = slash != NULL ? slash + 1 : dir;
+    if (name[0] == '\0' || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) return EISDIR;
+    if (strlen(name) > NAME_MAX) return ENAMETOOLONG;
+    strcpy(o->name, name);
+    if (slash == NULL)
+        strcpy(dir, ".");
+    else
+        slash[slash == dir ? 1 : 0] = '\0'; /* "/x" is in "/" */
+    o->dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (o->dir_fd < 0) return errno;
+    if (!exists && fstat(o->dir_fd, &st) != 0) return errno;
+    /* Two outputs are one file when they share (dev, ino) of the file, or,
+     * for files not there yet, of the folder and the same name. */
+    o->dev = st.st_dev;
+    o->ino = st.st_ino;
+    o->exists = exists;
+    o->in_place = exists && !S_ISREG(st.st_mode);
+    return 0;
+}
+
+/* An existing file is one file under any name (links, "./", "sub/.."); a
+ * new one is its folder and name. Devices and FIFOs are written in place,
+ * so two outputs there both arrive (-o /dev/null --weights /dev/null). */
+static bool same_file(const output *a, const output *b) {
+    return !a->in_place && !b->in_place && a->exists == b->exists && a->dev == b->dev &&
+           a->ino == b->ino && (a->exists || strcmp(a->name, b->name) == 0);
+}
+
+int outputs_add(const char *option, const char *path) {
+    if (count == 0) install_handlers();
+    if (count == MAX_OUTPUTS) {
+        fprintf(stderr, "attn: more than %d outputs\n", MAX_OUTPUTS);
+        return CLI_USAGE;
+    }
+    output *o = &outputs[count];
+    memset(o, 0, sizeof *o);
+    o->option = option;
+    o->path = path;
+    o->dir_fd = -1;
+    int err = resolve(path, o);
+    if (err != 0) {
+        if (o->dir_fd >= 0) close(o->dir_fd);
+        fprintf(stderr, "attn: writing %s '%s': %s\n", option, path, strerror(err));
+        return CLI_RUNTIME;
+    }
+    for (int i = 0; i < count; i++) {
+        if (!same_file(&outputs[i], o)) continue;
+        close(o->dir_fd);
+        fprintf(stderr,
+                "attn: %s and %s name the same file ('%s', '%s'); each output needs its own\n"
+                "(see attn --help)\n",
+                outputs[i].option, option, outputs[i].path, path);
+        return CLI_USAGE;
+    }
+    count++;
+    return CLI_OK;
+}
+
+static output *find(const char *option) {
+    for (int i = 0; i < count; i++)
+        if (strcmp(outputs[i].option, option) == 0) return &outputs[i];
+    return NULL;
+}
+
+/* Creates ".NAME.XXXXXXXX.tmp" in the folder (O_EXCL: never an existing
+ * file) and records it for the signal handler before signals can land. */
+static int create_temp(output *o, int *fd) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    unsigned long long x = (unsigned long long)getpid() << 32 ^ (unsigned long long)ts.tv_nsec;
+    sigset_t saved;
+    int err = EEXIST;
+    block_signals(true, &saved);
+    for (int attempt = 0; attempt < 100 && err == EEXIST; attempt++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        char temp[sizeof o->temp];
+        snprintf(temp, sizeof temp, ".%.200s.%08x.tmp", o->name, (unsigned)(x >> 32));
+        memcpy(o->temp, temp, sizeof temp);
+        *fd = openat(o->dir_fd, o->temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        err = *fd >= 0 ? 0 : errno;
+    }
+    if (err == 0) o->temp_exists = 1;
+    block_signals(false, &saved);
+    return err;
+}
+
+int outputs_stage(const char *option, const attn_tensor *t) {
+    output *o = find(option);
+    if (o == NULL) return CLI_OK; /* not asked for */
+    o->tensor = t;
+    if (o->in_place) return CLI_OK; /* written at commit */
+    int fd, err = create_temp(o, &fd);
+    if (err != 0) {
+        fprintf(stderr, "attn: writing %s '%s': cannot create a temporary file beside it: %s\n",
+                option, o->path, strerror(err));
+        return CLI_RUNTIME;
+    }
+    struct stat st; /* the replacement keeps the old file's owner and permission bits */
+    if (o->exists && fstatat(o->dir_fd, o->name, &st, 0) == 0) {
+        if (fchown(fd, st.st_uid, st.st_gid) != 0) {
+            /* only root may give a file away: it stays ours */
+        }
+        if (fchmod(fd, st.st_mode & 0777) != 0) {
+            /* our own new file: cannot fail in practice, and is no reason to stop */
+        }
+    }
+    attn_status status = attn_npy_write_fd(fd, t);
+    if (status == ATTN_OK && fsync(fd) != 0) err = errno; /* on disk before any rename */
+    if (close(fd) != 0 && status == ATTN_OK && err == 0) err = errno;
+    if (status != ATTN_OK || err != 0) {
+        fprintf(stderr, "attn: writing %s '%s': %s\n", option, o->path,
+                status != ATTN_OK ? attn_last_error() : strerror(err));
+        return CLI_RUNTIME;
+    }
+    return CLI_OK;
+}
+
+void outputs_abort(void) {
+    sigset_t saved;
+    block_signals(true, &saved);
+    for (int i = 0; i < count; i++) {
+        output *o = &outputs[i];
+        if (o->temp_exists) unlinkat(o->dir_fd, o->temp, 0);
+        o->temp_exists = 0;
+        if (o->dir_fd >= 0) close(o->dir_fd);
+        o->dir_fd = -1;
+    }
+    count = 0;
+    block_signals(false, &saved);
+}
+
+/* In-place targets first (they may fail, and nothing is renamed yet), then
+ * the renames, with signals held so that they all happen. */
+int outputs_commit(void) {
+    for (int i = 0; i < count; i++) {
+        output *o = &outputs[i];
+        if (!o->in_place || o->tensor == NULL) continue;
+        int fd = open(o->path, O_WRONLY | O_TRUNC | O_CLOEXEC);
+        attn_status st = fd < 0 ? ATTN_OK : attn_npy_write_fd(fd, o->tensor);
+        if (fd < 0 || st != ATTN_OK) {
+            fprintf(stderr, "attn: writing %s '%s': %s\n", o->option, o->path,
+                    fd < 0 ? strerror(errno) : attn_last_error());
+            if (fd >= 0) close(fd);
+            outputs_abort();
+            return CLI_RUNTIME;
+        }
+        close(fd);
+    }
+    sigset_t saved;
+    block_signals(true, &saved);
+    int rc = CLI_OK;
+    for (int i = 0; i < count && rc == CLI_OK; i++) {
+        output *o = &outputs[i];
+        if (!o->temp_exists) continue;
+        if (renameat(o->dir_fd, o->temp, o->dir_fd, o->name) != 0) {
+            fprintf(stderr, "attn: writing %s '%s': cannot rename the temporary file over it: %s\n",
+                    o->option, o->path, strerror(errno));
+            rc = CLI_RUNTIME;
+            break;
+        }
+        o->temp_exists = 0;
+        (void)fsync(o->dir_fd); /* the rename, durable; some file systems refuse */
+    }
+    block_signals(false, &saved);
+    outputs_abort(); /* removes what a failed rename left; closes the folders */
+    return rc;
+}
