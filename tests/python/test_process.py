@@ -15,7 +15,11 @@ import pytest
 # how it ended and how long after the signal; then checks the package still
 # gives the same bits as a fresh call.
 LONG_CALL = textwrap.dedent("""
-    import sys, time, numpy as np, attn
+    import signal, sys, time, numpy as np, attn
+    # A parent that ran us in the background (a CI runner, nohup, `cmd &`)
+    # leaves SIGINT ignored, and Python then keeps it so: restore the
+    # interactive default this test is about.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     kind = sys.argv[1]
     rng = np.random.default_rng(0)
     small = rng.standard_normal((1, 2, 32, 16)).astype(np.float32)
