@@ -38,22 +38,23 @@ const char *attn_blas_info(void) {
  * (OPENBLAS_CORETYPE unset) and the CPU and OS can run a better set, attn
  * asks OpenBLAS to choose again with that set forced — OpenBLAS's own
  * mechanism, run once while the library loads. */
+/* 2 for OpenBLAS's AVX-512 kernel sets, 1 for its AVX2 ones, 0 otherwise. */
+static int core_level(const char *core) {
+    static const struct {
+        const char *name;
+        int level;
+    } known[] = {{"Haswell", 1}, {"Zen", 1}, {"SkylakeX", 2}, {"Cooperlake", 2},
+                 {"SapphireRapids", 2}};
+    for (size_t i = 0; i < sizeof known / sizeof *known; i++)
+        if (strcmp(core, known[i].name) == 0) return known[i].level;
+    return 0;
+}
+
 const char *attn__blas_core_upgrade(const char *current, const attn__cpu_features *f) {
-    static const char *const avx512_cores[] = {"SkylakeX", "Cooperlake", "SapphireRapids"};
-    static const char *const avx2_cores[] = {"Haswell", "Zen", "SkylakeX", "Cooperlake",
-                                             "SapphireRapids"};
     if (current == NULL) return NULL;
-    if (f->avx512_core) {
-        for (size_t i = 0; i < sizeof avx512_cores / sizeof *avx512_cores; i++)
-            if (strcmp(current, avx512_cores[i]) == 0) return NULL;
-        return "SkylakeX";
-    }
-    if (f->avx2_fma) {
-        for (size_t i = 0; i < sizeof avx2_cores / sizeof *avx2_cores; i++)
-            if (strcmp(current, avx2_cores[i]) == 0) return NULL;
-        return "Haswell";
-    }
-    return NULL;
+    const int cpu = f->avx512_core ? 2 : f->avx2_fma ? 1 : 0;
+    if (core_level(current) >= cpu) return NULL;
+    return cpu == 2 ? "SkylakeX" : "Haswell";
 }
 
 bool attn__blas_switch_core(const char *core) {
