@@ -12,7 +12,19 @@
  *    thread naming the argument, the dimension and what was expected, e.g.
  *        "k.shape[-1] is 16 but q.shape[-1] is 8: queries and keys must have
  *         the same feature size E".
- *    A successful call clears it to "".
+ *    attn_last_error_arg() names the argument the failure is about ("q",
+ *    "attn_mask", "params.dropout_p", ...), so that bindings can map an error
+ *    to their own names without reading the message. A successful call clears
+ *    both to "".
+ *  - Parameter structs (attn_sdpa_params, attn_mha_config,
+ *    attn_mha_forward_params) begin with `struct_size`, which their _init
+ *    function sets to the sizeof the caller was compiled with. Fields are only
+ *    ever added at the end: the library reads the fields a caller's struct
+ *    has and gives the rest their defaults, so a program built against an
+ *    older attn.h keeps working with a newer library. A struct that was never
+ *    initialised (struct_size 0) is refused with ATTN_ERR_INVALID; one from a
+ *    newer header that sets fields this library does not know, with
+ *    ATTN_ERR_UNSUPPORTED.
  *  - Tensors are strided views (attn_tensor): a data pointer, a dtype, a rank,
  *    a shape and strides counted in ELEMENTS (not bytes). Input strides may be
  *    anything NumPy can produce: negative, zero (broadcast) or non-contiguous.
@@ -59,14 +71,14 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define ATTN_VERSION_MAJOR 0
-#define ATTN_VERSION_MINOR 1
+#define ATTN_VERSION_MINOR 2
 #define ATTN_VERSION_PATCH 0
-#define ATTN_VERSION_STRING "0.1.0"
+#define ATTN_VERSION_STRING "0.2.0"
 /* ATTN_VERSION_NUMBER == major * 10000 + minor * 100 + patch. */
 #define ATTN_VERSION_NUMBER \
     (ATTN_VERSION_MAJOR * 10000 + ATTN_VERSION_MINOR * 100 + ATTN_VERSION_PATCH)
 
-/* The version of the library actually linked, e.g. "0.1.0". */
+/* The version of the library actually linked, e.g. "0.2.0". */
 ATTN_API const char *attn_version(void);
 ATTN_API int attn_version_number(void);
 
@@ -96,6 +108,13 @@ ATTN_API const char *attn_strerror(attn_status status);
  * successful one. The pointer stays valid until the next attn call on this
  * thread. */
 ATTN_API const char *attn_last_error(void);
+/* The argument the last failure on this thread is about, as this header
+ * names it: a parameter ("q", "out", "attn_mask"), a field of a parameter
+ * struct ("params.dropout_p", "config.num_heads") or an MHA parameter
+ * ("in_proj_weight"); "" when the failure is not about one argument (out of
+ * memory, cancelled, I/O) or after a successful call. Valid like
+ * attn_last_error(). */
+ATTN_API const char *attn_last_error_arg(void);
 
 /* ------------------------------------------------------------------------ */
 /* Tensors                                                                   */
@@ -193,6 +212,7 @@ typedef enum attn_causal {
 } attn_causal;
 
 typedef struct attn_sdpa_params {
+    size_t struct_size;           /* sizeof(attn_sdpa_params); set by _init */
     const attn_tensor *attn_mask; /* NULL for none                          */
     attn_causal causal;
     int has_scale;                /* 0: scale = 1/sqrt(E)                    */
@@ -283,6 +303,7 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
 typedef struct attn_mha attn_mha;
 
 typedef struct attn_mha_config {
+    size_t struct_size;    /* sizeof(attn_mha_config); set by _init          */
     int64_t embed_dim;     /* E, >= 1                                        */
     int64_t num_heads;     /* >= 1                                           */
     int64_t head_dim;      /* 0: embed_dim / num_heads (must divide)         */
@@ -310,7 +331,9 @@ ATTN_API attn_status attn_mha_create(const attn_mha_config *config, attn_mha **m
  * (or using it after destroy) is the caller's error and undefined. */
 ATTN_API void attn_mha_destroy(attn_mha *mha);
 
-/* The configuration with derived fields (head_dim, kdim, vdim) filled in. */
+/* The configuration with derived fields (head_dim, kdim, vdim) filled in.
+ * config->struct_size must say how large the caller's struct is (set it, or
+ * call attn_mha_config_init first): only that many bytes are written. */
 ATTN_API attn_status attn_mha_get_config(const attn_mha *mha, attn_mha_config *config);
 
 /* Parameters, in torch's state_dict() order. attn_mha_param_at() gives the
@@ -327,6 +350,7 @@ ATTN_API attn_status attn_mha_set_param(attn_mha *mha, const char *name,
                                         const attn_tensor *src);
 
 typedef struct attn_mha_forward_params {
+    size_t struct_size;                  /* sizeof(...); set by _init        */
     const attn_tensor *key_padding_mask; /* NULL for none                    */
     const attn_tensor *attn_mask;        /* NULL for none                    */
     int average_attn_weights;            /* default 1                        */
@@ -338,6 +362,10 @@ typedef struct attn_mha_forward_params {
      * module.dropout at every forward. 0 (the default) keeps the config's. */
     int has_dropout;
     double dropout;
+    /* [attn] batch_first for this call: -1 (the default) keeps the
+     * config's; 0 or 1 overrides it, as torch reads module.batch_first at
+     * every forward. */
+    int batch_first;
 } attn_mha_forward_params;
 
 ATTN_API void attn_mha_forward_params_init(attn_mha_forward_params *params);

@@ -21,6 +21,13 @@ attn_status attn__fail(attn_status status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
+/* The same, naming the argument the failure is about (attn_last_error_arg):
+ * "q", "out", "params.dropout_p", "config.num_heads". */
+attn_status attn__fail_arg(attn_status status, const char *arg, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
 /* Clears the thread's message at the start of a public call. */
 void attn__clear_error(void);
 /* Puts `prefix` in front of the thread's message (which it may quote). */
@@ -37,6 +44,19 @@ enum {
 /* `path` for a message: itself when it fits in ATTN__MESSAGE_PATH bytes,
  * else its start and end around "...", written to buf. */
 const char *attn__message_path(const char *path, char buf[ATTN__MESSAGE_PATH]);
+
+/* Reads a caller's versioned parameter struct (its first field is
+ * struct_size) into dst, which the caller has filled with the defaults and
+ * whose size is this library's sizeof: a shorter struct (an older header)
+ * keeps dst's defaults for the fields it lacks, a longer one (a newer header)
+ * is accepted only if its extra bytes are zero. first_size is the struct's
+ * size in its first version (0.2.0): nothing smaller was ever valid.
+ * `name` ("params") and `init_name` ("attn_sdpa_params_init") go into the
+ * messages. */
+attn_status attn__read_params(void *dst, size_t dst_size, size_t first_size, const void *src,
+                              const char *name, const char *init_name);
+/* The end of a struct's last field: the size a version of it had. */
+#define ATTN__SIZE_THROUGH(type, field) (offsetof(type, field) + sizeof(((type *)0)->field))
 
 /* ---- memory (alloc.c) ---- */
 

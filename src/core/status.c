@@ -30,17 +30,65 @@ const char *attn_strerror(attn_status status) {
 /* Room for a message that quotes a full path (PATH_MAX is 4096 on Linux)
  * and still says what went wrong after it. */
 static _Thread_local char last_error[ATTN__MESSAGE_SIZE];
+/* The argument the message is about: bindings map it to their own names. */
+static _Thread_local char last_arg[64];
 
 const char *attn_last_error(void) { return last_error; }
+const char *attn_last_error_arg(void) { return last_arg; }
 
-void attn__clear_error(void) { last_error[0] = '\0'; }
+void attn__clear_error(void) {
+    last_error[0] = '\0';
+    last_arg[0] = '\0';
+}
 
 attn_status attn__fail(attn_status status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
+    last_arg[0] = '\0';
     return status;
+}
+
+attn_status attn__fail_arg(attn_status status, const char *arg, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    snprintf(last_arg, sizeof last_arg, "%s", arg != NULL ? arg : "");
+    return status;
+}
+
+attn_status attn__read_params(void *dst, size_t dst_size, size_t first_size, const void *src,
+                              const char *name, const char *init_name) {
+    size_t size;
+    memcpy(&size, src, sizeof size); /* every parameter struct starts with it */
+    if (size < first_size) { /* 0: never initialised; else not a size we ever had */
+        char arg[64];
+        snprintf(arg, sizeof arg, "%s.struct_size", name);
+        return attn__fail_arg(ATTN_ERR_INVALID, arg,
+                              "%s.struct_size is %zu: initialise %s with %s() before setting "
+                              "its fields",
+                              name, size, name, init_name);
+    }
+    if (size > dst_size) {
+        /* From a newer attn.h: fine as long as the fields this library does
+         * not know are left at zero, their "unset" value. */
+        const unsigned char *extra = (const unsigned char *)src + dst_size;
+        for (size_t i = 0; i < size - dst_size; i++)
+            if (extra[i] != 0) {
+                char arg[64];
+                snprintf(arg, sizeof arg, "%s.struct_size", name);
+                return attn__fail_arg(ATTN_ERR_UNSUPPORTED, arg,
+                                      "%s sets fields that libattn %s does not know (its struct "
+                                      "has %zu bytes, this library's %zu): link a newer libattn",
+                                      name, ATTN_VERSION_STRING, size, dst_size);
+            }
+        size = dst_size;
+    }
+    memcpy(dst, src, size); /* the fields an older caller lacks keep dst's defaults */
+    memcpy(dst, &dst_size, sizeof dst_size);
+    return ATTN_OK;
 }
 
 attn_status attn__prefix_error(attn_status status, const char *prefix) {

@@ -36,11 +36,11 @@ const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *sha
 attn_status attn_tensor_init(attn_tensor *t, void *data, attn_dtype dtype, int rank,
                              const int64_t *shape) {
     attn__clear_error();
-    if (t == NULL) return attn__fail(ATTN_ERR_NULL, "attn_tensor_init: t is NULL");
+    if (t == NULL) return attn__fail_arg(ATTN_ERR_NULL, "t", "attn_tensor_init: t is NULL");
     if (shape == NULL && rank > 0)
-        return attn__fail(ATTN_ERR_NULL, "attn_tensor_init: shape is NULL");
+        return attn__fail_arg(ATTN_ERR_NULL, "shape", "attn_tensor_init: shape is NULL");
     if (rank < 1 || rank > ATTN_MAX_RANK)
-        return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_init: rank %d is outside 1..%d", rank,
+        return attn__fail_arg(ATTN_ERR_SHAPE, "rank", "attn_tensor_init: rank %d is outside 1..%d", rank,
                           ATTN_MAX_RANK);
     memset(t, 0, sizeof *t);
     t->data = data;
@@ -49,12 +49,12 @@ attn_status attn_tensor_init(attn_tensor *t, void *data, attn_dtype dtype, int r
     int64_t stride = 1;
     for (int d = rank - 1; d >= 0; d--) {
         if (shape[d] < 1)
-            return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_init: shape[%d] is %lld; it must be >= 1",
+            return attn__fail_arg(ATTN_ERR_SHAPE, "shape", "attn_tensor_init: shape[%d] is %lld; it must be >= 1",
                               d, (long long)shape[d]);
         t->shape[d] = shape[d];
         t->strides[d] = stride;
         if (attn__mul_overflows(stride, shape[d], &stride))
-            return attn__fail(ATTN_ERR_OVERFLOW,
+            return attn__fail_arg(ATTN_ERR_OVERFLOW, "shape",
                               "attn_tensor_init: the element count overflows 64 bits");
     }
     return ATTN_OK;
@@ -65,16 +65,17 @@ static int normalize_dim(int dim, int rank) { return dim < 0 ? dim + rank : dim;
 attn_status attn_tensor_permute(attn_tensor *t, const int *perm) {
     attn__clear_error();
     if (t == NULL || perm == NULL)
-        return attn__fail(ATTN_ERR_NULL, "attn_tensor_permute: %s is NULL", t ? "perm" : "t");
+        return attn__fail_arg(ATTN_ERR_NULL, t ? "perm" : "t", "attn_tensor_permute: %s is NULL",
+                              t ? "perm" : "t");
     if (t->rank < 1 || t->rank > ATTN_MAX_RANK)
-        return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_permute: rank %d is outside 1..%d",
+        return attn__fail_arg(ATTN_ERR_SHAPE, "t", "attn_tensor_permute: rank %d is outside 1..%d",
                           t->rank, ATTN_MAX_RANK);
     bool seen[ATTN_MAX_RANK] = {false};
     int64_t shape[ATTN_MAX_RANK], strides[ATTN_MAX_RANK];
     for (int i = 0; i < t->rank; i++) {
         int d = normalize_dim(perm[i], t->rank);
         if (d < 0 || d >= t->rank || seen[d])
-            return attn__fail(ATTN_ERR_INVALID,
+            return attn__fail_arg(ATTN_ERR_INVALID, "perm",
                               "attn_tensor_permute: perm is not a permutation of 0..%d "
                               "(entry %d is %d)",
                               t->rank - 1, i, perm[i]);
@@ -89,13 +90,13 @@ attn_status attn_tensor_permute(attn_tensor *t, const int *perm) {
 
 attn_status attn_tensor_transpose(attn_tensor *t, int dim0, int dim1) {
     attn__clear_error();
-    if (t == NULL) return attn__fail(ATTN_ERR_NULL, "attn_tensor_transpose: t is NULL");
+    if (t == NULL) return attn__fail_arg(ATTN_ERR_NULL, "t", "attn_tensor_transpose: t is NULL");
     if (t->rank < 1 || t->rank > ATTN_MAX_RANK)
-        return attn__fail(ATTN_ERR_SHAPE, "attn_tensor_transpose: rank %d is outside 1..%d",
+        return attn__fail_arg(ATTN_ERR_SHAPE, "t", "attn_tensor_transpose: rank %d is outside 1..%d",
                           t->rank, ATTN_MAX_RANK);
     int a = normalize_dim(dim0, t->rank), b = normalize_dim(dim1, t->rank);
     if (a < 0 || a >= t->rank || b < 0 || b >= t->rank)
-        return attn__fail(ATTN_ERR_INVALID,
+        return attn__fail_arg(ATTN_ERR_INVALID, "dim0",
                           "attn_tensor_transpose: dims (%d, %d) out of range for rank %d", dim0,
                           dim1, t->rank);
     int64_t s = t->shape[a], st = t->strides[a];
@@ -143,34 +144,34 @@ static bool self_overlapping(const attn_tensor *t) {
 
 attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_rank,
                                attn__role role) {
-    if (t == NULL) return attn__fail(ATTN_ERR_NULL, "%s is NULL", name);
+    if (t == NULL) return attn__fail_arg(ATTN_ERR_NULL, name, "%s is NULL", name);
     if (t->rank < min_rank || t->rank > ATTN_MAX_RANK) {
         if (min_rank == 1)
-            return attn__fail(ATTN_ERR_SHAPE, "%s has rank %d; expected 1 to %d", name, t->rank,
+            return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s has rank %d; expected 1 to %d", name, t->rank,
                               ATTN_MAX_RANK);
-        return attn__fail(ATTN_ERR_SHAPE, "%s has rank %d; expected %d to %d dimensions", name,
+        return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s has rank %d; expected %d to %d dimensions", name,
                           t->rank, min_rank, ATTN_MAX_RANK);
     }
     size_t elem = attn_dtype_size(t->dtype);
     if (elem == 0)
-        return attn__fail(ATTN_ERR_DTYPE, "%s has an unknown dtype code %d", name, (int)t->dtype);
-    if (t->data == NULL) return attn__fail(ATTN_ERR_NULL, "%s->data is NULL", name);
+        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s has an unknown dtype code %d", name, (int)t->dtype);
+    if (t->data == NULL) return attn__fail_arg(ATTN_ERR_NULL, name, "%s->data is NULL", name);
     /* The span of addresses the view touches, |stride| * (n - 1) summed, and
      * the element count must both fit, in bytes, in 64 bits. */
     int64_t span = 0, numel = 1;
     for (int d = 0; d < t->rank; d++) {
         int64_t n = t->shape[d], s = t->strides[d], reach;
         if (n < 1)
-            return attn__fail(ATTN_ERR_SHAPE,
+            return attn__fail_arg(ATTN_ERR_SHAPE, name,
                               "%s.shape[%d] is %lld; every dimension must be >= 1 "
                               "(attn does not accept empty tensors)",
                               name, d, (long long)n);
         if (s == INT64_MIN || attn__mul_overflows(s < 0 ? -s : s, n - 1, &reach) ||
             attn__add_overflows(span, reach, &span) || attn__mul_overflows(numel, n, &numel))
-            return attn__fail(ATTN_ERR_OVERFLOW,
+            return attn__fail_arg(ATTN_ERR_OVERFLOW, name,
                               "%s: shape and strides address more than 2^63 elements", name);
         if (role == ATTN__OUTPUT && s == 0 && n > 1)
-            return attn__fail(ATTN_ERR_INVALID,
+            return attn__fail_arg(ATTN_ERR_INVALID, name,
                               "%s.strides[%d] is 0 on a dimension of size %lld: output "
                               "elements would overlap",
                               name, d, (long long)n);
@@ -178,13 +179,13 @@ attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_r
     int64_t slots, bytes;
     if (attn__add_overflows(span, 1, &slots) || attn__mul_overflows(slots, (int64_t)elem, &bytes) ||
         attn__mul_overflows(numel, (int64_t)elem, &bytes))
-        return attn__fail(ATTN_ERR_OVERFLOW, "%s: its byte count does not fit in 64 bits", name);
+        return attn__fail_arg(ATTN_ERR_OVERFLOW, name, "%s: its byte count does not fit in 64 bits", name);
     return ATTN_OK;
 }
 
 attn_status attn__check_output_layout(const attn_tensor *t, const char *name) {
     if (t != NULL && self_overlapping(t))
-        return attn__fail(ATTN_ERR_OVERLAP,
+        return attn__fail_arg(ATTN_ERR_OVERLAP, name,
                           "%s: its strides make two elements share one address (each "
                           "dimension's |stride| must exceed the reach of the dimensions with "
                           "smaller strides)",

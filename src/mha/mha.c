@@ -11,7 +11,7 @@
 
 #include "../core/gemm.h"
 #include "../core/internal.h"
-#include "../sdpa/plan.h"
+#include "../sdpa/sdpa.h"
 
 enum { MAX_PARAMS = 8 };
 
@@ -36,6 +36,7 @@ struct attn_mha {
 void attn_mha_config_init(attn_mha_config *c, int64_t embed_dim, int64_t num_heads) {
     if (c == NULL) return;
     memset(c, 0, sizeof *c);
+    c->struct_size = sizeof *c;
     c->embed_dim = embed_dim;
     c->num_heads = num_heads;
     c->bias = 1;
@@ -290,7 +291,9 @@ attn_status attn_mha_set_param(attn_mha *m, const char *name, const attn_tensor 
 void attn_mha_forward_params_init(attn_mha_forward_params *p) {
     if (p == NULL) return;
     memset(p, 0, sizeof *p);
+    p->struct_size = sizeof *p;
     p->average_attn_weights = 1;
+    p->batch_first = -1;
 }
 
 /* The shapes of one forward call, all in (batch, time, features) order. */
@@ -796,7 +799,7 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
             }
             w_use = &wh;
         }
-        attn__sdpa_request r;
+        attn__problem_request r;
         memset(&r, 0, sizeof r);
         r.q = &qh;
         r.k = &kh;
@@ -816,8 +819,8 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
         r.rng_offset = params->rng_offset;
         r.out = &oh;
         r.weights = w_use;
-        attn__sdpa_plan plan;
-        st = attn__sdpa_plan_request(&plan, &r);
+        attn__problem plan;
+        st = attn__problem_build(&plan, &r);
         if (st == ATTN_OK) st = attn__sdpa_execute(&plan);
     }
 

@@ -42,7 +42,7 @@ typedef struct flash_work {
 } flash_work;
 
 /* Heads that share K/V: only along the head (last batch) dimension. */
-static int64_t group_size(const attn__sdpa_plan *p) {
+static int64_t group_size(const attn__problem *p) {
     if (p->nb == 0) return 1;
     const int hd = p->nb - 1;
     const int64_t H = p->bshape[hd];
@@ -65,7 +65,7 @@ enum {
     SPLIT_BELOW = 16    /* split keys when there are fewer query blocks   */
 };
 
-static flash_work plan_work(const attn__sdpa_plan *p) {
+static flash_work plan_work(const attn__problem *p) {
     flash_work w;
     w.G = group_size(p);
     w.ngroups = p->nbatch / w.G;
@@ -106,7 +106,7 @@ typedef struct flash_row {
     int64_t limit;                      /* last visible key (causal), or S-1 */
 } flash_row;
 
-static void setup_rows(const attn__sdpa_plan *p, const flash_work *w, int64_t g, int64_t qb,
+static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t qb,
                        flash_row *rows, int64_t *nr) {
     const int64_t r0 = qb * w->BR;
     int64_t n = w->nrows - r0 < w->BR ? w->nrows - r0 : w->BR;
@@ -138,7 +138,7 @@ static void setup_rows(const attn__sdpa_plan *p, const flash_work *w, int64_t g,
 }
 
 /* Keep decisions for weights [index, index + n) of a row, 1 = keep. */
-static void dropout_keep(const attn__sdpa_plan *p, uint64_t index, int64_t n, unsigned char *keep) {
+static void dropout_keep(const attn__problem *p, uint64_t index, int64_t n, unsigned char *keep) {
     uint32_t words[4];
     uint64_t block = UINT64_MAX;
     for (int64_t j = 0; j < n; j++) {
@@ -159,7 +159,7 @@ typedef struct flash_scratch_size {
     int64_t q, kp, vp, s, o, stat, keep;
 } flash_scratch_size;
 
-static flash_scratch_size scratch_size(const attn__sdpa_plan *p, const flash_work *w,
+static flash_scratch_size scratch_size(const attn__problem *p, const flash_work *w,
                                        const attn__flash_kernels *kern) {
     flash_scratch_size z;
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
@@ -203,6 +203,6 @@ typedef uint64_t bits_d;
 #undef NEXTAFTER
 #undef EPSILON
 
-attn_status attn__sdpa_flash(const attn__sdpa_plan *plan, const attn__flash_kernels *kernels) {
+attn_status attn__sdpa_flash(const attn__problem *plan, const attn__flash_kernels *kernels) {
     return plan->dtype == ATTN_DTYPE_F32 ? flash_run_f(plan, kernels) : flash_run_d(plan, kernels);
 }

@@ -24,7 +24,7 @@
 #ifndef ATTN_SDPA_FLASH_H
 #define ATTN_SDPA_FLASH_H
 
-#include "plan.h"
+#include "sdpa.h"
 
 /* Micro-kernels of one ISA, for float32 (`f`) and float64 (`d`). Leading
  * dimensions are in elements. Two score layouts:
@@ -98,7 +98,7 @@ extern const attn__flash_kernels attn__flash_avx2;
 extern const attn__flash_kernels attn__flash_avx512;
 
 /* Runs a plan with the given kernels. */
-attn_status attn__sdpa_flash(const attn__sdpa_plan *plan, const attn__flash_kernels *kernels);
+attn_status attn__sdpa_flash(const attn__problem *plan, const attn__flash_kernels *kernels);
 
 /* Portable exp2 with the same polynomial as the vector kernels; exact 0 for
  * -inf, NaN for NaN. Exposed for the kernels' tail loops and for tests. */

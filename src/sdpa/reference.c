@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stdio.h>
 
-#include "plan.h"
+#include "sdpa.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -19,7 +19,7 @@
 
 /* Combines the causal rule and every mask for (row i, key j). Returns false
  * when the key is masked out; otherwise adds the float mask values to *bias. */
-static bool key_visible(const attn__sdpa_plan *p, const int64_t *mask_off, int64_t i, int64_t j,
+static bool key_visible(const attn__problem *p, const int64_t *mask_off, int64_t i, int64_t j,
                         double *bias) {
     if (!attn__causal_visible(p, i, j)) return false;
     *bias = 0.0;
@@ -38,7 +38,7 @@ static bool key_visible(const attn__sdpa_plan *p, const int64_t *mask_off, int64
 }
 
 /* Computes one query row; `s` has room for S doubles. */
-void attn__sdpa_reference_row(const attn__sdpa_plan *p, int64_t b, int64_t i, double *s,
+void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, double *s,
                           bool *visible) {
     const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
     const int64_t ko = attn__batch_offset(p, &p->k, b);
@@ -108,7 +108,7 @@ void attn__sdpa_reference_row(const attn__sdpa_plan *p, int64_t b, int64_t i, do
     }
 }
 
-attn_status attn__sdpa_reference(const attn__sdpa_plan *p) {
+attn_status attn__sdpa_reference(const attn__problem *p) {
     const int threads = attn__threads();
     const int64_t rows = p->nbatch * p->L;
     const size_t per_thread = (size_t)p->S;

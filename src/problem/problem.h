@@ -34,7 +34,7 @@ typedef struct attn__mask {
 
 enum { ATTN__MAX_MASKS = 2 };
 
-typedef struct attn__sdpa_plan {
+typedef struct attn__problem {
     attn_dtype dtype;               /* of q, k, v, out, weights, lse       */
     int nb;                         /* number of batch dimensions          */
     int64_t bshape[ATTN_MAX_RANK];  /* their (broadcast) sizes             */
@@ -55,28 +55,18 @@ typedef struct attn__sdpa_plan {
     uint64_t keep_threshold;        /* see attn__dropout_threshold         */
     uint64_t seed, rng_offset;
     const volatile int *cancel;     /* the caller's cancel flag, or NULL   */
-} attn__sdpa_plan;
+} attn__problem;
 
 /* Builds and validates a plan from attn_sdpa's public arguments. */
-attn_status attn__sdpa_plan_build(attn__sdpa_plan *plan, const attn_tensor *q,
+attn_status attn__problem_from_sdpa(attn__problem *plan, const attn_tensor *q,
                                   const attn_tensor *k, const attn_tensor *v,
                                   const attn_sdpa_params *params, attn_tensor *out,
                                   attn_tensor *weights, attn_tensor *lse);
 
-/* Runs a plan on the current kernel path. */
-attn_status attn__sdpa_execute(const attn__sdpa_plan *plan);
-
-/* The float64-accumulating reference kernel: the oracle. */
-attn_status attn__sdpa_reference(const attn__sdpa_plan *plan);
-/* One query row of it (out, weights and lse of row i of batch b); `s` and
- * `visible` have room for S entries. The fused kernels hand it the rows
- * whose fused result is not finite, so NaN/Inf rules hold on every path. */
-void attn__sdpa_reference_row(const attn__sdpa_plan *plan, int64_t b, int64_t i, double *s,
-                              bool *visible);
 
 /* Element offset of operand `op` for batch index `b` (linear, row-major over
  * plan->bshape). */
-static inline int64_t attn__batch_offset(const attn__sdpa_plan *plan, const attn__operand *op,
+static inline int64_t attn__batch_offset(const attn__problem *plan, const attn__operand *op,
                                          int64_t b) {
     int64_t off = 0;
     for (int d = plan->nb - 1; d >= 0; d--) {
@@ -88,7 +78,7 @@ static inline int64_t attn__batch_offset(const attn__sdpa_plan *plan, const attn
 }
 
 /* Whether query row i may see key j under the causal rule. */
-static inline bool attn__causal_visible(const attn__sdpa_plan *plan, int64_t i, int64_t j) {
+static inline bool attn__causal_visible(const attn__problem *plan, int64_t i, int64_t j) {
     return !plan->causal || j <= i + plan->causal_shift;
 }
 
@@ -96,7 +86,7 @@ static inline bool attn__causal_visible(const attn__sdpa_plan *plan, int64_t i, 
 
 /* The general form of a plan request, for callers inside the library (MHA
  * passes a key-padding mask as a second mask). attn_sdpa fills one mask. */
-typedef struct attn__sdpa_request {
+typedef struct attn__problem_request {
     const attn_tensor *q, *k, *v;
     int nmask;
     const attn_tensor *mask[ATTN__MAX_MASKS];
@@ -109,7 +99,7 @@ typedef struct attn__sdpa_request {
     double dropout_p;
     uint64_t seed, rng_offset;
     attn_tensor *out, *weights, *lse; /* out may be NULL to only infer shapes */
-} attn__sdpa_request;
+} attn__problem_request;
 
-attn_status attn__sdpa_plan_request(attn__sdpa_plan *plan, const attn__sdpa_request *req);
+attn_status attn__problem_build(attn__problem *plan, const attn__problem_request *req);
 #endif /* ATTN_SDPA_PLAN_H */

@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "plan.h"
+#include "problem.h"
 
 /* Size of batch dimension d (of nb) of tensor t, whose last two dims are
  * matrix dims; 1 where t has fewer dimensions (NumPy right-alignment). */
@@ -38,22 +38,22 @@ static attn_status check_output(const attn_tensor *t, const char *name, attn_dty
     for (int d = 0; same && d < rank; d++) same = t->shape[d] == shape[d];
     if (!same) {
         char want[160], got[160];
-        return attn__fail(ATTN_ERR_SHAPE, "%s has shape %s; expected %s", name,
+        return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s has shape %s; expected %s", name,
                           attn__shape_str(got, sizeof got, t->rank, t->shape),
                           attn__shape_str(want, sizeof want, rank, shape));
     }
     if (t->dtype != dtype)
-        return attn__fail(ATTN_ERR_DTYPE, "%s is %s; expected %s like the query", name,
+        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s like the query", name,
                           attn_dtype_name(t->dtype), attn_dtype_name(dtype));
     return ATTN_OK;
 }
 
-static attn_status check_mask(attn__sdpa_plan *p, const attn_tensor *m, const char *name,
+static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char *name,
                               int bool_keep, attn__mask *out) {
     attn_status st = attn__check_tensor(m, name, 1, ATTN__INPUT);
     if (st != ATTN_OK) return st;
     if (m->dtype != ATTN_DTYPE_BOOL && !attn__is_float(m->dtype))
-        return attn__fail(ATTN_ERR_DTYPE, "%s is %s; expected bool, float32 or float64", name,
+        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected bool, float32 or float64", name,
                           attn_dtype_name(m->dtype));
     int full = p->nb + 2;
     int64_t target[ATTN_MAX_RANK];
@@ -62,7 +62,7 @@ static attn_status check_mask(attn__sdpa_plan *p, const attn_tensor *m, const ch
     target[p->nb + 1] = p->S;
     char want[160], got[160];
     if (m->rank > full)
-        return attn__fail(ATTN_ERR_SHAPE,
+        return attn__fail_arg(ATTN_ERR_SHAPE, name,
                           "%s has rank %d, more than the attention weights %s it must "
                           "broadcast to",
                           name, m->rank, attn__shape_str(want, sizeof want, full, target));
@@ -75,7 +75,7 @@ static attn_status check_mask(attn__sdpa_plan *p, const attn_tensor *m, const ch
         int md = d - (full - m->rank);
         int64_t size = md < 0 ? 1 : m->shape[md];
         if (size != 1 && size != target[d])
-            return attn__fail(ATTN_ERR_SHAPE,
+            return attn__fail_arg(ATTN_ERR_SHAPE, name,
                               "%s has shape %s, which does not broadcast to the attention "
                               "weights %s (dim %d is %lld, expected 1 or %lld)",
                               name, attn__shape_str(got, sizeof got, m->rank, m->shape),
@@ -97,7 +97,7 @@ static attn_status check_mask(attn__sdpa_plan *p, const attn_tensor *m, const ch
 /* Outputs must not share memory with an input or with each other: the
  * kernels write out, weights and lse while they still read q, k, v and the
  * masks. Tested on address ranges (attn__views_overlap). */
-static attn_status check_overlaps(const attn__sdpa_request *r) {
+static attn_status check_overlaps(const attn__problem_request *r) {
     const attn_tensor *outs[3] = {r->out, r->weights, r->lse};
     const char *out_names[3] = {"out", "weights", "lse"};
     const attn_tensor *ins[3 + ATTN__MAX_MASKS] = {r->q, r->k, r->v};
@@ -111,19 +111,19 @@ static attn_status check_overlaps(const attn__sdpa_request *r) {
         if (st != ATTN_OK) return st;
         for (int i = 0; i < 3 + r->nmask; i++)
             if (attn__views_overlap(outs[o], ins[i]))
-                return attn__fail(ATTN_ERR_OVERLAP,
+                return attn__fail_arg(ATTN_ERR_OVERLAP, out_names[o],
                                   "%s overlaps %s in memory: attention is not computed in place; "
                                   "give %s a buffer of its own",
                                   out_names[o], in_names[i], out_names[o]);
         for (int o2 = o + 1; o2 < 3; o2++)
             if (attn__views_overlap(outs[o], outs[o2]))
-                return attn__fail(ATTN_ERR_OVERLAP, "%s and %s overlap in memory",
+                return attn__fail_arg(ATTN_ERR_OVERLAP, out_names[o2], "%s and %s overlap in memory",
                                   out_names[o], out_names[o2]);
     }
     return ATTN_OK;
 }
 
-attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request *r) {
+attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r) {
     memset(p, 0, sizeof *p);
     attn_status st;
     if ((st = attn__check_tensor(r->q, "q", 2, ATTN__INPUT)) != ATTN_OK ||
@@ -132,10 +132,10 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
         return st;
     const attn_tensor *q = r->q, *k = r->k, *v = r->v;
     if (!attn__is_float(q->dtype))
-        return attn__fail(ATTN_ERR_DTYPE, "q is %s; expected float32 or float64",
+        return attn__fail_arg(ATTN_ERR_DTYPE, "q", "q is %s; expected float32 or float64",
                           attn_dtype_name(q->dtype));
     if (k->dtype != q->dtype || v->dtype != q->dtype)
-        return attn__fail(ATTN_ERR_DTYPE, "q, k and v must share one dtype; got %s, %s and %s",
+        return attn__fail_arg(ATTN_ERR_DTYPE, k->dtype != q->dtype ? "k" : "v", "q, k and v must share one dtype; got %s, %s and %s",
                           attn_dtype_name(q->dtype), attn_dtype_name(k->dtype),
                           attn_dtype_name(v->dtype));
     p->dtype = q->dtype;
@@ -144,12 +144,12 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
     p->S = k->shape[k->rank - 2];
     p->Ev = v->shape[v->rank - 1];
     if (k->shape[k->rank - 1] != p->E)
-        return attn__fail(ATTN_ERR_SHAPE,
+        return attn__fail_arg(ATTN_ERR_SHAPE, "k",
                           "k.shape[-1] is %lld but q.shape[-1] is %lld: queries and keys "
                           "must have the same feature size E",
                           (long long)k->shape[k->rank - 1], (long long)p->E);
     if (v->shape[v->rank - 2] != p->S)
-        return attn__fail(ATTN_ERR_SHAPE,
+        return attn__fail_arg(ATTN_ERR_SHAPE, "v",
                           "v.shape[-2] is %lld but k.shape[-2] is %lld: there must be one "
                           "value per key (S)",
                           (long long)v->shape[v->rank - 2], (long long)p->S);
@@ -164,7 +164,7 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
     fill_operand(&p->k, k, nb);
     fill_operand(&p->v, v, nb);
     if (r->enable_gqa && (q->rank < 3 || k->rank < 3 || v->rank < 3))
-        return attn__fail(ATTN_ERR_SHAPE,
+        return attn__fail_arg(ATTN_ERR_SHAPE, q->rank < 3 ? "q" : k->rank < 3 ? "k" : "v",
                           "enable_gqa needs a head dimension (dim -3) in q, k and v; their "
                           "ranks are %d, %d and %d",
                           q->rank, k->rank, v->rank);
@@ -174,7 +174,7 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
         int64_t size = sq;
         if (r->enable_gqa && d == nb - 1) {
             if (sq % sk != 0 || sq % sv != 0)
-                return attn__fail(ATTN_ERR_SHAPE,
+                return attn__fail_arg(ATTN_ERR_SHAPE, sq % sk != 0 ? "k" : "v",
                                   "enable_gqa: q has %lld heads, k %lld and v %lld; the query "
                                   "heads must be a multiple of the key and value heads",
                                   (long long)sq, (long long)sk, (long long)sv);
@@ -191,7 +191,7 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
                 const char *hint = "";
                 if (d == nb - 1 && sq % sk == 0 && sq % sv == 0)
                     hint = " (grouped-query attention: set enable_gqa)";
-                return attn__fail(ATTN_ERR_SHAPE,
+                return attn__fail_arg(ATTN_ERR_SHAPE, bad == q ? "q" : bad == k ? "k" : "v",
                                   "batch dimension %d does not broadcast: q has %lld, k %lld, "
                                   "v %lld%s",
                                   neg_dim(nb, d), (long long)sq, (long long)sk, (long long)sv,
@@ -200,27 +200,27 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
         }
         p->bshape[d] = size;
         if (attn__mul_overflows(p->nbatch, size, &p->nbatch))
-            return attn__fail(ATTN_ERR_OVERFLOW, "the batch size overflows 64 bits");
+            return attn__fail_arg(ATTN_ERR_OVERFLOW, "q", "the batch size overflows 64 bits");
     }
     int64_t rows, cells, outs;
     if (attn__mul_overflows(p->nbatch, p->L, &rows) ||
         attn__mul_overflows(rows, p->S, &cells) || attn__mul_overflows(rows, p->Ev, &outs))
-        return attn__fail(ATTN_ERR_OVERFLOW,
+        return attn__fail_arg(ATTN_ERR_OVERFLOW, "q",
                           "batch x L x S = %lld x %lld x %lld overflows 64 bits",
                           (long long)p->nbatch, (long long)p->L, (long long)p->S);
 
     /* Scalars. */
     if (r->causal != ATTN_CAUSAL_NONE && r->causal != ATTN_CAUSAL_TOP_LEFT &&
         r->causal != ATTN_CAUSAL_BOTTOM_RIGHT)
-        return attn__fail(ATTN_ERR_INVALID, "causal is %d; expected ATTN_CAUSAL_NONE, "
+        return attn__fail_arg(ATTN_ERR_INVALID, "params.causal", "causal is %d; expected ATTN_CAUSAL_NONE, "
                           "ATTN_CAUSAL_TOP_LEFT or ATTN_CAUSAL_BOTTOM_RIGHT", (int)r->causal);
     p->causal = r->causal != ATTN_CAUSAL_NONE;
     p->causal_shift = r->causal == ATTN_CAUSAL_BOTTOM_RIGHT ? p->S - p->L : 0;
     if (r->has_scale && !isfinite(r->scale))
-        return attn__fail(ATTN_ERR_INVALID, "scale is %g; expected a finite number", r->scale);
+        return attn__fail_arg(ATTN_ERR_INVALID, "params.scale", "scale is %g; expected a finite number", r->scale);
     p->scale = r->has_scale ? r->scale : 1.0 / sqrt((double)p->E);
     if (!(r->dropout_p >= 0.0 && r->dropout_p <= 1.0))
-        return attn__fail(ATTN_ERR_INVALID, "dropout_p is %g; expected a probability in [0, 1]",
+        return attn__fail_arg(ATTN_ERR_INVALID, "params.dropout_p", "dropout_p is %g; expected a probability in [0, 1]",
                           r->dropout_p);
     p->dropout = r->dropout_p > 0.0;
     p->dropout_p = r->dropout_p;
@@ -272,45 +272,53 @@ attn_status attn__sdpa_plan_request(attn__sdpa_plan *p, const attn__sdpa_request
 void attn_sdpa_params_init(attn_sdpa_params *params) {
     if (params == NULL) return;
     memset(params, 0, sizeof *params);
+    params->struct_size = sizeof *params;
     params->causal = ATTN_CAUSAL_NONE;
 }
 
-static void request_from_public(attn__sdpa_request *r, const attn_tensor *q,
-                                const attn_tensor *k, const attn_tensor *v,
-                                const attn_sdpa_params *params) {
-    attn_sdpa_params defaults;
-    if (params == NULL) {
-        attn_sdpa_params_init(&defaults);
-        params = &defaults;
+/* attn_sdpa_params as 0.2.0 had it: the smallest struct_size accepted. */
+#define SDPA_PARAMS_FIRST_SIZE ATTN__SIZE_THROUGH(attn_sdpa_params, rng_offset)
+
+static attn_status request_from_public(attn__problem_request *r, const attn_tensor *q,
+                                       const attn_tensor *k, const attn_tensor *v,
+                                       const attn_sdpa_params *user) {
+    attn_sdpa_params params;
+    attn_sdpa_params_init(&params);
+    if (user != NULL) {
+        attn_status st = attn__read_params(&params, sizeof params, SDPA_PARAMS_FIRST_SIZE, user,
+                                           "params", "attn_sdpa_params_init");
+        if (st != ATTN_OK) return st;
     }
     memset(r, 0, sizeof *r);
     r->q = q;
     r->k = k;
     r->v = v;
     r->nmask = 1;
-    r->mask[0] = params->attn_mask;
+    r->mask[0] = params.attn_mask;
     r->mask_name[0] = "attn_mask";
     r->mask_bool_keep[0] = 1;
-    r->causal = params->causal;
-    r->has_scale = params->has_scale;
-    r->scale = params->scale;
-    r->enable_gqa = params->enable_gqa;
-    r->dropout_p = params->dropout_p;
-    r->seed = params->seed;
-    r->rng_offset = params->rng_offset;
+    r->causal = params.causal;
+    r->has_scale = params.has_scale;
+    r->scale = params.scale;
+    r->enable_gqa = params.enable_gqa;
+    r->dropout_p = params.dropout_p;
+    r->seed = params.seed;
+    r->rng_offset = params.rng_offset;
+    return ATTN_OK;
 }
 
-attn_status attn__sdpa_plan_build(attn__sdpa_plan *plan, const attn_tensor *q,
+attn_status attn__problem_from_sdpa(attn__problem *plan, const attn_tensor *q,
                                   const attn_tensor *k, const attn_tensor *v,
                                   const attn_sdpa_params *params, attn_tensor *out,
                                   attn_tensor *weights, attn_tensor *lse) {
-    attn__sdpa_request r;
-    request_from_public(&r, q, k, v, params);
-    if (out == NULL) return attn__fail(ATTN_ERR_NULL, "out is NULL");
+    attn__problem_request r;
+    attn_status st = request_from_public(&r, q, k, v, params);
+    if (st != ATTN_OK) return st;
+    if (out == NULL) return attn__fail_arg(ATTN_ERR_NULL, "out", "out is NULL");
     r.out = out;
     r.weights = weights;
     r.lse = lse;
-    return attn__sdpa_plan_request(plan, &r);
+    return attn__problem_build(plan, &r);
 }
 
 attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor *k,
@@ -318,12 +326,12 @@ attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor *k,
                                 int64_t shape[ATTN_MAX_RANK]) {
     attn__clear_error();
     if (rank == NULL || shape == NULL)
-        return attn__fail(ATTN_ERR_NULL, "attn_sdpa_out_shape: %s is NULL",
+        return attn__fail_arg(ATTN_ERR_NULL, rank == NULL ? "rank" : "shape", "attn_sdpa_out_shape: %s is NULL",
                           rank == NULL ? "rank" : "shape");
-    attn__sdpa_request r;
-    attn__sdpa_plan plan;
-    request_from_public(&r, q, k, v, params);
-    attn_status st = attn__sdpa_plan_request(&plan, &r);
+    attn__problem_request r;
+    attn__problem plan;
+    attn_status st = request_from_public(&r, q, k, v, params);
+    if (st == ATTN_OK) st = attn__problem_build(&plan, &r);
     if (st != ATTN_OK) return st;
     *rank = plan.nb + 2;
     memcpy(shape, plan.bshape, sizeof(int64_t) * (size_t)plan.nb);
