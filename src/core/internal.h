@@ -102,19 +102,25 @@ static inline bool attn__is_float(attn_dtype d) {
 }
 
 /* Reads element `offset` (in elements) of a float32/float64/bool buffer as a
- * double. For the reference paths, which favour clarity over speed. */
+ * double. For the reference paths, which favour clarity over speed. Every
+ * dtype has its case and there is no default: a new attn_dtype is a compile
+ * error here (-Wswitch) until it is handled, never a silent misread.
+ * Validation never lets an unknown code through; NaN marks one anyway. */
 static inline double attn__load(const void *base, attn_dtype dtype, int64_t offset) {
     switch (dtype) {
     case ATTN_DTYPE_F32: return (double)((const float *)base)[offset];
     case ATTN_DTYPE_F64: return ((const double *)base)[offset];
-    default: return ((const unsigned char *)base)[offset] != 0 ? 1.0 : 0.0;
+    case ATTN_DTYPE_BOOL: return ((const unsigned char *)base)[offset] != 0 ? 1.0 : 0.0;
     }
+    return __builtin_nan("");
 }
+/* Writes x rounded to an output's dtype (outputs are float32 or float64). */
 static inline void attn__store(void *base, attn_dtype dtype, int64_t offset, double x) {
-    if (dtype == ATTN_DTYPE_F32)
-        ((float *)base)[offset] = (float)x;
-    else
-        ((double *)base)[offset] = x;
+    switch (dtype) {
+    case ATTN_DTYPE_F32: ((float *)base)[offset] = (float)x; return;
+    case ATTN_DTYPE_F64: ((double *)base)[offset] = x; return;
+    case ATTN_DTYPE_BOOL: ((unsigned char *)base)[offset] = x != 0; return;
+    }
 }
 
 /* Formats a shape as "(2, 3, 4)" into buf (always terminated). */

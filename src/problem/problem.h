@@ -1,26 +1,45 @@
 /*
- * plan.h — a validated SDPA problem, ready for a kernel.
+ * problem.h — one description for every attention the library runs.
  *
- * attn_sdpa() and attn_mha_forward() both reduce to a plan: a batch of
- * independent attention problems, each (L x E) queries against (S x E) keys
- * and (S x Ev) values, with every operand located by per-batch-dimension
- * strides. Kernels see only plans, never the public argument structs.
+ * attn_sdpa() and attn_mha_forward() both reduce to an attn__problem: a
+ * batch of independent attention problems, each (L x E) queries against
+ * (S x E) keys and (S x Ev) values, with every operand located by its own
+ * dtype and strides. Kernels (src/sdpa, src/kernels) see only problems,
+ * never the public argument structs, and validate.c is the one place that
+ * builds them: one check, one message.
+ *
+ * What a problem can say beyond a plain batch, so that later features are
+ * fields, not rewrites:
+ *  - ragged batches: per sequence (entry of the first batch dimension) an
+ *    operand may start at its own row and hold its own number of rows, so a
+ *    packed variable-length batch (FlashAttention's cu_seqlens) or a KV cache
+ *    filled to cache_seqlens is described with no copy;
+ *  - a slice of a larger problem: the global position of query row 0 and of
+ *    key 0 and the whole lengths, so causal alignment and the dropout index
+ *    are those of the whole sequence wherever a slice is computed (a key
+ *    chunk of the split decode path today; a ring step or a cache later);
+ *    slices are merged by log-sum-exp (lse_merge.h).
  */
-#ifndef ATTN_SDPA_PLAN_H
-#define ATTN_SDPA_PLAN_H
+#ifndef ATTN_PROBLEM_PROBLEM_H
+#define ATTN_PROBLEM_PROBLEM_H
 
 #include "../core/internal.h"
 
 /* A 2-D operand repeated over the batch dimensions.
  * Element (batch index b = (b_0, ..., b_{nb-1}), row r, column c) lives at
- *   data + sum_d (b_d / bdiv[d]) * bstride[d] + r * rs + c * cs
- * (elements, not bytes). bstride is 0 along broadcast dimensions; bdiv is the
- * GQA group size along the head dimension of k and v, else 1. */
+ *   data + sum_d (b_d / bdiv[d]) * bstride[d] + (start(b_0) + r) * rs + c * cs
+ * (elements, not bytes), with start(n) = seq_start ? seq_start[n] : 0.
+ * bstride is 0 along broadcast dimensions; bdiv is the GQA group size along
+ * the head dimension of k and v, else 1. Rows r >= seq_len[b_0] (when
+ * seq_len is set) are not part of sequence b_0. */
 typedef struct attn__operand {
     void *data;
+    attn_dtype dtype;
     int64_t bstride[ATTN_MAX_RANK];
     int64_t bdiv[ATTN_MAX_RANK];
     int64_t rs, cs;
+    const int64_t *seq_start; /* per sequence, or NULL: every one starts at row 0 */
+    const int64_t *seq_len;   /* per sequence, or NULL: every one has all rows     */
 } attn__operand;
 
 /* A mask over (B..., L, S). Bool masks keep a key where the byte equals
@@ -28,28 +47,47 @@ typedef struct attn__operand {
  * "true = masked out"); float masks are added and -inf removes the key. */
 typedef struct attn__mask {
     attn__operand op;
-    attn_dtype dtype;
     int bool_keep;
 } attn__mask;
 
 enum { ATTN__MAX_MASKS = 2 };
 
+/* The operands by role: validation, overlap checks and the tables that name
+ * them walk this list. Gradients (dq, dk, dv, dmask) are the next roles. */
+typedef enum attn__role_id {
+    ATTN__Q,
+    ATTN__K,
+    ATTN__V,
+    ATTN__OUT,
+    ATTN__LSE,
+    ATTN__WEIGHTS,
+    ATTN__NUM_ROLES
+} attn__role_id;
+
 typedef struct attn__problem {
-    attn_dtype dtype;               /* of q, k, v, out, weights, lse       */
+    attn_dtype dtype;               /* compute and output type: that of out */
     int nb;                         /* number of batch dimensions          */
     int64_t bshape[ATTN_MAX_RANK];  /* their (broadcast) sizes             */
     int64_t nbatch;                 /* product of bshape                   */
-    int64_t L, S, E, Ev;
-    attn__operand q, k, v;          /* q: L x E, k: S x E, v: S x Ev       */
-    attn__operand out;              /* L x Ev                              */
-    attn__operand weights;          /* L x S, when has_weights             */
-    attn__operand lse;              /* L x 1 (rs only), when has_lse       */
-    bool has_weights, has_lse;
+    int64_t nseq;                   /* sequences: bshape[0], or 1          */
+    int64_t L, S, E, Ev;            /* rows and keys held here (maxima when ragged) */
+
+    /* Inputs. q: L x E, k: S x E, v: S x Ev. */
+    attn__operand q, k, v;
     int nmask;
     attn__mask mask[ATTN__MAX_MASKS];
+
+    /* Outputs. out: L x Ev; lse: L x 1 (rs only); weights: L x S. */
+    attn__operand out, lse, weights;
+    bool has_lse, has_weights;
+
+    /* Where this problem sits in the whole one (a slice: a key chunk, a ring
+     * step). Query row i is position q_pos0 + i of L_total, key j position
+     * k_pos0 + j of S_total. A whole problem has 0, 0, L, S. */
+    int64_t q_pos0, k_pos0, L_total, S_total;
+
     double scale;
-    bool causal;                    /* key j visible iff j <= i + shift    */
-    int64_t causal_shift;           /* 0 top-left, S - L bottom-right      */
+    attn_causal causal;             /* alignment over the whole lengths    */
     bool dropout;
     double dropout_p;
     uint64_t keep_threshold;        /* see attn__dropout_threshold         */
@@ -57,35 +95,72 @@ typedef struct attn__problem {
     const volatile int *cancel;     /* the caller's cancel flag, or NULL   */
 } attn__problem;
 
-/* Builds and validates a plan from attn_sdpa's public arguments. */
-attn_status attn__problem_from_sdpa(attn__problem *plan, const attn_tensor *q,
-                                  const attn_tensor *k, const attn_tensor *v,
-                                  const attn_sdpa_params *params, attn_tensor *out,
-                                  attn_tensor *weights, attn_tensor *lse);
+/* The operand of a role (NULL for no such role). */
+attn__operand *attn__problem_operand(attn__problem *p, attn__role_id role);
+/* Its name in messages and attn_last_error_arg(): "q", "out", ... */
+const char *attn__role_name(attn__role_id role);
 
+/* ---- addressing ---- */
+
+/* The sequence of batch index b: its index along the first batch dim. */
+static inline int64_t attn__seq_of(const attn__problem *p, int64_t b) {
+    return p->nb == 0 ? 0 : b / (p->nbatch / p->bshape[0]);
+}
 
 /* Element offset of operand `op` for batch index `b` (linear, row-major over
- * plan->bshape). */
-static inline int64_t attn__batch_offset(const attn__problem *plan, const attn__operand *op,
+ * p->bshape), including the sequence's start row. */
+static inline int64_t attn__batch_offset(const attn__problem *p, const attn__operand *op,
                                          int64_t b) {
     int64_t off = 0;
-    for (int d = plan->nb - 1; d >= 0; d--) {
-        int64_t idx = b % plan->bshape[d];
-        b /= plan->bshape[d];
+    if (op->seq_start != NULL) off = op->seq_start[attn__seq_of(p, b)] * op->rs;
+    for (int d = p->nb - 1; d >= 0; d--) {
+        int64_t idx = b % p->bshape[d];
+        b /= p->bshape[d];
         off += (idx / op->bdiv[d]) * op->bstride[d];
     }
     return off;
 }
 
-/* Whether query row i may see key j under the causal rule. */
-static inline bool attn__causal_visible(const attn__problem *plan, int64_t i, int64_t j) {
-    return !plan->causal || j <= i + plan->causal_shift;
+/* Query rows and keys that batch index b holds (< L, S when ragged). */
+static inline int64_t attn__rows_of(const attn__problem *p, int64_t b) {
+    return p->q.seq_len != NULL ? p->q.seq_len[attn__seq_of(p, b)] : p->L;
+}
+static inline int64_t attn__keys_of(const attn__problem *p, int64_t b) {
+    return p->k.seq_len != NULL ? p->k.seq_len[attn__seq_of(p, b)] : p->S;
 }
 
+/* The last key (local index) query row i of batch index b may see: the
+ * causal rule over the whole sequence, then the keys the entry holds; -1
+ * when it sees none. Bottom-right alignment is to the sequence's own end
+ * (a cache filled to k.seq_len aligns to its filled length). */
+static inline int64_t attn__last_key(const attn__problem *p, int64_t b, int64_t i) {
+    const int64_t keys = attn__keys_of(p, b);
+    int64_t last = keys - 1;
+    if (p->causal != ATTN_CAUSAL_NONE) {
+        int64_t L_all = p->L_total, S_all = p->S_total;
+        if (p->q.seq_len != NULL) L_all = attn__rows_of(p, b);
+        if (p->k.seq_len != NULL) S_all = keys;
+        const int64_t shift = p->causal == ATTN_CAUSAL_BOTTOM_RIGHT ? S_all - L_all : 0;
+        const int64_t visible = p->q_pos0 + i + shift - p->k_pos0; /* local index */
+        if (visible < last) last = visible;
+    }
+    return last < -1 ? -1 : last;
+}
 
+/* Dropout's counter for weight (b, i, j): its linear index in the weights of
+ * the whole problem, so any slice draws the whole problem's mask. */
+static inline uint64_t attn__dropout_index(const attn__problem *p, int64_t b, int64_t i,
+                                           int64_t j) {
+    return ((uint64_t)b * (uint64_t)p->L_total + (uint64_t)(p->q_pos0 + i)) *
+               (uint64_t)p->S_total +
+           (uint64_t)(p->k_pos0 + j);
+}
 
-/* The general form of a plan request, for callers inside the library (MHA
- * passes a key-padding mask as a second mask). attn_sdpa fills one mask. */
+/* ---- building ---- */
+
+/* The general form of a problem request, for callers inside the library
+ * (MHA passes a key-padding mask as a second mask). attn_sdpa fills one
+ * mask. */
 typedef struct attn__problem_request {
     const attn_tensor *q, *k, *v;
     int nmask;
@@ -101,5 +176,19 @@ typedef struct attn__problem_request {
     attn_tensor *out, *weights, *lse; /* out may be NULL to only infer shapes */
 } attn__problem_request;
 
-attn_status attn__problem_build(attn__problem *plan, const attn__problem_request *req);
-#endif /* ATTN_SDPA_PLAN_H */
+/* Validates a request into a whole problem (offsets 0, no ragged rows). */
+attn_status attn__problem_build(attn__problem *p, const attn__problem_request *req);
+
+/* The same from attn_sdpa's public arguments. */
+attn_status attn__problem_from_sdpa(attn__problem *p, const attn_tensor *q, const attn_tensor *k,
+                                    const attn_tensor *v, const attn_sdpa_params *params,
+                                    attn_tensor *out, attn_tensor *weights, attn_tensor *lse);
+
+/* A slice of a whole problem: keys [j0, j0 + nk) (nk >= 1), with the
+ * slice's global key position, so that causality and dropout stay those of
+ * `whole`. Outputs are left as in `whole`; the caller points them at its
+ * partial buffers. Not for ragged problems (their key counts differ). */
+void attn__problem_key_slice(const attn__problem *whole, int64_t j0, int64_t nk,
+                             attn__problem *slice);
+
+#endif /* ATTN_PROBLEM_PROBLEM_H */

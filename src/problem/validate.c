@@ -21,7 +21,9 @@ static int64_t batch_stride(const attn_tensor *t, int nb, int d) {
 static int neg_dim(int nb, int d) { return d - nb - 2; }
 
 static void fill_operand(attn__operand *op, const attn_tensor *t, int nb) {
+    memset(op, 0, sizeof *op);
     op->data = t->data;
+    op->dtype = t->dtype;
     for (int d = 0; d < nb; d++) {
         op->bstride[d] = batch_stride(t, nb, d);
         op->bdiv[d] = 1;
@@ -70,6 +72,7 @@ static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char
     attn__operand *op = &out->op;
     memset(op, 0, sizeof *op);
     op->data = m->data;
+    op->dtype = m->dtype;
     int64_t stride_full[ATTN_MAX_RANK];
     for (int d = 0; d < full; d++) {
         int md = d - (full - m->rank);
@@ -89,7 +92,6 @@ static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char
     }
     op->rs = stride_full[p->nb];
     op->cs = stride_full[p->nb + 1];
-    out->dtype = m->dtype;
     out->bool_keep = bool_keep ? 1 : 0;
     return ATTN_OK;
 }
@@ -154,6 +156,9 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
                           "value per key (S)",
                           (long long)v->shape[v->rank - 2], (long long)p->S);
 
+    p->L_total = p->L; /* a whole problem: its slices set these (key_slice) */
+    p->S_total = p->S;
+
     /* Batch dimensions: broadcast, except the head dimension under GQA. */
     int nb = q->rank;
     if (k->rank > nb) nb = k->rank;
@@ -202,6 +207,7 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
         if (attn__mul_overflows(p->nbatch, size, &p->nbatch))
             return attn__fail_arg(ATTN_ERR_OVERFLOW, "q", "the batch size overflows 64 bits");
     }
+    p->nseq = nb == 0 ? 1 : p->bshape[0];
     int64_t rows, cells, outs;
     if (attn__mul_overflows(p->nbatch, p->L, &rows) ||
         attn__mul_overflows(rows, p->S, &cells) || attn__mul_overflows(rows, p->Ev, &outs))
@@ -214,8 +220,7 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
         r->causal != ATTN_CAUSAL_BOTTOM_RIGHT)
         return attn__fail_arg(ATTN_ERR_INVALID, "params.causal", "causal is %d; expected ATTN_CAUSAL_NONE, "
                           "ATTN_CAUSAL_TOP_LEFT or ATTN_CAUSAL_BOTTOM_RIGHT", (int)r->causal);
-    p->causal = r->causal != ATTN_CAUSAL_NONE;
-    p->causal_shift = r->causal == ATTN_CAUSAL_BOTTOM_RIGHT ? p->S - p->L : 0;
+    p->causal = r->causal;
     if (r->has_scale && !isfinite(r->scale))
         return attn__fail_arg(ATTN_ERR_INVALID, "params.scale", "scale is %g; expected a finite number", r->scale);
     p->scale = r->has_scale ? r->scale : 1.0 / sqrt((double)p->E);
@@ -257,7 +262,9 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
         if ((st = check_output(r->lse, "lse", p->dtype, nb + 1, shape)) != ATTN_OK) return st;
         /* lse is (B..., L): its last dimension is the row dimension. */
         attn__operand *op = &p->lse;
+        memset(op, 0, sizeof *op);
         op->data = r->lse->data;
+        op->dtype = r->lse->dtype;
         for (int d = 0; d < nb; d++) {
             op->bstride[d] = r->lse->shape[d] == 1 ? 0 : r->lse->strides[d];
             op->bdiv[d] = 1;

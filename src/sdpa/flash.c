@@ -131,8 +131,7 @@ static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, i
         row->lse = lse0 + i * p->lse.rs;
         row->weights = w0 + i * p->weights.rs;
         for (int m = 0; m < p->nmask; m++) row->mask[m] = m0[m] + i * p->mask[m].op.rs;
-        row->limit = p->causal ? i + p->causal_shift : p->S - 1;
-        if (row->limit > p->S - 1) row->limit = p->S - 1;
+        row->limit = attn__last_key(p, b, i);
     }
     *nr = n;
 }

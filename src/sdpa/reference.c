@@ -20,14 +20,14 @@
 /* Combines the causal rule and every mask for (row i, key j). Returns false
  * when the key is masked out; otherwise adds the float mask values to *bias. */
 static bool key_visible(const attn__problem *p, const int64_t *mask_off, int64_t i, int64_t j,
-                        double *bias) {
-    if (!attn__causal_visible(p, i, j)) return false;
+                        int64_t last, double *bias) {
+    if (j > last) return false; /* causal, or past the keys the entry holds */
     *bias = 0.0;
     for (int m = 0; m < p->nmask; m++) {
         const attn__mask *mk = &p->mask[m];
         int64_t at = mask_off[m] + i * mk->op.rs + j * mk->op.cs;
-        double x = attn__load(mk->op.data, mk->dtype, at);
-        if (mk->dtype == ATTN_DTYPE_BOOL) {
+        double x = attn__load(mk->op.data, mk->op.dtype, at);
+        if (mk->op.dtype == ATTN_DTYPE_BOOL) {
             if ((int)x != mk->bool_keep) return false;
         } else {
             if (x == -INFINITY) return false;
@@ -39,25 +39,26 @@ static bool key_visible(const attn__problem *p, const int64_t *mask_off, int64_t
 
 /* Computes one query row; `s` has room for S doubles. */
 void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, double *s,
-                          bool *visible) {
+                              bool *visible) {
     const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
     const int64_t ko = attn__batch_offset(p, &p->k, b);
     const int64_t vo = attn__batch_offset(p, &p->v, b);
     const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
     int64_t mask_off[ATTN__MAX_MASKS];
     for (int m = 0; m < p->nmask; m++) mask_off[m] = attn__batch_offset(p, &p->mask[m].op, b);
+    const int64_t last = attn__last_key(p, b, i);
 
     /* Scores of the visible keys, and their maximum. */
     double max = -INFINITY;
     bool nan = false;
     for (int64_t j = 0; j < p->S; j++) {
         double bias;
-        visible[j] = key_visible(p, mask_off, i, j, &bias);
+        visible[j] = key_visible(p, mask_off, i, j, last, &bias);
         if (!visible[j]) continue;
         double dot = 0.0;
         for (int64_t e = 0; e < p->E; e++)
-            dot += attn__load(p->q.data, p->dtype, qo + e * p->q.cs) *
-                   attn__load(p->k.data, p->dtype, ko + j * p->k.rs + e * p->k.cs);
+            dot += attn__load(p->q.data, p->q.dtype, qo + e * p->q.cs) *
+                   attn__load(p->k.data, p->k.dtype, ko + j * p->k.rs + e * p->k.cs);
         s[j] = p->scale * dot + bias;
         nan |= isnan(s[j]);
         if (s[j] > max) max = s[j];
@@ -78,22 +79,22 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
     }
     if (p->has_lse) {
         int64_t lo = attn__batch_offset(p, &p->lse, b) + i * p->lse.rs;
-        attn__store(p->lse.data, p->dtype, lo, empty ? -INFINITY : max + log(sum));
+        attn__store(p->lse.data, p->lse.dtype, lo, empty ? -INFINITY : max + log(sum));
     }
 
     /* Normalise, drop out, and write the weights. */
     const double keep_scale = p->dropout_p < 1.0 ? 1.0 / (1.0 - p->dropout_p) : 0.0;
-    const uint64_t row_index = (uint64_t)(b * p->L + i) * (uint64_t)p->S;
     const int64_t wo = p->has_weights ? attn__batch_offset(p, &p->weights, b) + i * p->weights.rs
                                       : 0;
     for (int64_t j = 0; j < p->S; j++) {
         double w = empty ? 0.0 : s[j] / sum;
         if (p->dropout) {
-            uint32_t word = attn__dropout_word(p->seed, p->rng_offset, row_index + (uint64_t)j);
+            const uint64_t index = attn__dropout_index(p, b, i, j);
+            const uint32_t word = attn__dropout_word(p->seed, p->rng_offset, index);
             w = (uint64_t)word >= p->keep_threshold ? w * keep_scale : 0.0;
         }
         s[j] = w;
-        if (p->has_weights) attn__store(p->weights.data, p->dtype, wo + j * p->weights.cs, w);
+        if (p->has_weights) attn__store(p->weights.data, p->weights.dtype, wo + j * p->weights.cs, w);
     }
 
     /* Weighted sum of the values. A key whose weight is exactly 0 (masked,
@@ -103,8 +104,8 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
         double acc = 0.0;
         for (int64_t j = 0; j < p->S; j++)
             if (s[j] != 0.0)
-                acc += s[j] * attn__load(p->v.data, p->dtype, vo + j * p->v.rs + e * p->v.cs);
-        attn__store(p->out.data, p->dtype, oo + e * p->out.cs, acc);
+                acc += s[j] * attn__load(p->v.data, p->v.dtype, vo + j * p->v.rs + e * p->v.cs);
+        attn__store(p->out.data, p->out.dtype, oo + e * p->out.cs, acc);
     }
 }
 
@@ -138,7 +139,9 @@ attn_status attn__sdpa_reference(const attn__problem *p) {
             cancelled = 1;
             continue;
         }
-        attn__sdpa_reference_row(p, r / p->L, r % p->L, scores + t * per_thread, visible + t * per_thread);
+        const int64_t b = r / p->L, i = r % p->L;
+        if (i >= attn__rows_of(p, b)) continue; /* a ragged entry: not one of its rows */
+        attn__sdpa_reference_row(p, b, i, scores + t * per_thread, visible + t * per_thread);
     }
     attn__free(scores);
     attn__free(visible);

@@ -1,0 +1,31 @@
+/*
+ * lse_merge.h — attention over disjoint key sets, combined exactly.
+ *
+ * A row's attention over keys K = K_1 ∪ ... ∪ K_n is the mix of its
+ * attention over each part: with out_c normalised over K_c and lse_c its
+ * log-sum-exp,
+ *   lse = log sum_c exp(lse_c),   out = sum_c exp(lse_c - lse) · out_c.
+ * The split decode path merges its key chunks with it today; a ring step or
+ * a cache extended by new keys merges the same way. Parts are visited in
+ * the order given, so the result does not depend on who computed them.
+ */
+#ifndef ATTN_PROBLEM_LSE_MERGE_H
+#define ATTN_PROBLEM_LSE_MERGE_H
+
+#include "../core/internal.h"
+
+/* Merges n parts of one row: part c's output is out_parts[c * part_stride +
+ * e] (e < Ev), its lse lse_parts[c * lse_stride] (natural log, -inf for a
+ * part that saw no key). Writes out[e * out_cs] and *lse.
+ * Rules, those of the reference kernel: a part whose lse is -inf, or whose
+ * weight exp(lse_c - lse) is exactly 0, contributes nothing (not even a NaN
+ * or Inf output); no part with a key gives out = 0, lse = -inf; a NaN lse
+ * gives NaN everywhere. Sums are in float64, rounded once. */
+void attn__lse_merge_f(int64_t n, const float *out_parts, int64_t part_stride,
+                       const double *lse_parts, int64_t lse_stride, int64_t Ev, float *out,
+                       int64_t out_cs, double *lse);
+void attn__lse_merge_d(int64_t n, const double *out_parts, int64_t part_stride,
+                       const double *lse_parts, int64_t lse_stride, int64_t Ev, double *out,
+                       int64_t out_cs, double *lse);
+
+#endif /* ATTN_PROBLEM_LSE_MERGE_H */
