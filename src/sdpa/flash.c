@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "flash.h"
+#include "../problem/lse_merge.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -103,7 +104,10 @@ typedef struct flash_row {
                                            -1 (tracked when lse is asked) */
     int64_t q, out, lse, weights;       /* element offsets                 */
     int64_t mask[ATTN__MAX_MASKS];      /* mask row offsets                */
-    int64_t limit;                      /* last visible key (causal), or S-1 */
+    int64_t limit;                      /* last visible key, -1 for none   */
+    bool active;                        /* a row its entry holds (ragged
+                                           batches: rows past the entry's
+                                           length are neither read nor written) */
 } flash_row;
 
 static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t qb,
@@ -112,7 +116,7 @@ static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, i
     int64_t n = w->nrows - r0 < w->BR ? w->nrows - r0 : w->BR;
     /* Batch offsets (integer divisions per dimension) only change when the
      * row moves to another head: compute them once per head. */
-    int64_t b = -1, q0 = 0, out0 = 0, lse0 = 0, w0 = 0, m0[ATTN__MAX_MASKS] = {0};
+    int64_t b = -1, q0 = 0, out0 = 0, lse0 = 0, w0 = 0, m0[ATTN__MAX_MASKS] = {0}, held = 0;
     for (int64_t r = 0; r < n; r++) {
         flash_row *row = &rows[r];
         const int64_t h = (r0 + r) / p->L, i = (r0 + r) % p->L;
@@ -123,6 +127,7 @@ static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, i
             lse0 = p->has_lse ? attn__batch_offset(p, &p->lse, b) : 0;
             w0 = p->has_weights ? attn__batch_offset(p, &p->weights, b) : 0;
             for (int m = 0; m < p->nmask; m++) m0[m] = attn__batch_offset(p, &p->mask[m].op, b);
+            held = attn__rows_of(p, b);
         }
         row->b = b;
         row->i = i;
@@ -131,7 +136,8 @@ static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, i
         row->lse = lse0 + i * p->lse.rs;
         row->weights = w0 + i * p->weights.rs;
         for (int m = 0; m < p->nmask; m++) row->mask[m] = m0[m] + i * p->mask[m].op.rs;
-        row->limit = attn__last_key(p, b, i);
+        row->active = i < held;
+        row->limit = row->active ? attn__last_key(p, b, i) : -1;
     }
     *nr = n;
 }
