@@ -1,0 +1,271 @@
+/*
+ * test_problem.c — the problem description: global offsets, key slices
+ * merged by log-sum-exp, and ragged batches (KV caches filled to a length,
+ * packed variable-length sequences), on every kernel path this machine has.
+ */
+#include "problem/lse_merge.h"
+#include "problem/problem.h"
+#include "sdpa/sdpa.h"
+#include "testutil.h"
+
+static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512};
+static const attn_isa ALL[] = {ATTN_ISA_REF, ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512};
+
+static void fill(void *data, attn_dtype dt, int64_t n, rng *r) {
+    for (int64_t i = 0; i < n; i++) {
+        const double x = rng_normal(r);
+        if (dt == ATTN_DTYPE_F32)
+            ((float *)data)[i] = (float)x;
+        else
+            ((double *)data)[i] = x;
+    }
+}
+
+static attn_tensor view(void *data, attn_dtype dt, int rank, const int64_t *shape) {
+    attn_tensor t;
+    attn_tensor_init(&t, data, dt, rank, shape);
+    return t;
+}
+
+/* An operand over a contiguous (B..., L, width) buffer. */
+static void dense_operand(const attn__problem *p, attn__operand *op, void *data, attn_dtype dt,
+                          int64_t width) {
+    memset(op, 0, sizeof *op);
+    op->data = data;
+    op->dtype = dt;
+    op->rs = width;
+    op->cs = 1;
+    int64_t span = p->L * width;
+    for (int d = p->nb - 1; d >= 0; d--) {
+        op->bstride[d] = span;
+        op->bdiv[d] = 1;
+        span *= p->bshape[d];
+    }
+}
+
+/* ---- dropout over two key halves, merged, equals the whole call ---- */
+
+enum { H = 4, L = 3, S = 2048, E = 64 }; /* a decode shape: the split path */
+
+static void halves_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool float_mask) {
+    const size_t es = attn_dtype_size(dt);
+    rng r = {harness_seed() ^ (unsigned)(isa * 31 + dt * 7 + causal)};
+    const int64_t qs[4] = {1, H, L, E}, ks[4] = {1, H, S, E}, os[4] = {1, H, L, E},
+                  ms[2] = {L, S}, ls[3] = {1, H, L};
+    void *qd = malloc(H * L * E * es), *kd = malloc(H * S * E * es), *vd = malloc(H * S * E * es);
+    void *md = malloc(L * S * es), *whole = malloc(H * L * E * es), *whole_lse = malloc(H * L * es);
+    void *halves = malloc(2 * H * L * E * es), *merged = malloc(H * L * E * es);
+    double lse_h[2][H * L], lse_m[H * L];
+    fill(qd, dt, H * L * E, &r);
+    fill(kd, dt, H * S * E, &r);
+    fill(vd, dt, H * S * E, &r);
+    fill(md, dt, L * S, &r);
+    attn_tensor q = view(qd, dt, 4, qs), k = view(kd, dt, 4, ks), v = view(vd, dt, 4, ks);
+    attn_tensor mask = view(md, dt, 2, ms), out = view(whole, dt, 4, os);
+    attn_tensor lse = view(whole_lse, dt, 3, ls);
+    attn_sdpa_params prm;
+    attn_sdpa_params_init(&prm);
+    prm.causal = causal;
+    prm.dropout_p = 0.25;
+    prm.seed = 1234;
+    prm.rng_offset = 5;
+    prm.attn_mask = float_mask ? &mask : NULL;
+
+    CHECK_OK(attn_set_isa(isa));
+    CHECK_OK(attn_sdpa(&q, &k, &v, &prm, &out, NULL, &lse));
+    attn__problem whole_p, half;
+    CHECK_OK(attn__problem_from_sdpa(&whole_p, &q, &k, &v, &prm, &out, NULL, &lse));
+    for (int c = 0; c < 2; c++) {
+        attn__problem_key_slice(&whole_p, c * (S / 2), S / 2, &half);
+        dense_operand(&half, &half.out, (char *)halves + c * H * L * E * es, dt, E);
+        dense_operand(&half, &half.lse, lse_h[c], ATTN_DTYPE_F64, 1);
+        half.has_lse = true;
+        CHECK_OK(attn__sdpa_execute(&half));
+    }
+    for (int64_t row = 0; row < H * L; row++) {
+        if (dt == ATTN_DTYPE_F32)
+            attn__lse_merge_f(2, (float *)halves + row * E, H * L * E, &lse_h[0][row], H * L, E,
+                              (float *)merged + row * E, 1, &lse_m[row]);
+        else
+            attn__lse_merge_d(2, (double *)halves + row * E, H * L * E, &lse_h[0][row], H * L, E,
+                              (double *)merged + row * E, 1, &lse_m[row]);
+    }
+    CHECK(memcmp(merged, whole, H * L * E * es) == 0,
+          "%s %s causal=%d mask=%d: halves merged differ from the whole call",
+          attn_isa_name(isa), attn_dtype_name(dt), (int)causal, (int)float_mask);
+    int lse_same = 1;
+    for (int64_t row = 0; row < H * L; row++) {
+        const double want = dt == ATTN_DTYPE_F32 ? ((float *)whole_lse)[row] : ((double *)whole_lse)[row];
+        const double got = dt == ATTN_DTYPE_F32 ? (double)(float)lse_m[row] : lse_m[row];
+        lse_same &= memcmp(&got, &want, sizeof got) == 0;
+    }
+    CHECK(lse_same, "%s %s: merged lse differs from the whole call's", attn_isa_name(isa),
+          attn_dtype_name(dt));
+
+    /* Not vacuous: the dropout mask changed the result, and a half with its
+     * offset forgotten (as if it were keys 0..S/2-1) draws another mask. */
+    prm.dropout_p = 0;
+    void *plain = malloc(H * L * E * es);
+    attn_tensor out0 = view(plain, dt, 4, os);
+    CHECK_OK(attn_sdpa(&q, &k, &v, &prm, &out0, NULL, NULL));
+    CHECK(memcmp(plain, whole, H * L * E * es) != 0, "dropout left the output unchanged");
+    attn__problem_key_slice(&whole_p, S / 2, S / 2, &half);
+    half.k_pos0 = 0;
+    dense_operand(&half, &half.out, merged, dt, E);
+    dense_operand(&half, &half.lse, lse_m, ATTN_DTYPE_F64, 1);
+    CHECK_OK(attn__sdpa_execute(&half));
+    CHECK(memcmp(merged, (char *)halves + H * L * E * es, H * L * E * es) != 0,
+          "the key offset does not reach the dropout mask");
+    free(plain);
+    free(qd), free(kd), free(vd), free(md), free(whole), free(whole_lse), free(halves), free(merged);
+}
+
+static void test_dropout_halves_merge_bitwise(void) {
+    for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
+        if (!attn_isa_supported(FUSED[i])) continue;
+        for (int f64 = 0; f64 < 2; f64++) {
+            const attn_dtype dt = f64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+            halves_case(FUSED[i], dt, ATTN_CAUSAL_NONE, false);
+            halves_case(FUSED[i], dt, ATTN_CAUSAL_BOTTOM_RIGHT, true);
+            halves_case(FUSED[i], dt, ATTN_CAUSAL_TOP_LEFT, false); /* second half sees nothing */
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- lse_merge's own rules ---- */
+
+static void test_lse_merge_rules(void) {
+    const float outs[3][2] = {{1, 2}, {INFINITY, NAN}, {3, 4}};
+    double lse_parts[3] = {0.5, -INFINITY, 0.5}, lse;
+    float out[2];
+    attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
+    CHECK(out[0] == 2 && out[1] == 3, "merge of equal parts: %g %g", out[0], out[1]);
+    CHECK(fabs(lse - (0.5 + log(2.0))) < 1e-15, "merged lse %.17g", lse);
+    lse_parts[0] = lse_parts[2] = -INFINITY;
+    attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
+    CHECK(out[0] == 0 && out[1] == 0 && lse == -INFINITY, "no keys: %g %g %g", out[0], out[1], lse);
+    lse_parts[1] = NAN;
+    attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
+    CHECK(isnan(out[0]) && isnan(out[1]) && isnan(lse), "a NaN lse poisons the row");
+    /* A part whose weight underflows to 0 contributes nothing, even Inf. */
+    lse_parts[0] = 0;
+    lse_parts[1] = -2000;
+    attn__lse_merge_f(2, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
+    CHECK(out[0] == 1 && out[1] == 2, "a zero-weight part leaked: %g %g", out[0], out[1]);
+}
+
+/* ---- a KV cache filled to a length per sequence ---- */
+
+enum { N = 2, CH = 2, CL = 4, CS = 300, CE = 32 };
+
+static void cache_case(attn_isa isa) {
+    rng r = {harness_seed() + 77};
+    static float q[N * CH * CL * CE], k[N * CH * CS * CE], v[N * CH * CS * CE];
+    static float out[N * CH * CL * CE], one[CH * CL * CE];
+    const int64_t lens[N] = {CS, 123};
+    fill(q, ATTN_DTYPE_F32, N * CH * CL * CE, &r);
+    fill(k, ATTN_DTYPE_F32, N * CH * CS * CE, &r);
+    fill(v, ATTN_DTYPE_F32, N * CH * CS * CE, &r);
+    for (int n = 0; n < N; n++) /* past the filled length: poison that must not leak */
+        for (int h = 0; h < CH; h++)
+            for (int64_t j = lens[n]; j < CS; j++)
+                for (int e = 0; e < CE; e++) {
+                    k[((n * CH + h) * CS + j) * CE + e] = NAN;
+                    v[((n * CH + h) * CS + j) * CE + e] = INFINITY;
+                }
+    const int64_t qs[4] = {N, CH, CL, CE}, ks[4] = {N, CH, CS, CE};
+    attn_tensor tq = view(q, ATTN_DTYPE_F32, 4, qs), tk = view(k, ATTN_DTYPE_F32, 4, ks),
+                tv = view(v, ATTN_DTYPE_F32, 4, ks), to = view(out, ATTN_DTYPE_F32, 4, qs);
+    attn_sdpa_params prm;
+    attn_sdpa_params_init(&prm);
+    prm.causal = ATTN_CAUSAL_BOTTOM_RIGHT; /* aligned to each cache's own length */
+    CHECK_OK(attn_set_isa(isa));
+    attn__problem p;
+    CHECK_OK(attn__problem_from_sdpa(&p, &tq, &tk, &tv, &prm, &to, NULL, NULL));
+    p.k.seq_len = p.v.seq_len = lens;
+    CHECK_OK(attn__sdpa_execute(&p));
+    for (int n = 0; n < N; n++) { /* each sequence alone, its cache cut to its length */
+        const int64_t q1[3] = {CH, CL, CE}, k1[3] = {CH, lens[n], CE};
+        attn_tensor sq = view(q + n * CH * CL * CE, ATTN_DTYPE_F32, 3, q1);
+        attn_tensor sk = view(k + n * CH * CS * CE, ATTN_DTYPE_F32, 3, k1);
+        attn_tensor sv = view(v + n * CH * CS * CE, ATTN_DTYPE_F32, 3, k1);
+        sk.strides[0] = sv.strides[0] = CS * CE;
+        attn_tensor so = view(one, ATTN_DTYPE_F32, 3, q1);
+        CHECK_OK(attn_sdpa(&sq, &sk, &sv, &prm, &so, NULL, NULL));
+        CHECK(memcmp(one, out + n * CH * CL * CE, sizeof one) == 0,
+              "%s: sequence %d of the cache differs from its own call", attn_isa_name(isa), n);
+    }
+}
+
+/* ---- packed variable-length sequences (cu_seqlens), read in place ---- */
+
+enum { PH = 2, PE = 16, TQ = 3 + 5, TK = 7 + 4 };
+
+static void packed_case(attn_isa isa) {
+    rng r = {harness_seed() + 99};
+    static double q[TQ * PH * PE], k[TK * PH * PE], v[TK * PH * PE];
+    static double out[(TQ + 1) * PH * PE], one[PH * 5 * PE];
+    const int64_t q_start[2] = {0, 3}, q_len[2] = {3, 5}, k_start[2] = {0, 7}, k_len[2] = {7, 4};
+    fill(q, ATTN_DTYPE_F64, TQ * PH * PE, &r);
+    fill(k, ATTN_DTYPE_F64, TK * PH * PE, &r);
+    fill(v, ATTN_DTYPE_F64, TK * PH * PE, &r);
+    for (int i = 0; i < (TQ + 1) * PH * PE; i++) out[i] = NAN; /* the last row: a canary */
+    /* Padded views (N, H, max len, E) give the problem its shape; the packed
+     * layout comes from the operands' starts and lengths. */
+    const int64_t qs[4] = {2, PH, 5, PE}, ks[4] = {2, PH, 7, PE};
+    attn_tensor tq = view(q, ATTN_DTYPE_F64, 4, qs), tk = view(k, ATTN_DTYPE_F64, 4, ks),
+                tv = view(v, ATTN_DTYPE_F64, 4, ks);
+    static double scratch_out[2 * PH * 5 * PE];
+    attn_tensor to = view(scratch_out, ATTN_DTYPE_F64, 4, qs);
+    attn_tensor *packed[3] = {&tq, &tk, &tv};
+    for (int i = 0; i < 3; i++) { /* (N, H, T, E) over a (total, H, E) buffer */
+        packed[i]->strides[0] = 0;
+        packed[i]->strides[1] = PE;
+        packed[i]->strides[2] = PH * PE;
+    }
+    attn_sdpa_params prm;
+    attn_sdpa_params_init(&prm);
+    prm.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+    CHECK_OK(attn_set_isa(isa));
+    attn__problem p;
+    CHECK_OK(attn__problem_from_sdpa(&p, &tq, &tk, &tv, &prm, &to, NULL, NULL));
+    p.q.seq_start = q_start, p.q.seq_len = q_len;
+    p.k.seq_start = p.v.seq_start = k_start, p.k.seq_len = p.v.seq_len = k_len;
+    p.out = p.q; /* the same packed layout, over out's buffer */
+    p.out.data = out;
+    CHECK_OK(attn__sdpa_execute(&p));
+    for (int n = 0; n < 2; n++) {
+        const int64_t q1[3] = {PH, q_len[n], PE}, k1[3] = {PH, k_len[n], PE};
+        attn_tensor sq = view(q + q_start[n] * PH * PE, ATTN_DTYPE_F64, 3, q1);
+        attn_tensor sk = view(k + k_start[n] * PH * PE, ATTN_DTYPE_F64, 3, k1);
+        attn_tensor sv = view(v + k_start[n] * PH * PE, ATTN_DTYPE_F64, 3, k1);
+        for (attn_tensor *t = &sq; t; t = t == &sq ? &sk : t == &sk ? &sv : NULL) {
+            t->strides[0] = PE;
+            t->strides[1] = PH * PE;
+        }
+        attn_tensor so = view(one, ATTN_DTYPE_F64, 3, q1);
+        CHECK_OK(attn_sdpa(&sq, &sk, &sv, &prm, &so, NULL, NULL));
+        bool same = true;
+        for (int h = 0; h < PH; h++)
+            for (int64_t i = 0; i < q_len[n]; i++)
+                same &= memcmp(&one[(h * q_len[n] + i) * PE],
+                               &out[((q_start[n] + i) * PH + h) * PE], PE * sizeof(double)) == 0;
+        CHECK(same, "%s: packed sequence %d differs from its own call", attn_isa_name(isa), n);
+    }
+    bool canary = true;
+    for (int i = TQ * PH * PE; i < (TQ + 1) * PH * PE; i++) canary &= isnan(out[i]);
+    CHECK(canary, "%s: a write past the packed rows", attn_isa_name(isa));
+}
+
+static void test_ragged_batches(void) {
+    for (size_t i = 0; i < sizeof ALL / sizeof ALL[0]; i++) {
+        if (!attn_isa_supported(ALL[i])) continue;
+        cache_case(ALL[i]);
+        packed_case(ALL[i]);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+HARNESS_MAIN(T(test_dropout_halves_merge_bitwise), T(test_lse_merge_rules),
+             T(test_ragged_batches))
