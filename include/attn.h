@@ -364,7 +364,7 @@ typedef struct attn_mha_forward_params {
     double dropout;
     /* [attn] batch_first for this call: -1 (the default) keeps the
      * config's; 0 or 1 overrides it, as torch reads module.batch_first at
-     * every forward. */
+     * every forward. Any other value is ATTN_ERR_INVALID. */
     int batch_first;
 } attn_mha_forward_params;
 

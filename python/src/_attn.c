@@ -536,6 +536,7 @@ static int mha_init(MHAObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     self->mha = m;
+    self->cfg.struct_size = sizeof self->cfg; /* how much get_config may write */
     attn_mha_get_config(m, &self->cfg);
     self->numel = 0;
     for (int i = 0; i < attn_mha_param_count(m); i++) {
