@@ -238,13 +238,19 @@ static void uninitialised_structs(void) {
     attn_mha_destroy(m);
 }
 
-static void newer_sdpa_params_struct(void) {
-    sdpa_args a;
-    sdpa_setup(&a);
+/* Dropout makes every field count: the mask depends on seed and rng_offset. */
+static attn_sdpa_params dropout_params(void) {
     attn_sdpa_params p;
     attn_sdpa_params_init(&p);
     p.dropout_p = 0.5;
     p.seed = 9;
+    return p;
+}
+
+static void newer_sdpa_params_struct(void) {
+    sdpa_args a;
+    sdpa_setup(&a);
+    attn_sdpa_params p = dropout_params();
     CHECK_OK(attn_sdpa(&a.q, &a.k, &a.v, &p, &a.out, NULL, NULL));
     newer_sdpa_params n;
     memset(&n, 0, sizeof n); /* no padding garbage in the bytes the library reads */
@@ -312,10 +318,7 @@ static void newer_mha_structs(void) {
 static void older_structs(void) {
     sdpa_args a;
     sdpa_setup(&a);
-    attn_sdpa_params older;
-    attn_sdpa_params_init(&older);
-    older.dropout_p = 0.5;
-    older.seed = 9;
+    attn_sdpa_params older = dropout_params();
     older.struct_size = ATTN__SIZE_THROUGH(attn_sdpa_params, seed);
     older.rng_offset = 0xdeadbeef; /* not part of the older struct: garbage */
     CHECK_STATUS(attn_sdpa(&a.q, &a.k, &a.v, &older, &a.out, NULL, NULL), ATTN_ERR_INVALID);
@@ -328,10 +331,7 @@ static void older_structs(void) {
     CHECK(read.struct_size == sizeof read && read.rng_offset == 0 && read.seed == 9 &&
               read.dropout_p == 0.5,
           "an older struct's missing field did not keep its default");
-    attn_sdpa_params defaults;
-    attn_sdpa_params_init(&defaults);
-    defaults.dropout_p = 0.5;
-    defaults.seed = 9;
+    attn_sdpa_params defaults = dropout_params();
     CHECK_OK(attn_sdpa(&a.q, &a.k, &a.v, &read, &a.out, NULL, NULL));
     CHECK_OK(attn_sdpa(&a.q, &a.k, &a.v, &defaults, &a.out2, NULL, NULL));
     CHECK(same_bytes(&a.out, &a.out2), "the older struct's call differs from the default one");
