@@ -333,7 +333,9 @@ ATTN_API void attn_mha_destroy(attn_mha *mha);
 
 /* The configuration with derived fields (head_dim, kdim, vdim) filled in.
  * config->struct_size must say how large the caller's struct is (set it, or
- * call attn_mha_config_init first): only that many bytes are written. */
+ * call attn_mha_config_init first): only that many bytes are written, and
+ * struct_size itself is left as it is. A struct_size of 0 (never set) is
+ * ATTN_ERR_INVALID. */
 ATTN_API attn_status attn_mha_get_config(const attn_mha *mha, attn_mha_config *config);
 
 /* Parameters, in torch's state_dict() order. attn_mha_param_at() gives the
@@ -364,7 +366,7 @@ typedef struct attn_mha_forward_params {
     double dropout;
     /* [attn] batch_first for this call: -1 (the default) keeps the
      * config's; 0 or 1 overrides it, as torch reads module.batch_first at
-     * every forward. */
+     * every forward. Any other value is ATTN_ERR_INVALID. */
     int batch_first;
 } attn_mha_forward_params;
 

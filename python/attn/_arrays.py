@@ -4,7 +4,8 @@ Arrays come in as NumPy arrays, torch CPU tensors or anything ``np.asarray``
 accepts, and leave as NumPy arrays *viewing the same memory*: strides are kept,
 nothing is copied, except an array in a foreign byte order (converted to
 native order). Scalars are checked here so that errors name the Python
-argument and say what was expected.
+argument and say what was expected; failures of the C library are given
+Python's argument names here too (library_error).
 """
 
 import numbers
@@ -123,6 +124,24 @@ def as_array(x, name, kind):
     if not dt.isnative:
         a = a.astype(dt.newbyteorder("="))
     return a
+
+
+# attn_last_error_arg() names an argument as attn.h does. Fields of the C
+# parameter structs ("params.dropout_p", "config.num_heads") are Python's
+# arguments without the prefix; these are the other names that differ.
+_PYTHON_ARG = {"q": "query", "k": "key", "v": "value", "params.causal": "is_causal"}
+
+
+def library_error(e):
+    """`e`, raised by attn._attn for a failed library call (with ``status``,
+    ``status_name`` and ``arg``), with ``arg`` in Python's terms; other
+    exceptions pass through unchanged."""
+    arg = getattr(e, "arg", None)
+    if isinstance(arg, str) and hasattr(e, "status"):
+        prefix, dot, field = arg.partition(".")
+        in_struct = dot and prefix in ("params", "config")
+        e.arg = _PYTHON_ARG.get(arg, field if in_struct else arg)
+    return e
 
 
 def check_bool(x, name):

@@ -4,7 +4,6 @@ over libattn's attn_mha."""
 import collections
 import collections.abc
 import math
-import re
 import sys
 
 import numpy as np
@@ -22,6 +21,7 @@ from ._arrays import (
     check_int,
     check_probability,
     check_seed,
+    library_error,
     no_backward,
     random_seed,
 )
@@ -67,21 +67,6 @@ class _OutProj:
             f"Linear(in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None})"
         )
-
-
-def _transposed_first(shape):
-    """np.empty for a batch-first forward: the first array asked for, the
-    output (its shape is the transposed query's), is allocated (N, L, E) and
-    handed over as its (L, N, E) transpose; the weights are not transposed."""
-    calls = []
-
-    def empty(shp, dtype):
-        calls.append(shp)
-        if len(calls) == 1 and tuple(shp) == tuple(shape):
-            return np.empty((shp[1], shp[0]) + tuple(shp[2:]), dtype).swapaxes(0, 1)
-        return np.empty(shp, dtype)
-
-    return empty
 
 
 class MultiheadAttention:
@@ -165,21 +150,24 @@ class MultiheadAttention:
         seed = check_seed(seed)
 
         # batch_first and dropout are read at every forward, like torch, so
-        # the handle is always sequence-first and gets dropout per call.
-        self._handle = _attn.MHA(
-            embed_dim,
-            num_heads,
-            head_dim=head_dim or 0,
-            kdim=kdim or 0,
-            vdim=vdim or 0,
-            bias=bias,
-            add_bias_kv=add_bias_kv,
-            add_zero_attn=add_zero_attn,
-            batch_first=False,
-            dropout=dropout,
-            dtype=dt.name,
-            init_seed=random_seed() if seed is None else seed,
-        )
+        # the handle gets both per call (attn_mha_forward_params).
+        try:
+            self._handle = _attn.MHA(
+                embed_dim,
+                num_heads,
+                head_dim=head_dim or 0,
+                kdim=kdim or 0,
+                vdim=vdim or 0,
+                bias=bias,
+                add_bias_kv=add_bias_kv,
+                add_zero_attn=add_zero_attn,
+                batch_first=batch_first,
+                dropout=dropout,
+                dtype=dt.name,
+                init_seed=random_seed() if seed is None else seed,
+            )
+        except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+            raise library_error(e) from None
         cfg = self._handle.config()
         storage = np.asarray(memoryview(self._handle))
         self._params = {}
@@ -382,20 +370,18 @@ class MultiheadAttention:
                 seed = random_seed()
             else:
                 seed, offset = self._seed, self._calls
-        # The handle is sequence-first: batch-first inputs go in as their
-        # (L, N, E) transposes and the output comes back (N, L, E) in memory.
-        swap = self.batch_first and q.ndim == 3
-        if swap:
-            q, k, v = (a.swapaxes(0, 1) if a.ndim == 3 else a for a in (q, k, v))
-        empty = _transposed_first(q.shape) if swap else np.empty
         try:
-            out, w = self._handle.forward(q, k, v, kpm, mask, need_w, average, causal, dropping,
-                                          self.dropout, seed, offset, empty)
-        except ValueError as e:
-            raise ValueError(self._message(str(e), swap)) from None
+            out, w = self._handle.forward(
+                q, k, v, empty=np.empty, key_padding_mask=kpm, attn_mask=mask,
+                need_weights=need_w, average_attn_weights=average, is_causal=causal,
+                training=dropping, dropout=self.dropout, seed=seed, rng_offset=offset,
+                batch_first=self.batch_first,
+            )
+        except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+            raise library_error(e) from None
         if dropping:
             self._calls += 1  # only calls that ran count
-        return (out.swapaxes(0, 1) if swap else out), w
+        return out, w
 
     def _check_grad(self, inputs):
         """attn has no backward: refuse a call torch would record for one
@@ -409,15 +395,6 @@ class MultiheadAttention:
                 f"torch would train) and the inputs are torch tensors",
                 "load detached values (torch_module.state_dict() gives them)",
             )
-
-    def _message(self, msg, swapped):
-        """A library message in the caller's terms: the handle is always
-        sequence-first, and saw batch-first inputs transposed."""
-        msg = msg.replace("batch_first=0", f"batch_first={self.batch_first}")
-        if swapped:  # dims 0 and 1 of the inputs were exchanged
-            msg = re.sub(r"\b(query|key|value)\.(shape|strides)\[([01])\]",
-                         lambda m: f"{m[1]}.{m[2]}[{1 - int(m[3])}]", msg)
-        return msg
 
     __call__ = forward
 

@@ -15,13 +15,18 @@ from ._arrays import (
     check_probability,
     check_scale,
     check_seed,
+    library_error,
     random_seed,
 )
 
 _CAUSAL = {"top-left": 1, "bottom-right": 2}
 
-# The C library names its operands q, k and v; Python callers know them as
-# query, key and value.
+# The C library's SDPA messages name the operands q, k and v, as attn.h
+# does; Python callers know them as query, key and value. The messages are
+# written in src/problem/validate.c, which takes no operand names yet, so
+# their text (not the structured `arg`, see library_error) is still
+# translated here; this goes when the problem description takes the
+# binding's names.
 _C_OPERAND = re.compile(r"(?<![\w.])([qkv])(?!\w)")
 _PY_NAME = {"q": "query", "k": "key", "v": "value"}
 
@@ -133,11 +138,14 @@ def scaled_dot_product_attention(
 
     try:
         out, weights, lse = _attn.sdpa(
-            q, k, v, mask, _CAUSAL[causal_alignment] if causal else 0, s, gqa, p, seed, 0,
-            want_w, want_lse, np.empty,
+            q, k, v, empty=np.empty, attn_mask=mask,
+            causal=_CAUSAL[causal_alignment] if causal else 0, scale=s, enable_gqa=gqa,
+            dropout_p=p, seed=seed, want_weights=want_w, want_lse=want_lse,
         )
-    except (ValueError, TypeError) as e:
-        raise type(e)(_python_names(str(e))) from None
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        if hasattr(e, "status"):  # the library's message, with its operand names
+            e.args = (_python_names(str(e)),)
+        raise library_error(e) from None
     if not (want_w or want_lse):
         return out
     return (out,) + ((weights,) if want_w else ()) + ((lse,) if want_lse else ())

@@ -18,6 +18,10 @@
  * ATTN_ERR_DTYPE -> TypeError, ATTN_ERR_NOMEM -> MemoryError,
  * ATTN_ERR_UNSUPPORTED -> RuntimeError, everything else -> ValueError; a
  * SIGINT during a call stops it (ATTN_ERR_CANCELLED) -> KeyboardInterrupt.
+ * A library failure carries its fields, not only its text: the exception
+ * has `status` (the attn_status), `status_name` ("ATTN_ERR_SHAPE") and
+ * `arg` (attn_last_error_arg(), the C name), which the Python layer maps to
+ * its own argument names.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,6 +37,35 @@
 /* Errors                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* The enumerator's name, for exceptions that are printed or logged. */
+static const char *status_name(attn_status st) {
+    static const char *const names[] = {
+        [ATTN_OK] = "ATTN_OK",
+        [ATTN_ERR_NULL] = "ATTN_ERR_NULL",
+        [ATTN_ERR_INVALID] = "ATTN_ERR_INVALID",
+        [ATTN_ERR_SHAPE] = "ATTN_ERR_SHAPE",
+        [ATTN_ERR_DTYPE] = "ATTN_ERR_DTYPE",
+        [ATTN_ERR_OVERFLOW] = "ATTN_ERR_OVERFLOW",
+        [ATTN_ERR_NOMEM] = "ATTN_ERR_NOMEM",
+        [ATTN_ERR_IO] = "ATTN_ERR_IO",
+        [ATTN_ERR_FORMAT] = "ATTN_ERR_FORMAT",
+        [ATTN_ERR_UNSUPPORTED] = "ATTN_ERR_UNSUPPORTED",
+        [ATTN_ERR_CANCELLED] = "ATTN_ERR_CANCELLED",
+        [ATTN_ERR_OVERLAP] = "ATTN_ERR_OVERLAP"};
+    const int i = (int)st;
+    const int n = (int)(sizeof names / sizeof names[0]);
+    return i >= 0 && i < n && names[i] != NULL ? names[i] : "unknown";
+}
+
+/* Sets name = value (a new reference, NULL only on an earlier failure). */
+static int set_field(PyObject *exc, const char *name, PyObject *value) {
+    int rc = value != NULL ? PyObject_SetAttrString(exc, name, value) : -1;
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* Raises the exception for a failed library call, with the message and the
+ * structured fields (status, status_name, arg) of this thread's error. */
 static PyObject *raise_status(attn_status st) {
     PyObject *type;
     switch (st) {
@@ -42,7 +75,14 @@ static PyObject *raise_status(attn_status st) {
     default: type = PyExc_ValueError; break;
     }
     const char *msg = attn_last_error();
-    PyErr_SetString(type, (msg != NULL && msg[0] != '\0') ? msg : attn_strerror(st));
+    PyObject *exc = PyObject_CallFunction(
+        type, "s", (msg != NULL && msg[0] != '\0') ? msg : attn_strerror(st));
+    if (exc == NULL) return NULL; /* that exception (MemoryError) is set instead */
+    if (set_field(exc, "status", PyLong_FromLong((long)st)) == 0 &&
+        set_field(exc, "status_name", PyUnicode_FromString(status_name(st))) == 0 &&
+        set_field(exc, "arg", PyUnicode_FromString(attn_last_error_arg())) == 0)
+        PyErr_SetObject(type, exc);
+    Py_DECREF(exc);
     return NULL;
 }
 
@@ -347,6 +387,13 @@ static PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, att
 /* Argument converters                                                       */
 /* ------------------------------------------------------------------------ */
 
+/* `empty`, the output allocator every call takes as a required keyword. */
+static int require_empty(PyObject *empty, const char *fn) {
+    if (empty != NULL) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() missing required keyword-only argument: 'empty'", fn);
+    return -1;
+}
+
 /* A uint64 from any Python int in [0, 2**64). */
 static int convert_u64(PyObject *obj, void *out) {
     if (!PyLong_Check(obj)) {
@@ -368,22 +415,29 @@ static int convert_u64(PyObject *obj, void *out) {
 /* ------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(sdpa_doc,
-             "sdpa(query, key, value, attn_mask, causal, scale, enable_gqa, dropout_p, seed,\n"
-             "     rng_offset, want_weights, want_lse, empty) -> (out, weights, lse)\n\n"
+             "sdpa(query, key, value, *, empty, attn_mask=None, causal=0, scale=None,\n"
+             "     enable_gqa=False, dropout_p=0.0, seed=0, rng_offset=0, want_weights=False,\n"
+             "     want_lse=False) -> (out, weights, lse)\n\n"
              "attn_sdpa() on buffers. causal: 0 none, 1 top-left, 2 bottom-right;\n"
              "scale: None or a float; empty(shape, dtype_name) allocates the outputs.\n"
-             "weights and lse are None unless asked for. Error messages use the C names\n"
-             "q, k, v; attn.scaled_dot_product_attention translates them.");
+             "weights and lse are None unless asked for. A library failure's exception\n"
+             "has status, status_name and arg; arg and the message use attn.h's names\n"
+             "(q, k, v, params.dropout_p, ...).");
 
-static PyObject *py_sdpa(PyObject *self, PyObject *args) {
+static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
-    PyObject *oq, *ok, *ov, *omask, *oscale, *empty;
-    int causal, gqa, want_w, want_lse;
-    double dropout_p;
+    static char *kwlist[] = {"query", "key", "value", "empty", "attn_mask", "causal", "scale",
+                             "enable_gqa", "dropout_p", "seed", "rng_offset", "want_weights",
+                             "want_lse", NULL};
+    PyObject *oq, *ok, *ov, *empty = NULL, *omask = Py_None, *oscale = Py_None;
+    int causal = 0, gqa = 0, want_w = 0, want_lse = 0;
+    double dropout_p = 0.0;
     uint64_t seed = 0, rng_offset = 0;
-    if (!PyArg_ParseTuple(args, "OOOOiOpdO&O&ppO:sdpa", &oq, &ok, &ov, &omask, &causal, &oscale,
-                          &gqa, &dropout_p, convert_u64, &seed, convert_u64, &rng_offset,
-                          &want_w, &want_lse, &empty))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOiOpdO&O&pp:sdpa", kwlist, &oq, &ok,
+                                     &ov, &empty, &omask, &causal, &oscale, &gqa, &dropout_p,
+                                     convert_u64, &seed, convert_u64, &rng_offset, &want_w,
+                                     &want_lse) ||
+        require_empty(empty, "sdpa") < 0)
         return NULL;
     attn_sdpa_params p;
     attn_sdpa_params_init(&p);
@@ -404,12 +458,12 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args) {
     memset(&w, 0, sizeof w);
     memset(&lse, 0, sizeof lse);
     PyObject *r_out = NULL, *r_w = NULL, *r_lse = NULL, *result = NULL;
-    if (view_get(oq, "q", 0, &q) < 0) return NULL;
-    if (view_get(ok, "k", 0, &k) < 0) {
+    if (view_get(oq, "query", 0, &q) < 0) return NULL;
+    if (view_get(ok, "key", 0, &k) < 0) {
         view_release(&q);
         return NULL;
     }
-    if (view_get(ov, "v", 0, &v) < 0) {
+    if (view_get(ov, "value", 0, &v) < 0) {
         view_release(&q);
         view_release(&k);
         return NULL;
@@ -536,6 +590,7 @@ static int mha_init(MHAObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     self->mha = m;
+    self->cfg.struct_size = sizeof self->cfg; /* how much get_config may write */
     attn_mha_get_config(m, &self->cfg);
     self->numel = 0;
     for (int i = 0; i < attn_mha_param_count(m); i++) {
@@ -609,30 +664,35 @@ static PyObject *mha_config(MHAObject *self, PyObject *noargs) {
 }
 
 PyDoc_STRVAR(mha_forward_doc,
-             "forward(query, key, value, key_padding_mask, attn_mask, need_weights,\n"
-             "        average_attn_weights, is_causal, training, dropout, seed, rng_offset,\n"
-             "        empty) -> (out, weights or None)\n\n"
-             "dropout: this call's probability (the module's may change after construction).");
+             "forward(query, key, value, *, empty, key_padding_mask=None, attn_mask=None,\n"
+             "        need_weights=False, average_attn_weights=True, is_causal=False,\n"
+             "        training=False, dropout=None, seed=0, rng_offset=0, batch_first=-1)\n"
+             "        -> (out, weights or None)\n\n"
+             "dropout: this call's probability, None for the module's (which may change\n"
+             "after construction); batch_first: this call's layout, -1 for the module's.");
 
-static PyObject *mha_forward(MHAObject *self, PyObject *args) {
-    PyObject *oq, *ok, *ov, *okpm, *omask, *empty;
-    int need_w, average, causal, training;
-    double dropout;
-    uint64_t seed = 0, rng_offset = 0;
-    if (!mha_ready(self)) return NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOppppdO&O&O:forward", &oq, &ok, &ov, &okpm, &omask,
-                          &need_w, &average, &causal, &training, &dropout, convert_u64, &seed,
-                          convert_u64, &rng_offset, &empty))
-        return NULL;
+static PyObject *mha_forward(MHAObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"query", "key", "value", "empty", "key_padding_mask",
+                             "attn_mask", "need_weights", "average_attn_weights", "is_causal",
+                             "training", "dropout", "seed", "rng_offset", "batch_first", NULL};
+    PyObject *oq, *ok, *ov, *empty = NULL, *okpm = Py_None, *omask = Py_None;
+    PyObject *odropout = Py_None;
+    int need_w = 0;
     attn_mha_forward_params fp;
     attn_mha_forward_params_init(&fp);
-    fp.average_attn_weights = average;
-    fp.is_causal = causal;
-    fp.training = training;
-    fp.has_dropout = 1;
-    fp.dropout = dropout;
-    fp.seed = seed;
-    fp.rng_offset = rng_offset;
+    if (!mha_ready(self)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOOppppOO&O&i:forward", kwlist, &oq, &ok,
+                                     &ov, &empty, &okpm, &omask, &need_w,
+                                     &fp.average_attn_weights, &fp.is_causal, &fp.training,
+                                     &odropout, convert_u64, &fp.seed, convert_u64,
+                                     &fp.rng_offset, &fp.batch_first) ||
+        require_empty(empty, "forward") < 0)
+        return NULL;
+    if (odropout != Py_None) {
+        fp.has_dropout = 1;
+        fp.dropout = PyFloat_AsDouble(odropout);
+        if (fp.dropout == -1.0 && PyErr_Occurred()) return NULL;
+    }
 
     buffer_view q, k, v, kpm, mask, out, w;
     int has_kpm = 0, has_mask = 0;
@@ -694,7 +754,8 @@ static PyMethodDef mha_methods[] = {
      "[(name, shape, element offset)] of the parameters, in state_dict() order"},
     {"config", (PyCFunction)mha_config, METH_NOARGS,
      "the configuration, with head_dim, kdim and vdim resolved"},
-    {"forward", (PyCFunction)mha_forward, METH_VARARGS, mha_forward_doc},
+    {"forward", (PyCFunction)(void (*)(void))mha_forward, METH_VARARGS | METH_KEYWORDS,
+     mha_forward_doc},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject MHAType = {
@@ -803,7 +864,7 @@ static PyObject *py_copies(PyObject *self, PyObject *noargs) {
 }
 
 static PyMethodDef module_methods[] = {
-    {"sdpa", py_sdpa, METH_VARARGS, sdpa_doc},
+    {"sdpa", (PyCFunction)(void (*)(void))py_sdpa, METH_VARARGS | METH_KEYWORDS, sdpa_doc},
     {"version", py_version, METH_NOARGS, "the linked library's version string"},
     {"set_num_threads", py_set_num_threads, METH_O, "attn_set_num_threads(n); 0 = default"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},

@@ -31,7 +31,7 @@ static int64_t at(const mha_case *c, int64_t n, int64_t t, int64_t f, int64_t T,
 /* The oracle: returns out (dense, query layout) and weights (dense). */
 static void oracle_mha(const mha_case *c, double **out_p, double **w_p) {
     attn_mha *m = c->m;
-    attn_mha_config cfg;
+    attn_mha_config cfg = {.struct_size = sizeof cfg}; /* how much get_config may write */
     attn_mha_get_config(m, &cfg);
     const int64_t N = c->N, L = c->L, S = c->S, H = cfg.num_heads, hd = cfg.head_dim,
                   D = H * hd, E = cfg.embed_dim;

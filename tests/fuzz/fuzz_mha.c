@@ -137,7 +137,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     const long module_blocks = fz_live_blocks();
-    attn_mha_config c;
+    attn_mha_config c = {.struct_size = sizeof c}; /* how much get_config may write */
     fz_check_status(attn_mha_get_config(m, &c), "attn_mha_get_config");
     FZ_ASSERT(c.head_dim >= 1 && c.kdim >= 1 && c.vdim >= 1, "derived fields not filled");
     const attn_dtype dt = c.dtype;

@@ -217,6 +217,42 @@ def test_mha_call_invalid_argument(name):
         assert w in str(info.value), f"{name}: {w!r} not in {info.value}"
 
 
+# (call, exception, status_name, arg): failures the C library reports carry
+# its structured fields, the argument in Python's terms.
+LIBRARY_ERRORS = {
+    "sdpa E mismatch": (lambda: sdpa(key=K[..., :7]), ValueError, "ATTN_ERR_SHAPE", "key"),
+    "sdpa S mismatch": (lambda: sdpa(value=V[..., :4, :]), ValueError, "ATTN_ERR_SHAPE", "value"),
+    "sdpa mask shape": (lambda: sdpa(attn_mask=np.ones((3, 5), bool)), ValueError,
+                        "ATTN_ERR_SHAPE", "attn_mask"),
+    "sdpa empty query": (lambda: sdpa(query=Q[:, :0]), ValueError, "ATTN_ERR_SHAPE", "query"),
+    "mha key batch": (lambda: attn.MultiheadAttention(8, 2)(X, Y[:, :1], Y[:, :1]), ValueError,
+                      "ATTN_ERR_SHAPE", "key"),
+    "mha value dtype": (lambda: attn.MultiheadAttention(8, 2)(X, Y, Y.astype(np.float64)),
+                        TypeError, "ATTN_ERR_DTYPE", "value"),
+    "mha kpm shape": (lambda: attn.MultiheadAttention(8, 2)(X, Y, Y, np.zeros((2, 4), bool)),
+                      ValueError, "ATTN_ERR_SHAPE", "key_padding_mask"),
+    "mha not divisible": (lambda: attn.MultiheadAttention(200, 6), ValueError, "ATTN_ERR_SHAPE",
+                          "num_heads"),
+}
+
+
+@pytest.mark.parametrize("name", list(LIBRARY_ERRORS))
+def test_library_errors_carry_status_and_python_arg(name):
+    call, exc, status_name, arg = LIBRARY_ERRORS[name]
+    with pytest.raises(exc) as info:
+        call()
+    e = info.value
+    assert (e.status_name, e.arg) == (status_name, arg), (e.status_name, e.arg, str(e))
+    assert isinstance(e.status, int) and e.status > 0
+
+
+def test_python_side_errors_carry_no_status():
+    """Checks made before the library is called say so by having no status."""
+    with pytest.raises(ValueError) as info:
+        sdpa(dropout_p=1.5)
+    assert not hasattr(info.value, "status")
+
+
 def test_load_state_dict_errors_name_the_key():
     m = attn.MultiheadAttention(8, 2, add_bias_kv=True)
     good = m.state_dict()
