@@ -24,6 +24,7 @@
 #ifndef ATTN_SDPA_FLASH_H
 #define ATTN_SDPA_FLASH_H
 
+#include "../kernels/exp2.h"
 #include "sdpa.h"
 
 /* Micro-kernels of one ISA, for float32 (`f`) and float64 (`d`). Leading
@@ -99,10 +100,5 @@ extern const attn__flash_kernels attn__flash_avx512;
 
 /* Runs a plan with the given kernels. */
 attn_status attn__sdpa_flash(const attn__problem *plan, const attn__flash_kernels *kernels);
-
-/* Portable exp2 with the same polynomial as the vector kernels; exact 0 for
- * -inf, NaN for NaN. Exposed for the kernels' tail loops and for tests. */
-float attn__exp2f(float x);
-double attn__exp2d(double x);
 
 #endif /* ATTN_SDPA_FLASH_H */

@@ -10,12 +10,13 @@
 #include <math.h>
 
 #include "../../sdpa/flash.h"
+#include "../exp2.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6
 #define VECS 2 /* 8-float vectors per tile row */
 
-/* ---- exp2 on 8 lanes: same polynomial as attn__exp2f ---- */
+/* ---- exp2 on 8 lanes: the polynomial of exp2.h ---- */
 
 ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
     /* Without vscalefps, 2^n is built in the exponent field. Lanes below
@@ -23,20 +24,20 @@ ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
      * subnormal is produced (each costs a microcode assist on Intel cores);
      * weights that small are below float32 resolution next to the row's
      * largest weight (1). NaN passes through both steps. */
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-125.0f), x0);
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(ATTN__EXP2F_MIN), x0);
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(0.0001534581097075715661f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.001339993206784129143f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009618489071726799011f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550328642129898071f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.2402264624834060669f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147182464599609375f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(ATTN__EXP2F_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C0));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     p = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
     /* keep lanes with x0 >= -125 or NaN (not-less-than is true for NaN) */
-    const __m256 keep = _mm256_cmp_ps(x0, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ);
+    const __m256 keep = _mm256_cmp_ps(x0, _mm256_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
     return _mm256_and_ps(p, keep);
 }
 

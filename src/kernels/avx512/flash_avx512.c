@@ -15,13 +15,13 @@
 #include <stdint.h>
 
 #include "../../sdpa/flash.h"
+#include "../exp2.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6
 #define VECS 4 /* 16-float vectors per tile row */
 
-/* ---- exp2 on 16 lanes: same polynomial as attn__exp2f ---- */
-
+/* ---- exp2 on 16 lanes: the polynomial of exp2.h ---- */
 
 ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
     /* Lanes below -125 (masked keys are -inf) give an exact 0 through the
@@ -29,17 +29,17 @@ ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
      * subnormal result costs a microcode assist per lane. Weights that small
      * are below float32 resolution next to the row's largest weight (1).
      * NaN keeps its lane: "not less than" is true for unordered operands. */
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(ATTN__EXP2F_MIN), x);
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(0.0001534581097075715661f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.001339993206784129143f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009618489071726799011f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550328642129898071f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402264624834060669f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182464599609375f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(ATTN__EXP2F_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C0));
     return _mm512_maskz_scalef_ps(keep, p, n); /* p * 2^n, exact */
 }
 

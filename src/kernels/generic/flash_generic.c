@@ -6,35 +6,8 @@
 #include <math.h>
 
 #include "../../sdpa/flash.h"
+#include "../exp2.h"
 
-/* 2^f on [-0.5, 0.5]: a degree-6 fit with relative error 1.9e-9 (the vector
- * kernels use the same coefficients). */
-#define EXP2_C0 1.0f
-#define EXP2_C1 0.693147182464599609375f
-#define EXP2_C2 0.2402264624834060669f
-#define EXP2_C3 0.05550328642129898071f
-#define EXP2_C4 0.009618489071726799011f
-#define EXP2_C5 0.001339993206784129143f
-#define EXP2_C6 0.0001534581097075715661f
-
-float attn__exp2f(float x) {
-    if (isnan(x)) return x;
-    /* Below -125 (and -inf: a masked key) the weight is an exact 0, as in the
-     * vector kernels, which avoid subnormal results (slow on Intel cores). */
-    if (x < -125.0f) return 0.0f;
-    if (x > 128.0f) return INFINITY;
-    float n = floorf(x + 0.5f), f = x - n;
-    float p = EXP2_C6;
-    p = p * f + EXP2_C5;
-    p = p * f + EXP2_C4;
-    p = p * f + EXP2_C3;
-    p = p * f + EXP2_C2;
-    p = p * f + EXP2_C1;
-    p = p * f + EXP2_C0;
-    return ldexpf(p, (int)n);
-}
-
-double attn__exp2d(double x) { return exp2(x); }
 
 #define DEFINE_GENERIC(REAL, SFX, EXP2)                                                          \
     /* One online-softmax step over the n scores x[0], x[step], ...: m is the                    \
@@ -109,8 +82,8 @@ double attn__exp2d(double x) { return exp2(x); }
         }                                                                                        \
     }
 
-DEFINE_GENERIC(float, f, attn__exp2f)
-DEFINE_GENERIC(double, d, attn__exp2d)
+DEFINE_GENERIC(float, f, attn__exp2f_inline)
+DEFINE_GENERIC(double, d, attn__exp2d_inline)
 
 const attn__flash_kernels attn__flash_generic = {
     .name = "generic",
