@@ -9,8 +9,8 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "../../sdpa/flash.h"
 #include "../exp2.h"
+#include "../ukernel.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6
@@ -89,7 +89,7 @@ ALWAYS_INLINE void qkt_tile(const float *qt, int64_t ldqt, const float *k, int64
 #define QKT_CASE(JK)                                                                   \
     case JK: qkt_tile(qt + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK); break;
 
-/* lanes is a multiple of 16 (the driver uses 48). */
+/* lanes is a multiple of 16 (lane_step). */
 static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E, int64_t nk,
                   int64_t lanes, float *st, int64_t ldst) {
     for (int64_t c = 0; c < lanes; c += 16)
@@ -268,18 +268,27 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
     }
 }
 
-const attn__flash_kernels attn__flash_avx2 = {
-    .name = "avx2",
-    .pv_rows = ROWS,
-    .col_step = 8,
-    .qkt_f = qkt_f,
-    .softmax_t_f = softmax_t_f,
-    .qk_direct_f = qk_direct_f,
-    .softmax_f = softmax_f,
-    .pv_f = pv_f,
-    .qkt_d = attn__generic_qkt_d,
-    .softmax_t_d = attn__generic_softmax_t_d,
-    .qk_direct_d = attn__generic_qk_direct_d,
-    .softmax_d = attn__generic_softmax_d,
-    .pv_d = attn__generic_pv_d,
-};
+/* The float32 slots; float64 keeps the portable kernels. The blocking
+ * repeats the AVX-512 kernels' numbers (not retuned for 16 ymm registers:
+ * the qkt tile here is 16 queries wide, so 48 lanes are three passes), with
+ * S padded to 8 columns (one vector) and pv's 6-row register tile. */
+void attn__ukernel_init_avx2(attn__ukernel *ctx) {
+    ctx->name = "avx2";
+    ctx->lanes = 48;
+    ctx->lane_step = 16;
+    ctx->key_block[0].max_width = 64;
+    ctx->key_block[0].keys = 128;
+    ctx->key_block[1].max_width = 128;
+    ctx->key_block[1].keys = 64;
+    ctx->key_block[2].max_width = INT64_MAX;
+    ctx->key_block[2].keys = 32;
+    ctx->direct_keys = 256;
+    ctx->direct_rows = 16;
+    ctx->pv_rows = ROWS;
+    ctx->col_step = 8;
+    ctx->qkt_f = qkt_f;
+    ctx->softmax_t_f = softmax_t_f;
+    ctx->qk_direct_f = qk_direct_f;
+    ctx->softmax_f = softmax_f;
+    ctx->pv_f = pv_f;
+}

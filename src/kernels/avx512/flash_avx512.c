@@ -1,7 +1,8 @@
 /*
  * flash_avx512.c — float32 fused-attention micro-kernels for AVX-512F.
  * Only this file is compiled with -mavx512f; the driver calls it through
- * attn__flash_avx512 after CPUID + xgetbv said the CPU and OS support it.
+ * its context (attn__ukernel_init_avx512) after CPUID + xgetbv said the CPU
+ * and OS support it.
  *
  * Register tiles (32 zmm registers):
  *   qkt  8 keys x 48 queries: 24 accumulators, 3 Qt vectors, broadcast k
@@ -14,8 +15,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../../sdpa/flash.h"
 #include "../exp2.h"
+#include "../ukernel.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6
@@ -382,19 +383,30 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
     }
 }
 
-const attn__flash_kernels attn__flash_avx512 = {
-    .name = "avx512",
-    .pv_rows = ROWS,
-    .col_step = 16,
-    .pack_qt_f = pack_qt_f,
-    .qkt_f = qkt_f,
-    .softmax_t_f = softmax_t_f,
-    .qk_direct_f = qk_direct_f,
-    .softmax_f = softmax_f,
-    .pv_f = pv_f,
-    .qkt_d = attn__generic_qkt_d,
-    .softmax_t_d = attn__generic_softmax_t_d,
-    .qk_direct_d = attn__generic_qk_direct_d,
-    .softmax_d = attn__generic_softmax_d,
-    .pv_d = attn__generic_pv_d,
-};
+/* The float32 slots; float64 keeps the portable kernels. The blocking is
+ * the one these kernels were measured with: 48 lanes are the qkt tile's
+ * three 16-query vectors; 128 keys per block at widths up to 64 and 64 up
+ * to 128 (measured best) let the score tile, Qt and a V slice share L1;
+ * 256 keys per block and up to 16 rows in the keys-in-columns layout; S
+ * padded to 16 columns (one vector) and pv's 6-row register tile. */
+void attn__ukernel_init_avx512(attn__ukernel *ctx) {
+    ctx->name = "avx512";
+    ctx->lanes = 16 * QVECS;
+    ctx->lane_step = 16;
+    ctx->key_block[0].max_width = 64;
+    ctx->key_block[0].keys = 128;
+    ctx->key_block[1].max_width = 128;
+    ctx->key_block[1].keys = 64;
+    ctx->key_block[2].max_width = INT64_MAX;
+    ctx->key_block[2].keys = 32;
+    ctx->direct_keys = 256;
+    ctx->direct_rows = 16;
+    ctx->pv_rows = ROWS;
+    ctx->col_step = 16;
+    ctx->pack_qt_f = pack_qt_f;
+    ctx->qkt_f = qkt_f;
+    ctx->softmax_t_f = softmax_t_f;
+    ctx->qk_direct_f = qk_direct_f;
+    ctx->softmax_f = softmax_f;
+    ctx->pv_f = pv_f;
+}

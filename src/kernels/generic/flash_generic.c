@@ -5,8 +5,8 @@
  */
 #include <math.h>
 
-#include "../../sdpa/flash.h"
 #include "../exp2.h"
+#include "../ukernel.h"
 
 
 #define DEFINE_GENERIC(REAL, SFX, EXP2)                                                          \
@@ -35,8 +35,8 @@
         *m = m_new;                                                                              \
     }                                                                                            \
     /* St[j][r] = sum_e K[j][e] Qt[e][r]: keys down, queries across. */                          \
-    void attn__generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,       \
-                                 int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst) { \
+    static void generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,      \
+                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst) { \
         for (int64_t j = 0; j < nk; j++) {                                                       \
             REAL *sj = st + j * ldst;                                                            \
             for (int64_t r = 0; r < lanes; r++) sj[r] = 0;                                       \
@@ -48,13 +48,13 @@
         }                                                                                        \
     }                                                                                            \
     /* Online softmax down each column (query) of St. */                                         \
-    void attn__generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,       \
-                                       REAL c, REAL *m, REAL *l, REAL *alpha) {                  \
+    static void generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,       \
+                                        REAL c, REAL *m, REAL *l, REAL *alpha) {                 \
         for (int64_t r = 0; r < lanes; r++)                                                      \
             softmax_line_##SFX(st + r, ldst, nk, c, m + r, l + r, alpha + r);                    \
     }                                                                                            \
-    void attn__generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk,   \
-                                       int64_t E, int rows, int64_t nk, REAL *s, int64_t lds) {  \
+    static void generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk,  \
+                                        int64_t E, int rows, int64_t nk, REAL *s, int64_t lds) { \
         for (int r = 0; r < rows; r++)                                                           \
             for (int64_t j = 0; j < nk; j++) {                                                   \
                 double acc = 0;                                                                  \
@@ -63,14 +63,14 @@
                 s[r * lds + j] = (REAL)acc;                                                      \
             }                                                                                    \
     }                                                                                            \
-    void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,       \
-                                     REAL *m, REAL *l, REAL *alpha) {                            \
+    static void generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,      \
+                                      REAL *m, REAL *l, REAL *alpha) {                           \
         for (int r = 0; r < rows; r++)                                                           \
             softmax_line_##SFX(s + r * lds, 1, cols, c, m + r, l + r, alpha + r);                \
     }                                                                                            \
-    void attn__generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,        \
-                                int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,          \
-                                int64_t ldo, const REAL *alpha) {                                \
+    static void generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,       \
+                                 int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,         \
+                                 int64_t ldo, const REAL *alpha) {                               \
         for (int r = 0; r < rows; r++) {                                                         \
             REAL *orow = o + r * ldo;                                                            \
             for (int64_t e = 0; e < Ev; e++) orow[e] *= alpha[r];                                \
@@ -85,18 +85,32 @@
 DEFINE_GENERIC(float, f, attn__exp2f_inline)
 DEFINE_GENERIC(double, d, attn__exp2d_inline)
 
-const attn__flash_kernels attn__flash_generic = {
-    .name = "generic",
-    .pv_rows = 4,
-    .col_step = 1,
-    .qkt_f = attn__generic_qkt_f,
-    .softmax_t_f = attn__generic_softmax_t_f,
-    .qk_direct_f = attn__generic_qk_direct_f,
-    .softmax_f = attn__generic_softmax_f,
-    .pv_f = attn__generic_pv_f,
-    .qkt_d = attn__generic_qkt_d,
-    .softmax_t_d = attn__generic_softmax_t_d,
-    .qk_direct_d = attn__generic_qk_direct_d,
-    .softmax_d = attn__generic_softmax_d,
-    .pv_d = attn__generic_pv_d,
-};
+/* The portable context. Its blocking is the AVX-512 kernels' measured one
+ * (48 lanes; 128 / 64 / 32 keys per block up to widths 64 / 128 / more; 256
+ * keys per block and up to 16 rows in the keys-in-columns layout), never
+ * tuned for portable C; 16 lanes per step and 4 rows per micro-tile are
+ * what the loops above were written for (any count works for them). */
+void attn__ukernel_init_generic(attn__ukernel *ctx) {
+    *ctx = (attn__ukernel){
+        .name = "generic",
+        .lanes = 48,
+        .lane_step = 16,
+        .key_block = {{64, 128}, {128, 64}, {INT64_MAX, 32}},
+        .direct_keys = 256,
+        .direct_rows = 16,
+        .pv_rows = 4,
+        .col_step = 1,
+        .pack_qt_f = NULL,
+        .qkt_f = generic_qkt_f,
+        .softmax_t_f = generic_softmax_t_f,
+        .qk_direct_f = generic_qk_direct_f,
+        .softmax_f = generic_softmax_f,
+        .pv_f = generic_pv_f,
+        .pack_qt_d = NULL,
+        .qkt_d = generic_qkt_d,
+        .softmax_t_d = generic_softmax_t_d,
+        .qk_direct_d = generic_qk_direct_d,
+        .softmax_d = generic_softmax_d,
+        .pv_d = generic_pv_d,
+    };
+}
