@@ -4,8 +4,8 @@
  * the problem: only tiles (pointers and leading dimensions, in elements).
  *
  * A context, attn__ukernel, holds everything the driver asks of an ISA: its
- * blocking and its micro-kernels for float32 (`_f`) and float64 (`_d`).
- * BLIS's pattern:
+ * blocking, its micro-kernels for float32 (`_f`) and float64 (`_d`), and the
+ * loads that bring operand rows into the compute type. BLIS's pattern:
  * attn__ukernel_init_generic fills every slot and parameter with the
  * portable kernels, and an ISA's init, applied on top of that, overrides
  * only what it improves — so no slot is ever empty, and an ISA without
@@ -69,10 +69,23 @@ typedef struct attn__ukernel {
     int pv_rows;     /* rows of a micro-tile: qk_direct takes 1..pv_rows      */
     int col_step;    /* keys in columns: S columns are padded to this         */
 
+    /* ---- operand loads: rows of an operand into the compute type ----
+     * dst[i * ld + j] = src[i * rs + j * cs] converted from `dtype`, for
+     * i < nrows, j < width; src points at element (0, 0), strides are in
+     * elements of `dtype`. The driver reads K and V in place, and gives Q
+     * to pack_qt, only when they already have the compute type (K and V
+     * also a unit column stride); every other copy of Q, K or V rows goes
+     * through these, so a new operand dtype (bf16 K/V) is a case here, not
+     * a new driver. */
+    void (*load_rows_f)(const void *src, attn_dtype dtype, int64_t rs, int64_t cs,
+                        int64_t nrows, int64_t width, float *dst, int64_t ld);
+    void (*load_rows_d)(const void *src, attn_dtype dtype, int64_t rs, int64_t cs,
+                        int64_t nrows, int64_t width, double *dst, int64_t ld);
+
     /* ---- micro-kernels, float32 ---- */
-    /* Optional (NULL: the driver's portable loop): Qt[e][r] = scale ·
-     * q[r·rs + e·cs] for r < nr, 0 for nr <= r < lanes; rows uniformly
-     * strided. */
+    /* Optional (NULL: the driver transposes through load_rows): Qt[e][r] =
+     * scale · q[r·rs + e·cs] for r < nr, 0 for nr <= r < lanes; rows
+     * uniformly strided, q already in the compute type. */
     void (*pack_qt_f)(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
                       float *qt, int64_t lanes);
     void (*qkt_f)(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E,

@@ -105,6 +105,30 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
     return w;
 }
 
+/* ---- operands and the compute type ---- */
+
+/* The type the kernels compute in: the problem's (float32 or float64). */
+static attn_dtype compute_dtype(const attn__problem *p) { return p->dtype; }
+
+/* The type an operand is stored in. One dtype per problem today; when
+ * operands carry their own, this is the line that reads it, and the load
+ * slots (ukernel.h) convert. */
+static attn_dtype operand_dtype(const attn__problem *p, const attn__operand *op) {
+    (void)op;
+    return p->dtype;
+}
+
+/* Whether the kernels may read a K or V operand where it is: rows of the
+ * compute type with unit column stride. Otherwise its rows are loaded. */
+static bool operand_in_place(const attn__problem *p, const attn__operand *op) {
+    return op->cs == 1 && operand_dtype(p, op) == compute_dtype(p);
+}
+
+/* The address of element `off` of an operand's data, stored as `dtype`. */
+static const void *element_at(const void *data, attn_dtype dtype, int64_t off) {
+    return (const char *)data + off * (int64_t)attn_dtype_size(dtype);
+}
+
 /* Per-row bookkeeping for one query block. */
 typedef struct flash_row {
     int64_t b, i;                       /* batch index, query position     */
@@ -173,8 +197,8 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     flash_scratch_size z;
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
     z.q = w->BR * p->E;                        /* Q rows, or Qt (E x lanes)     */
-    z.kp = p->k.cs == 1 ? 0 : w->BC * p->E;    /* K rows, when not unit-strided */
-    z.vp = p->v.cs == 1 ? 0 : w->BC * p->Ev;   /* V rows, likewise              */
+    z.kp = operand_in_place(p, &p->k) ? 0 : w->BC * p->E; /* K rows, when loaded */
+    z.vp = operand_in_place(p, &p->v) ? 0 : w->BC * p->Ev; /* V rows, likewise    */
     z.s = w->direct ? kern->pv_rows * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
@@ -213,6 +237,6 @@ typedef uint64_t bits_d;
 #undef EPSILON
 
 attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *ukernel) {
-    return problem->dtype == ATTN_DTYPE_F32 ? flash_run_f(problem, ukernel)
-                                            : flash_run_d(problem, ukernel);
+    return compute_dtype(problem) == ATTN_DTYPE_F32 ? flash_run_f(problem, ukernel)
+                                                    : flash_run_d(problem, ukernel);
 }

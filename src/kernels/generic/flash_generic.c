@@ -85,6 +85,31 @@
 DEFINE_GENERIC(float, f, attn__exp2f_inline)
 DEFINE_GENERIC(double, d, attn__exp2d_inline)
 
+/* Rows of an operand into the compute type (ukernel.h). The switch has no
+ * default on purpose: a dtype added to attn_dtype is a compile error here
+ * (-Wswitch, -Werror) until it gets its conversion, never a silent misread.
+ * Bool is never a Q, K or V dtype (validation rejects it); it reads as 0 or
+ * 1, as attn__load does, so that the slot is defined for every dtype. */
+#define COPY_ROWS(CONVERT)                                                                      \
+    for (int64_t i = 0; i < nrows; i++)                                                         \
+        for (int64_t j = 0; j < width; j++) dst[i * ld + j] = CONVERT(i * rs + j * cs)
+#define FROM_F32(at) ((const float *)src)[at]
+#define FROM_F64(at) ((const double *)src)[at]
+#define FROM_BOOL(at) (((const unsigned char *)src)[at] != 0)
+#define DEFINE_LOAD(REAL, SFX)                                                                  \
+    static void generic_load_rows_##SFX(const void *src, attn_dtype dtype, int64_t rs,          \
+                                        int64_t cs, int64_t nrows, int64_t width, REAL *dst,    \
+                                        int64_t ld) {                                           \
+        switch (dtype) {                                                                        \
+        case ATTN_DTYPE_F32: COPY_ROWS(FROM_F32); return;                                       \
+        case ATTN_DTYPE_F64: COPY_ROWS(FROM_F64); return;                                       \
+        case ATTN_DTYPE_BOOL: COPY_ROWS(FROM_BOOL); return;                                     \
+        }                                                                                       \
+    }
+
+DEFINE_LOAD(float, f)
+DEFINE_LOAD(double, d)
+
 /* The portable context. Its blocking is the AVX-512 kernels' measured one
  * (48 lanes; 128 / 64 / 32 keys per block up to widths 64 / 128 / more; 256
  * keys per block and up to 16 rows in the keys-in-columns layout), never
@@ -100,6 +125,8 @@ void attn__ukernel_init_generic(attn__ukernel *ctx) {
         .direct_rows = 16,
         .pv_rows = 4,
         .col_step = 1,
+        .load_rows_f = generic_load_rows_f,
+        .load_rows_d = generic_load_rows_d,
         .pack_qt_f = NULL,
         .qkt_f = generic_qkt_f,
         .softmax_t_f = generic_softmax_t_f,
