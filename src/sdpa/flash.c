@@ -17,6 +17,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../kernels/exp2.h"
 #include "flash.h"
 #include "../problem/lse_merge.h"
 
@@ -56,17 +57,25 @@ static int64_t group_size(const attn__problem *p) {
  * kernels; rows above it get float64 scores (see finish_row). */
 #define F32_SCORE_LIMIT 256.0
 
+/* How work is split across threads: the driver's, not an ISA's (the block
+ * sizes are the context's, see ukernel.h). */
 enum {
-    LANES = 48,         /* query rows per block, queries-in-lanes layout  */
-    BC_DIRECT = 256,    /* keys per block, keys-in-columns layout         */
-    DIRECT_ROWS = 16,   /* use keys-in-columns up to this many rows       */
-    TINY_WORK = 1 << 15, /* ... or this many multiply-adds per head group */
-    CHUNK_MIN = 1024,   /* keys per chunk, at least                       */
-    MAX_CHUNKS = 64,    /* chunks per query block, at most                */
-    SPLIT_BELOW = 16    /* split keys when there are fewer query blocks   */
+    TINY_WORK = 1 << 15, /* keys in columns also up to this many
+                            multiply-adds per head group                  */
+    CHUNK_MIN = 1024,    /* keys per chunk, at least                       */
+    MAX_CHUNKS = 64,     /* chunks per query block, at most                */
+    SPLIT_BELOW = 16     /* split keys when there are fewer query blocks   */
 };
 
-static flash_work plan_work(const attn__problem *p) {
+/* Keys per block in the queries-in-lanes layout: the context's size for
+ * the first width class that holds the head. */
+static int64_t lanes_keys(const attn__ukernel *kern, int64_t width) {
+    int c = 0;
+    while (c < ATTN__KEY_BLOCK_CLASSES - 1 && width > kern->key_block[c].max_width) c++;
+    return kern->key_block[c].keys;
+}
+
+static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
     flash_work w;
     w.G = group_size(p);
     w.ngroups = p->nbatch / w.G;
@@ -75,16 +84,16 @@ static flash_work plan_work(const attn__problem *p) {
      * has unit column stride) and for tiny problems, where speed is moot and
      * its float64-accumulated scores keep the result within rounding of the
      * exact one (float32 scores would dominate the error there). */
-    w.direct = w.nrows <= DIRECT_ROWS || w.nrows * p->S * p->E <= TINY_WORK;
-    /* A group of fewer rows than LANES (small heads: MHA with L = 32) gets
-     * as few 16-lane vectors as it needs, not 48 lanes of which a third idle. */
-    w.lanes = w.nrows < LANES ? (w.nrows + 15) / 16 * 16 : LANES;
+    w.direct = w.nrows <= kern->direct_rows || w.nrows * p->S * p->E <= TINY_WORK;
+    /* A group of fewer rows than the context's lanes (small heads: MHA with
+     * L = 32) gets as few lane steps as it needs, not 48 lanes of which a
+     * third idle. */
+    const int64_t step = kern->lane_step;
+    w.lanes = w.nrows < kern->lanes ? (w.nrows + step - 1) / step * step : kern->lanes;
     w.BR = w.direct ? w.nrows : w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
-    /* keys per block: the block's scores (BC x LANES), Qt (E x LANES) and a
-     * V chunk should share L1 (measured best: 128 keys at E = 64, 64 at 128) */
     const int64_t width = p->E > p->Ev ? p->E : p->Ev;
-    w.BC = w.direct ? BC_DIRECT : width <= 64 ? 128 : width <= 128 ? 64 : 32;
+    w.BC = w.direct ? kern->direct_keys : lanes_keys(kern, width);
     w.chunk = p->S;
     w.nchunks = 1;
     if (w.ngroups * w.nqb < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN && !p->has_weights) {
@@ -95,6 +104,29 @@ static flash_work plan_work(const attn__problem *p) {
         w.nchunks = (p->S + chunk - 1) / chunk;
     }
     return w;
+}
+
+/* ---- operands and the compute type ---- */
+
+/* The type the kernels compute in: the problem's (float32 or float64). */
+static attn_dtype compute_dtype(const attn__problem *p) { return p->dtype; }
+
+/* The type an operand is stored in: its own (the problem says it); the
+ * load slots (ukernel.h) convert it to the compute type. */
+static attn_dtype operand_dtype(const attn__problem *p, const attn__operand *op) {
+    (void)p;
+    return op->dtype;
+}
+
+/* Whether the kernels may read a K or V operand where it is: rows of the
+ * compute type with unit column stride. Otherwise its rows are loaded. */
+static bool operand_in_place(const attn__problem *p, const attn__operand *op) {
+    return op->cs == 1 && operand_dtype(p, op) == compute_dtype(p);
+}
+
+/* The address of element `off` of an operand's data, stored as `dtype`. */
+static const void *element_at(const void *data, attn_dtype dtype, int64_t off) {
+    return (const char *)data + off * (int64_t)attn_dtype_size(dtype);
 }
 
 /* Per-row bookkeeping for one query block. */
@@ -165,12 +197,12 @@ typedef struct flash_scratch_size {
 } flash_scratch_size;
 
 static flash_scratch_size scratch_size(const attn__problem *p, const flash_work *w,
-                                       const attn__flash_kernels *kern) {
+                                       const attn__ukernel *kern) {
     flash_scratch_size z;
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
     z.q = w->BR * p->E;                        /* Q rows, or Qt (E x lanes)     */
-    z.kp = p->k.cs == 1 ? 0 : w->BC * p->E;    /* K rows, when not unit-strided */
-    z.vp = p->v.cs == 1 ? 0 : w->BC * p->Ev;   /* V rows, likewise              */
+    z.kp = operand_in_place(p, &p->k) ? 0 : w->BC * p->E; /* K rows, when loaded */
+    z.vp = operand_in_place(p, &p->v) ? 0 : w->BC * p->Ev; /* V rows, likewise    */
     z.s = w->direct ? kern->pv_rows * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
@@ -208,6 +240,7 @@ typedef uint64_t bits_d;
 #undef NEXTAFTER
 #undef EPSILON
 
-attn_status attn__sdpa_flash(const attn__problem *plan, const attn__flash_kernels *kernels) {
-    return plan->dtype == ATTN_DTYPE_F32 ? flash_run_f(plan, kernels) : flash_run_d(plan, kernels);
+attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *ukernel) {
+    return compute_dtype(problem) == ATTN_DTYPE_F32 ? flash_run_f(problem, ukernel)
+                                                    : flash_run_d(problem, ukernel);
 }

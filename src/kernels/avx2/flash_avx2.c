@@ -9,13 +9,14 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "../../sdpa/flash.h"
+#include "../exp2.h"
+#include "../ukernel.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6
 #define VECS 2 /* 8-float vectors per tile row */
 
-/* ---- exp2 on 8 lanes: same polynomial as attn__exp2f ---- */
+/* ---- exp2 on 8 lanes: the polynomial of exp2.h ---- */
 
 ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
     /* Without vscalefps, 2^n is built in the exponent field. Lanes below
@@ -23,20 +24,20 @@ ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
      * subnormal is produced (each costs a microcode assist on Intel cores);
      * weights that small are below float32 resolution next to the row's
      * largest weight (1). NaN passes through both steps. */
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-125.0f), x0);
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(ATTN__EXP2F_MIN), x0);
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(0.0001534581097075715661f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.001339993206784129143f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009618489071726799011f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550328642129898071f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.2402264624834060669f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147182464599609375f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(ATTN__EXP2F_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C0));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     p = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
     /* keep lanes with x0 >= -125 or NaN (not-less-than is true for NaN) */
-    const __m256 keep = _mm256_cmp_ps(x0, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ);
+    const __m256 keep = _mm256_cmp_ps(x0, _mm256_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
     return _mm256_and_ps(p, keep);
 }
 
@@ -88,7 +89,7 @@ ALWAYS_INLINE void qkt_tile(const float *qt, int64_t ldqt, const float *k, int64
 #define QKT_CASE(JK)                                                                   \
     case JK: qkt_tile(qt + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK); break;
 
-/* lanes is a multiple of 16 (the driver uses 48). */
+/* lanes is a multiple of 16 (lane_step). */
 static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E, int64_t nk,
                   int64_t lanes, float *st, int64_t ldst) {
     for (int64_t c = 0; c < lanes; c += 16)
@@ -267,18 +268,27 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
     }
 }
 
-const attn__flash_kernels attn__flash_avx2 = {
-    .name = "avx2",
-    .pv_rows = ROWS,
-    .col_step = 8,
-    .qkt_f = qkt_f,
-    .softmax_t_f = softmax_t_f,
-    .qk_direct_f = qk_direct_f,
-    .softmax_f = softmax_f,
-    .pv_f = pv_f,
-    .qkt_d = attn__generic_qkt_d,
-    .softmax_t_d = attn__generic_softmax_t_d,
-    .qk_direct_d = attn__generic_qk_direct_d,
-    .softmax_d = attn__generic_softmax_d,
-    .pv_d = attn__generic_pv_d,
-};
+/* The float32 slots; float64 keeps the portable kernels. The blocking
+ * repeats the AVX-512 kernels' numbers (not retuned for 16 ymm registers:
+ * the qkt tile here is 16 queries wide, so 48 lanes are three passes), with
+ * S padded to 8 columns (one vector) and pv's 6-row register tile. */
+void attn__ukernel_init_avx2(attn__ukernel *ctx) {
+    ctx->name = "avx2";
+    ctx->lanes = 48;
+    ctx->lane_step = 16;
+    ctx->key_block[0].max_width = 64;
+    ctx->key_block[0].keys = 128;
+    ctx->key_block[1].max_width = 128;
+    ctx->key_block[1].keys = 64;
+    ctx->key_block[2].max_width = INT64_MAX;
+    ctx->key_block[2].keys = 32;
+    ctx->direct_keys = 256;
+    ctx->direct_rows = 16;
+    ctx->pv_rows = ROWS;
+    ctx->col_step = 8;
+    ctx->qkt_f = qkt_f;
+    ctx->softmax_t_f = softmax_t_f;
+    ctx->qk_direct_f = qk_direct_f;
+    ctx->softmax_f = softmax_f;
+    ctx->pv_f = pv_f;
+}

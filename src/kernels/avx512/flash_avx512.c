@@ -1,7 +1,8 @@
 /*
  * flash_avx512.c — float32 fused-attention micro-kernels for AVX-512F.
  * Only this file is compiled with -mavx512f; the driver calls it through
- * attn__flash_avx512 after CPUID + xgetbv said the CPU and OS support it.
+ * its context (attn__ukernel_init_avx512) after CPUID + xgetbv said the CPU
+ * and OS support it.
  *
  * Register tiles (32 zmm registers):
  *   qkt  8 keys x 48 queries: 24 accumulators, 3 Qt vectors, broadcast k
@@ -14,14 +15,14 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../../sdpa/flash.h"
+#include "../exp2.h"
+#include "../ukernel.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6
 #define VECS 4 /* 16-float vectors per tile row */
 
-/* ---- exp2 on 16 lanes: same polynomial as attn__exp2f ---- */
-
+/* ---- exp2 on 16 lanes: the polynomial of exp2.h ---- */
 
 ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
     /* Lanes below -125 (masked keys are -inf) give an exact 0 through the
@@ -29,17 +30,17 @@ ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
      * subnormal result costs a microcode assist per lane. Weights that small
      * are below float32 resolution next to the row's largest weight (1).
      * NaN keeps its lane: "not less than" is true for unordered operands. */
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(ATTN__EXP2F_MIN), x);
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(0.0001534581097075715661f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.001339993206784129143f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009618489071726799011f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550328642129898071f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402264624834060669f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182464599609375f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(ATTN__EXP2F_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C0));
     return _mm512_maskz_scalef_ps(keep, p, n); /* p * 2^n, exact */
 }
 
@@ -382,19 +383,30 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
     }
 }
 
-const attn__flash_kernels attn__flash_avx512 = {
-    .name = "avx512",
-    .pv_rows = ROWS,
-    .col_step = 16,
-    .pack_qt_f = pack_qt_f,
-    .qkt_f = qkt_f,
-    .softmax_t_f = softmax_t_f,
-    .qk_direct_f = qk_direct_f,
-    .softmax_f = softmax_f,
-    .pv_f = pv_f,
-    .qkt_d = attn__generic_qkt_d,
-    .softmax_t_d = attn__generic_softmax_t_d,
-    .qk_direct_d = attn__generic_qk_direct_d,
-    .softmax_d = attn__generic_softmax_d,
-    .pv_d = attn__generic_pv_d,
-};
+/* The float32 slots; float64 keeps the portable kernels. The blocking is
+ * the one these kernels were measured with: 48 lanes are the qkt tile's
+ * three 16-query vectors; 128 keys per block at widths up to 64 and 64 up
+ * to 128 (measured best) let the score tile, Qt and a V slice share L1;
+ * 256 keys per block and up to 16 rows in the keys-in-columns layout; S
+ * padded to 16 columns (one vector) and pv's 6-row register tile. */
+void attn__ukernel_init_avx512(attn__ukernel *ctx) {
+    ctx->name = "avx512";
+    ctx->lanes = 16 * QVECS;
+    ctx->lane_step = 16;
+    ctx->key_block[0].max_width = 64;
+    ctx->key_block[0].keys = 128;
+    ctx->key_block[1].max_width = 128;
+    ctx->key_block[1].keys = 64;
+    ctx->key_block[2].max_width = INT64_MAX;
+    ctx->key_block[2].keys = 32;
+    ctx->direct_keys = 256;
+    ctx->direct_rows = 16;
+    ctx->pv_rows = ROWS;
+    ctx->col_step = 16;
+    ctx->pack_qt_f = pack_qt_f;
+    ctx->qkt_f = qkt_f;
+    ctx->softmax_t_f = softmax_t_f;
+    ctx->qk_direct_f = qk_direct_f;
+    ctx->softmax_f = softmax_f;
+    ctx->pv_f = pv_f;
+}

@@ -5,36 +5,9 @@
  */
 #include <math.h>
 
-#include "../../sdpa/flash.h"
+#include "../exp2.h"
+#include "../ukernel.h"
 
-/* 2^f on [-0.5, 0.5]: a degree-6 fit with relative error 1.9e-9 (the vector
- * kernels use the same coefficients). */
-#define EXP2_C0 1.0f
-#define EXP2_C1 0.693147182464599609375f
-#define EXP2_C2 0.2402264624834060669f
-#define EXP2_C3 0.05550328642129898071f
-#define EXP2_C4 0.009618489071726799011f
-#define EXP2_C5 0.001339993206784129143f
-#define EXP2_C6 0.0001534581097075715661f
-
-float attn__exp2f(float x) {
-    if (isnan(x)) return x;
-    /* Below -125 (and -inf: a masked key) the weight is an exact 0, as in the
-     * vector kernels, which avoid subnormal results (slow on Intel cores). */
-    if (x < -125.0f) return 0.0f;
-    if (x > 128.0f) return INFINITY;
-    float n = floorf(x + 0.5f), f = x - n;
-    float p = EXP2_C6;
-    p = p * f + EXP2_C5;
-    p = p * f + EXP2_C4;
-    p = p * f + EXP2_C3;
-    p = p * f + EXP2_C2;
-    p = p * f + EXP2_C1;
-    p = p * f + EXP2_C0;
-    return ldexpf(p, (int)n);
-}
-
-double attn__exp2d(double x) { return exp2(x); }
 
 #define DEFINE_GENERIC(REAL, SFX, EXP2)                                                          \
     /* One online-softmax step over the n scores x[0], x[step], ...: m is the                    \
@@ -62,8 +35,8 @@ double attn__exp2d(double x) { return exp2(x); }
         *m = m_new;                                                                              \
     }                                                                                            \
     /* St[j][r] = sum_e K[j][e] Qt[e][r]: keys down, queries across. */                          \
-    void attn__generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,       \
-                                 int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst) { \
+    static void generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,      \
+                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst) { \
         for (int64_t j = 0; j < nk; j++) {                                                       \
             REAL *sj = st + j * ldst;                                                            \
             for (int64_t r = 0; r < lanes; r++) sj[r] = 0;                                       \
@@ -75,13 +48,13 @@ double attn__exp2d(double x) { return exp2(x); }
         }                                                                                        \
     }                                                                                            \
     /* Online softmax down each column (query) of St. */                                         \
-    void attn__generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,       \
-                                       REAL c, REAL *m, REAL *l, REAL *alpha) {                  \
+    static void generic_softmax_t_##SFX(REAL *st, int64_t ldst, int64_t nk, int64_t lanes,       \
+                                        REAL c, REAL *m, REAL *l, REAL *alpha) {                 \
         for (int64_t r = 0; r < lanes; r++)                                                      \
             softmax_line_##SFX(st + r, ldst, nk, c, m + r, l + r, alpha + r);                    \
     }                                                                                            \
-    void attn__generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk,   \
-                                       int64_t E, int rows, int64_t nk, REAL *s, int64_t lds) {  \
+    static void generic_qk_direct_##SFX(const REAL *q, int64_t ldq, const REAL *k, int64_t ldk,  \
+                                        int64_t E, int rows, int64_t nk, REAL *s, int64_t lds) { \
         for (int r = 0; r < rows; r++)                                                           \
             for (int64_t j = 0; j < nk; j++) {                                                   \
                 double acc = 0;                                                                  \
@@ -90,14 +63,14 @@ double attn__exp2d(double x) { return exp2(x); }
                 s[r * lds + j] = (REAL)acc;                                                      \
             }                                                                                    \
     }                                                                                            \
-    void attn__generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,       \
-                                     REAL *m, REAL *l, REAL *alpha) {                            \
+    static void generic_softmax_##SFX(REAL *s, int64_t lds, int rows, int64_t cols, REAL c,      \
+                                      REAL *m, REAL *l, REAL *alpha) {                           \
         for (int r = 0; r < rows; r++)                                                           \
             softmax_line_##SFX(s + r * lds, 1, cols, c, m + r, l + r, alpha + r);                \
     }                                                                                            \
-    void attn__generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,        \
-                                int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,          \
-                                int64_t ldo, const REAL *alpha) {                                \
+    static void generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,       \
+                                 int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,         \
+                                 int64_t ldo, const REAL *alpha) {                               \
         for (int r = 0; r < rows; r++) {                                                         \
             REAL *orow = o + r * ldo;                                                            \
             for (int64_t e = 0; e < Ev; e++) orow[e] *= alpha[r];                                \
@@ -109,21 +82,62 @@ double attn__exp2d(double x) { return exp2(x); }
         }                                                                                        \
     }
 
-DEFINE_GENERIC(float, f, attn__exp2f)
-DEFINE_GENERIC(double, d, attn__exp2d)
+DEFINE_GENERIC(float, f, attn__exp2f_inline)
+DEFINE_GENERIC(double, d, attn__exp2d_inline)
 
-const attn__flash_kernels attn__flash_generic = {
-    .name = "generic",
-    .pv_rows = 4,
-    .col_step = 1,
-    .qkt_f = attn__generic_qkt_f,
-    .softmax_t_f = attn__generic_softmax_t_f,
-    .qk_direct_f = attn__generic_qk_direct_f,
-    .softmax_f = attn__generic_softmax_f,
-    .pv_f = attn__generic_pv_f,
-    .qkt_d = attn__generic_qkt_d,
-    .softmax_t_d = attn__generic_softmax_t_d,
-    .qk_direct_d = attn__generic_qk_direct_d,
-    .softmax_d = attn__generic_softmax_d,
-    .pv_d = attn__generic_pv_d,
-};
+/* Rows of an operand into the compute type (ukernel.h). The switch has no
+ * default on purpose: a dtype added to attn_dtype is a compile error here
+ * (-Wswitch, -Werror) until it gets its conversion, never a silent misread.
+ * Bool is never a Q, K or V dtype (validation rejects it); it reads as 0 or
+ * 1, as attn__load does, so that the slot is defined for every dtype. */
+#define COPY_ROWS(CONVERT)                                                                      \
+    for (int64_t i = 0; i < nrows; i++)                                                         \
+        for (int64_t j = 0; j < width; j++) dst[i * ld + j] = CONVERT(i * rs + j * cs)
+#define FROM_F32(at) ((const float *)src)[at]
+#define FROM_F64(at) ((const double *)src)[at]
+#define FROM_BOOL(at) (((const unsigned char *)src)[at] != 0)
+#define DEFINE_LOAD(REAL, SFX)                                                                  \
+    static void generic_load_rows_##SFX(const void *src, attn_dtype dtype, int64_t rs,          \
+                                        int64_t cs, int64_t nrows, int64_t width, REAL *dst,    \
+                                        int64_t ld) {                                           \
+        switch (dtype) {                                                                        \
+        case ATTN_DTYPE_F32: COPY_ROWS(FROM_F32); return;                                       \
+        case ATTN_DTYPE_F64: COPY_ROWS(FROM_F64); return;                                       \
+        case ATTN_DTYPE_BOOL: COPY_ROWS(FROM_BOOL); return;                                     \
+        }                                                                                       \
+    }
+
+DEFINE_LOAD(float, f)
+DEFINE_LOAD(double, d)
+
+/* The portable context. Its blocking is the AVX-512 kernels' measured one
+ * (48 lanes; 128 / 64 / 32 keys per block up to widths 64 / 128 / more; 256
+ * keys per block and up to 16 rows in the keys-in-columns layout), never
+ * tuned for portable C; 16 lanes per step and 4 rows per micro-tile are
+ * what the loops above were written for (any count works for them). */
+void attn__ukernel_init_generic(attn__ukernel *ctx) {
+    *ctx = (attn__ukernel){
+        .name = "generic",
+        .lanes = 48,
+        .lane_step = 16,
+        .key_block = {{64, 128}, {128, 64}, {INT64_MAX, 32}},
+        .direct_keys = 256,
+        .direct_rows = 16,
+        .pv_rows = 4,
+        .col_step = 1,
+        .load_rows_f = generic_load_rows_f,
+        .load_rows_d = generic_load_rows_d,
+        .pack_qt_f = NULL,
+        .qkt_f = generic_qkt_f,
+        .softmax_t_f = generic_softmax_t_f,
+        .qk_direct_f = generic_qk_direct_f,
+        .softmax_f = generic_softmax_f,
+        .pv_f = generic_pv_f,
+        .pack_qt_d = NULL,
+        .qkt_d = generic_qkt_d,
+        .softmax_t_d = generic_softmax_t_d,
+        .qk_direct_d = generic_qk_direct_d,
+        .softmax_d = generic_softmax_d,
+        .pv_d = generic_pv_d,
+    };
+}

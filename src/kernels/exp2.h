@@ -1,0 +1,65 @@
+/*
+ * exp2.h — the one exp2 of the fused kernels.
+ *
+ * The softmax's weights are 2^x with x = (s - m)·c <= 0. Every path computes
+ * them with this polynomial: the portable kernels through
+ * attn__exp2f_inline, the AVX2 and AVX-512 kernels with their own
+ * instruction sequences (round, Horner with FMA, build 2^n) on these
+ * coefficients and this threshold, the driver's log-sum-exp merge and the
+ * vector kernels' scalar steps through attn__exp2f. Changing a coefficient
+ * here changes every path together.
+ */
+#ifndef ATTN_KERNELS_EXP2_H
+#define ATTN_KERNELS_EXP2_H
+
+#include <math.h>
+
+/* 2^f on [-0.5, 0.5], f = x - round(x): a degree-6 fit with relative error
+ * 1.9e-9, evaluated by Horner from C6 down to C0, then scaled by 2^round(x). */
+#define ATTN__EXP2F_C0 1.0f
+#define ATTN__EXP2F_C1 0.693147182464599609375f
+#define ATTN__EXP2F_C2 0.2402264624834060669f
+#define ATTN__EXP2F_C3 0.05550328642129898071f
+#define ATTN__EXP2F_C4 0.009618489071726799011f
+#define ATTN__EXP2F_C5 0.001339993206784129143f
+#define ATTN__EXP2F_C6 0.0001534581097075715661f
+
+/* Below this (and at -inf: a masked key) the weight is an exact 0, so no
+ * subnormal is ever produced: on Intel cores each costs a microcode assist
+ * per lane. Weights that small are below float32 resolution next to the
+ * row's largest weight (1). NaN is never flushed. */
+#define ATTN__EXP2F_MIN (-125.0f)
+/* Above this, +inf (the scalar version; the softmax's x is <= 0, so the
+ * vector versions have no such branch). */
+#define ATTN__EXP2F_MAX 128.0f
+
+/* The scalar polynomial, for portable files: the generic kernels call it in
+ * their inner loops, where an out-of-line call would cost speed. */
+static inline float attn__exp2f_inline(float x) {
+    if (isnan(x)) return x;
+    if (x < ATTN__EXP2F_MIN) return 0.0f;
+    if (x > ATTN__EXP2F_MAX) return INFINITY;
+    float n = floorf(x + 0.5f), f = x - n;
+    float p = ATTN__EXP2F_C6;
+    p = p * f + ATTN__EXP2F_C5;
+    p = p * f + ATTN__EXP2F_C4;
+    p = p * f + ATTN__EXP2F_C3;
+    p = p * f + ATTN__EXP2F_C2;
+    p = p * f + ATTN__EXP2F_C1;
+    p = p * f + ATTN__EXP2F_C0;
+    return ldexpf(p, (int)n);
+}
+
+/* float64 uses libm's exp2: the float64 path is the accurate one, and no
+ * vector kernel needs a cheaper one yet. */
+static inline double attn__exp2d_inline(double x) { return exp2(x); }
+
+/* The same functions out of line (exp2.c, compiled without ISA flags), for
+ * the driver and for the vector kernels' scalar steps. The ISA files must
+ * not inline the polynomial: built with -mfma, a compiler that contracts
+ * a * b + c into an FMA (clang does by default) would round it differently
+ * from the portable path. */
+float attn__exp2f(float x);
+double attn__exp2d(double x);
+
+#endif /* ATTN_KERNELS_EXP2_H */

@@ -1,0 +1,43 @@
+/*
+ * registry.c — one context per fused path (see ukernel.h), built once.
+ *
+ * Each ISA context starts as a copy of the generic one and then takes the
+ * ISA's overrides, so every slot the ISA leaves alone holds the portable
+ * kernel. An ISA whose file was not compiled (no ATTN_HAVE_*) keeps the
+ * generic context under its index, so a caller always gets a full table.
+ */
+#include <pthread.h>
+
+#include "ukernel.h"
+
+enum { CTX_GENERIC, CTX_AVX2, CTX_AVX512, CTX_COUNT };
+
+static attn__ukernel contexts[CTX_COUNT];
+/* Built under pthread_once: the first caller builds, every other waits for
+ * it, and after that the contexts are only read (no thread ever writes one
+ * that another may be reading). */
+static pthread_once_t built = PTHREAD_ONCE_INIT;
+
+static void build_contexts(void) {
+    attn__ukernel_init_generic(&contexts[CTX_GENERIC]);
+    contexts[CTX_AVX2] = contexts[CTX_GENERIC];
+    contexts[CTX_AVX512] = contexts[CTX_GENERIC];
+#ifdef ATTN_HAVE_AVX2
+    attn__ukernel_init_avx2(&contexts[CTX_AVX2]);
+#endif
+#ifdef ATTN_HAVE_AVX512
+    attn__ukernel_init_avx512(&contexts[CTX_AVX512]);
+#endif
+}
+
+const attn__ukernel *attn__ukernel_for(attn_isa isa) {
+    pthread_once(&built, build_contexts);
+    switch (isa) {
+    case ATTN_ISA_AVX512: return &contexts[CTX_AVX512];
+    case ATTN_ISA_AVX2: return &contexts[CTX_AVX2];
+    case ATTN_ISA_AUTO:
+    case ATTN_ISA_REF:
+    case ATTN_ISA_GENERIC: break;
+    }
+    return &contexts[CTX_GENERIC];
+}

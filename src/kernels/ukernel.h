@@ -1,0 +1,131 @@
+/*
+ * ukernel.h — the contract between the fused driver (src/sdpa/flash.c) and
+ * the micro-kernels of one ISA (src/kernels/<isa>/). The kernels never see
+ * the problem: only tiles (pointers and leading dimensions, in elements).
+ *
+ * A context, attn__ukernel, holds everything the driver asks of an ISA: its
+ * blocking, its micro-kernels for float32 (`_f`) and float64 (`_d`), and the
+ * loads that bring operand rows into the compute type. BLIS's pattern:
+ * attn__ukernel_init_generic fills every slot and parameter with the
+ * portable kernels, and an ISA's init, applied on top of that, overrides
+ * only what it improves — so no slot is ever empty, and an ISA without
+ * float64 kernels runs the portable ones. The registry (registry.c) builds
+ * each context once; the driver reads it and never names an ISA.
+ *
+ * The micro-kernels, on small contiguous tiles:
+ *
+ *   qkt / qk_direct   scores of a block of queries against a block of keys
+ *   softmax(_t)       P = 2^((S - m)·c) in place; updates the running maximum
+ *                     m and sum l, and returns alpha = 2^((m_old - m_new)·c)
+ *   pv                O = alpha·O + P · V, V rows with unit column stride
+ *
+ * Scores are raw dot products, and the running maximum m is one of them
+ * (the smallest when c < 0): the softmax forms x = (s - m)·c with
+ * c = scale·log2 e, so the subtraction is exact near the maximum and the
+ * constant's rounding costs only a relative u on the small x; scores of any
+ * magnitude work. A tile that had masks with values applied under a zero
+ * scale is already in base-2 units (c = 1). A hidden key has the infinity
+ * that c turns into x = -inf, and weight exactly 0. exp2 only (exp2.h).
+ *
+ * Two score layouts:
+ *
+ *  - queries in lanes (prefill): Qt is E x lanes (block rows transposed, a
+ *    multiple of lane_step lanes), K rows are read in place, and
+ *    St = K · Qt is keys x lanes. The online softmax then works down
+ *    columns: the running max and sum of each query are vectors, with no
+ *    horizontal reductions.
+ *  - keys in columns (few query rows, decoding): S = Q · Kᵀ is rows x keys,
+ *    each score a dot product over E summed in float64 (the layout is
+ *    memory-bound, so it costs nothing) and rounded once; `cols` is nk
+ *    padded to `col_step`.
+ *
+ * pv reads the weight of (row r, key j) at p[r * p_rs + j * p_cs], so it
+ * serves both layouts, for any number of rows.
+ */
+#ifndef ATTN_KERNELS_UKERNEL_H
+#define ATTN_KERNELS_UKERNEL_H
+
+#include "../core/internal.h"
+
+/* Classes of head width (max(E, Ev)) with their own key block size. */
+enum { ATTN__KEY_BLOCK_CLASSES = 3 };
+
+typedef struct attn__ukernel {
+    const char *name; /* "generic", "avx2", "avx512" */
+
+    /* ---- blocking: the driver derives every block size from these ---- */
+    int lanes;       /* queries in lanes: query rows per block, at most       */
+    int lane_step;   /* ... a multiple of this (qkt, softmax_t, pack_qt)      */
+    /* queries in lanes: keys per block for the first class whose max_width
+     * >= max(E, Ev) (the last class's is INT64_MAX), chosen so the score
+     * tile (keys x lanes), Qt (E x lanes) and a slice of V share L1 */
+    struct {
+        int64_t max_width;
+        int keys;
+    } key_block[ATTN__KEY_BLOCK_CLASSES];
+    int direct_keys; /* keys in columns: keys per block                       */
+    int direct_rows; /* keys in columns for head groups of at most this many
+                        query rows (decoding)                                 */
+    int pv_rows;     /* rows of a micro-tile: qk_direct takes 1..pv_rows      */
+    int col_step;    /* keys in columns: S columns are padded to this         */
+
+    /* ---- operand loads: rows of an operand into the compute type ----
+     * dst[i * ld + j] = src[i * rs + j * cs] converted from `dtype`, for
+     * i < nrows, j < width; src points at element (0, 0), strides are in
+     * elements of `dtype`. The driver reads K and V in place, and gives Q
+     * to pack_qt, only when they already have the compute type (K and V
+     * also a unit column stride); every other copy of Q, K or V rows goes
+     * through these, so a new operand dtype (bf16 K/V) is a case here, not
+     * a new driver. */
+    void (*load_rows_f)(const void *src, attn_dtype dtype, int64_t rs, int64_t cs,
+                        int64_t nrows, int64_t width, float *dst, int64_t ld);
+    void (*load_rows_d)(const void *src, attn_dtype dtype, int64_t rs, int64_t cs,
+                        int64_t nrows, int64_t width, double *dst, int64_t ld);
+
+    /* ---- micro-kernels, float32 ---- */
+    /* Optional (NULL: the driver transposes through load_rows): Qt[e][r] =
+     * scale · q[r·rs + e·cs] for r < nr, 0 for nr <= r < lanes; rows
+     * uniformly strided, q already in the compute type. */
+    void (*pack_qt_f)(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
+                      float *qt, int64_t lanes);
+    void (*qkt_f)(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E,
+                  int64_t nk, int64_t lanes, float *st, int64_t ldst);
+    void (*softmax_t_f)(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float *m,
+                        float *l, float *alpha);
+    void (*qk_direct_f)(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
+                        int rows, int64_t nk, float *s, int64_t lds);
+    void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float *m,
+                      float *l, float *alpha);
+    void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
+                 int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
+
+    /* ---- micro-kernels, float64: the same contracts ---- */
+    void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
+                      double scale, double *qt, int64_t lanes);
+    void (*qkt_d)(const double *qt, int64_t ldqt, const double *k, int64_t ldk, int64_t E,
+                  int64_t nk, int64_t lanes, double *st, int64_t ldst);
+    void (*softmax_t_d)(double *st, int64_t ldst, int64_t nk, int64_t lanes, double c,
+                        double *m, double *l, double *alpha);
+    void (*qk_direct_d)(const double *q, int64_t ldq, const double *k, int64_t ldk, int64_t E,
+                        int rows, int64_t nk, double *s, int64_t lds);
+    void (*softmax_d)(double *s, int64_t lds, int rows, int64_t cols, double c, double *m,
+                      double *l, double *alpha);
+    void (*pv_d)(const double *p, int64_t p_rs, int64_t p_cs, const double *v, int64_t ldv,
+                 int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha);
+} attn__ukernel;
+
+/* Every slot and parameter: the portable kernels (generic/flash_generic.c). */
+void attn__ukernel_init_generic(attn__ukernel *ctx);
+/* The slots and parameters an ISA improves, on a generic-initialised
+ * context; each exists only when its file was compiled (ATTN_HAVE_AVX2,
+ * ATTN_HAVE_AVX512). */
+void attn__ukernel_init_avx2(attn__ukernel *ctx);
+void attn__ukernel_init_avx512(attn__ukernel *ctx);
+
+/* The context of a fused path, built once (thread-safe) and then constant:
+ * ATTN_ISA_AVX2 and ATTN_ISA_AVX512 get theirs when it was compiled in,
+ * every other value (and an ISA not compiled in) the generic one. Whether
+ * the CPU can run it is the caller's question (attn_isa_supported). */
+const attn__ukernel *attn__ukernel_for(attn_isa isa);
+
+#endif /* ATTN_KERNELS_UKERNEL_H */
