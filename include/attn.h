@@ -221,6 +221,10 @@ typedef struct attn_sdpa_params {
     double dropout_p;             /* in [0, 1]                               */
     uint64_t seed;                /* dropout stream                          */
     uint64_t rng_offset;          /* [attn] sub-stream, e.g. layer or step   */
+    /* [attn] What messages and attn_last_error_arg() call q, k, v, out,
+     * weights and lse, in that order: a binding passes its own names (the
+     * Python package: "query", "key", "value", ...). NULL keeps these. */
+    const char *const *arg_names;
 } attn_sdpa_params;
 
 /* The defaults: no mask, not causal, default scale, no GQA, no dropout. */

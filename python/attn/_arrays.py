@@ -129,7 +129,7 @@ def as_array(x, name, kind):
 # attn_last_error_arg() names an argument as attn.h does. Fields of the C
 # parameter structs ("params.dropout_p", "config.num_heads") are Python's
 # arguments without the prefix; these are the other names that differ.
-_PYTHON_ARG = {"q": "query", "k": "key", "v": "value", "params.causal": "is_causal"}
+_PYTHON_ARG = {"params.causal": "is_causal"}  # operands already come with Python names
 
 
 def library_error(e):

@@ -1,7 +1,6 @@
 """attn.scaled_dot_product_attention: torch.nn.functional's signature over
 libattn's attn_sdpa()."""
 
-import re
 import sys
 
 import numpy as np
@@ -20,20 +19,6 @@ from ._arrays import (
 )
 
 _CAUSAL = {"top-left": 1, "bottom-right": 2}
-
-# The C library's SDPA messages name the operands q, k and v, as attn.h
-# does; Python callers know them as query, key and value. The messages are
-# written in src/problem/validate.c, which takes no operand names yet, so
-# their text (not the structured `arg`, see library_error) is still
-# translated here; this goes when the problem description takes the
-# binding's names.
-_C_OPERAND = re.compile(r"(?<![\w.])([qkv])(?!\w)")
-_PY_NAME = {"q": "query", "k": "key", "v": "value"}
-
-
-def _python_names(message):
-    return _C_OPERAND.sub(lambda m: _PY_NAME[m.group(1)], message)
-
 
 def _causal_bias(mask):
     """(alignment, L, S) of a torch CausalBias, or None. Its storage is an
@@ -143,8 +128,6 @@ def scaled_dot_product_attention(
             dropout_p=p, seed=seed, want_weights=want_w, want_lse=want_lse,
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        if hasattr(e, "status"):  # the library's message, with its operand names
-            e.args = (_python_names(str(e)),)
         raise library_error(e) from None
     if not (want_w or want_lse):
         return out

@@ -421,8 +421,12 @@ PyDoc_STRVAR(sdpa_doc,
              "attn_sdpa() on buffers. causal: 0 none, 1 top-left, 2 bottom-right;\n"
              "scale: None or a float; empty(shape, dtype_name) allocates the outputs.\n"
              "weights and lse are None unless asked for. A library failure's exception\n"
-             "has status, status_name and arg; arg and the message use attn.h's names\n"
-             "(q, k, v, params.dropout_p, ...).");
+             "has status, status_name and arg; arg and the message name the operands\n"
+             "as Python does (query, key, value), the parameters as attn.h does\n"
+             "(params.dropout_p, ...).");
+
+/* What the library's messages call attn_sdpa's operands: Python's names. */
+static const char *const SDPA_ARG_NAMES[6] = {"query", "key", "value", "out", "weights", "lse"};
 
 static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
@@ -446,6 +450,7 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     p.dropout_p = dropout_p;
     p.seed = seed;
     p.rng_offset = rng_offset;
+    p.arg_names = SDPA_ARG_NAMES;
     if (oscale != Py_None) {
         p.has_scale = 1;
         p.scale = PyFloat_AsDouble(oscale);

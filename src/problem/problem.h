@@ -174,6 +174,8 @@ typedef struct attn__problem_request {
     double dropout_p;
     uint64_t seed, rng_offset;
     attn_tensor *out, *weights, *lse; /* out may be NULL to only infer shapes */
+    /* What messages call q, k, v, out, weights, lse; NULL: those names. */
+    const char *const *names;
 } attn__problem_request;
 
 /* Validates a request into a whole problem (offsets 0, no ragged rows). */

@@ -1,4 +1,4 @@
-/* plan.c — argument validation for attention: every check, with a message
+/* validate.c — argument validation for attention: every check, with a message
  * that names the argument, the dimension and what was expected. */
 #include <math.h>
 #include <stdio.h>
@@ -19,6 +19,10 @@ static int64_t batch_stride(const attn_tensor *t, int nb, int d) {
 
 /* "dim -3" style names read better than absolute indices when ranks differ. */
 static int neg_dim(int nb, int d) { return d - nb - 2; }
+
+/* What messages call argument i of q, k, v, out, weights, lse. */
+static const char *const C_NAMES[6] = {"q", "k", "v", "out", "weights", "lse"};
+#define NAME(r, i) ((r)->names != NULL && (r)->names[i] != NULL ? (r)->names[i] : C_NAMES[i])
 
 static void fill_operand(attn__operand *op, const attn_tensor *t, int nb) {
     memset(op, 0, sizeof *op);
@@ -101,9 +105,9 @@ static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char
  * masks. Tested on address ranges (attn__views_overlap). */
 static attn_status check_overlaps(const attn__problem_request *r) {
     const attn_tensor *outs[3] = {r->out, r->weights, r->lse};
-    const char *out_names[3] = {"out", "weights", "lse"};
+    const char *out_names[3] = {NAME(r, 3), NAME(r, 4), NAME(r, 5)};
     const attn_tensor *ins[3 + ATTN__MAX_MASKS] = {r->q, r->k, r->v};
-    const char *in_names[3 + ATTN__MAX_MASKS] = {"q", "k", "v"};
+    const char *in_names[3 + ATTN__MAX_MASKS] = {NAME(r, 0), NAME(r, 1), NAME(r, 2)};
     for (int i = 0; i < r->nmask; i++) {
         ins[3 + i] = r->mask[i];
         in_names[3 + i] = r->mask_name[i];
@@ -128,33 +132,35 @@ static attn_status check_overlaps(const attn__problem_request *r) {
 attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r) {
     memset(p, 0, sizeof *p);
     attn_status st;
-    if ((st = attn__check_tensor(r->q, "q", 2, ATTN__INPUT)) != ATTN_OK ||
-        (st = attn__check_tensor(r->k, "k", 2, ATTN__INPUT)) != ATTN_OK ||
-        (st = attn__check_tensor(r->v, "v", 2, ATTN__INPUT)) != ATTN_OK)
+    const char *qn = NAME(r, 0), *kn = NAME(r, 1), *vn = NAME(r, 2);
+    if ((st = attn__check_tensor(r->q, qn, 2, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(r->k, kn, 2, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(r->v, vn, 2, ATTN__INPUT)) != ATTN_OK)
         return st;
     const attn_tensor *q = r->q, *k = r->k, *v = r->v;
     if (!attn__is_float(q->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, "q", "q is %s; expected float32 or float64",
-                          attn_dtype_name(q->dtype));
+        return attn__fail_arg(ATTN_ERR_DTYPE, qn, "%s is %s; expected float32 or float64", qn,
+                              attn_dtype_name(q->dtype));
     if (k->dtype != q->dtype || v->dtype != q->dtype)
-        return attn__fail_arg(ATTN_ERR_DTYPE, k->dtype != q->dtype ? "k" : "v", "q, k and v must share one dtype; got %s, %s and %s",
-                          attn_dtype_name(q->dtype), attn_dtype_name(k->dtype),
-                          attn_dtype_name(v->dtype));
+        return attn__fail_arg(ATTN_ERR_DTYPE, k->dtype != q->dtype ? kn : vn,
+                              "%s, %s and %s must share one dtype; got %s, %s and %s", qn, kn, vn,
+                              attn_dtype_name(q->dtype), attn_dtype_name(k->dtype),
+                              attn_dtype_name(v->dtype));
     p->dtype = q->dtype;
     p->L = q->shape[q->rank - 2];
     p->E = q->shape[q->rank - 1];
     p->S = k->shape[k->rank - 2];
     p->Ev = v->shape[v->rank - 1];
     if (k->shape[k->rank - 1] != p->E)
-        return attn__fail_arg(ATTN_ERR_SHAPE, "k",
-                          "k.shape[-1] is %lld but q.shape[-1] is %lld: queries and keys "
-                          "must have the same feature size E",
-                          (long long)k->shape[k->rank - 1], (long long)p->E);
+        return attn__fail_arg(ATTN_ERR_SHAPE, kn,
+                              "%s.shape[-1] is %lld but %s.shape[-1] is %lld: queries and keys "
+                              "must have the same feature size E",
+                              kn, (long long)k->shape[k->rank - 1], qn, (long long)p->E);
     if (v->shape[v->rank - 2] != p->S)
-        return attn__fail_arg(ATTN_ERR_SHAPE, "v",
-                          "v.shape[-2] is %lld but k.shape[-2] is %lld: there must be one "
-                          "value per key (S)",
-                          (long long)v->shape[v->rank - 2], (long long)p->S);
+        return attn__fail_arg(ATTN_ERR_SHAPE, vn,
+                              "%s.shape[-2] is %lld but %s.shape[-2] is %lld: there must be one "
+                              "value per key (S)",
+                              vn, (long long)v->shape[v->rank - 2], kn, (long long)p->S);
 
     p->L_total = p->L; /* a whole problem: its slices set these (key_slice) */
     p->S_total = p->S;
@@ -169,20 +175,20 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
     fill_operand(&p->k, k, nb);
     fill_operand(&p->v, v, nb);
     if (r->enable_gqa && (q->rank < 3 || k->rank < 3 || v->rank < 3))
-        return attn__fail_arg(ATTN_ERR_SHAPE, q->rank < 3 ? "q" : k->rank < 3 ? "k" : "v",
-                          "enable_gqa needs a head dimension (dim -3) in q, k and v; their "
-                          "ranks are %d, %d and %d",
-                          q->rank, k->rank, v->rank);
+        return attn__fail_arg(ATTN_ERR_SHAPE, q->rank < 3 ? qn : k->rank < 3 ? kn : vn,
+                              "enable_gqa needs a head dimension (dim -3) in %s, %s and %s; "
+                              "their ranks are %d, %d and %d",
+                              qn, kn, vn, q->rank, k->rank, v->rank);
     p->nbatch = 1;
     for (int d = 0; d < nb; d++) {
         int64_t sq = batch_size(q, nb, d), sk = batch_size(k, nb, d), sv = batch_size(v, nb, d);
         int64_t size = sq;
         if (r->enable_gqa && d == nb - 1) {
             if (sq % sk != 0 || sq % sv != 0)
-                return attn__fail_arg(ATTN_ERR_SHAPE, sq % sk != 0 ? "k" : "v",
-                                  "enable_gqa: q has %lld heads, k %lld and v %lld; the query "
-                                  "heads must be a multiple of the key and value heads",
-                                  (long long)sq, (long long)sk, (long long)sv);
+                return attn__fail_arg(ATTN_ERR_SHAPE, sq % sk != 0 ? kn : vn,
+                                      "enable_gqa: %s has %lld heads, %s %lld and %s %lld; the "
+                                      "query heads must be a multiple of the key and value heads",
+                                      qn, (long long)sq, kn, (long long)sk, vn, (long long)sv);
             p->k.bdiv[d] = sq / sk;
             p->v.bdiv[d] = sq / sv;
         } else {
@@ -196,22 +202,22 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
                 const char *hint = "";
                 if (d == nb - 1 && sq % sk == 0 && sq % sv == 0)
                     hint = " (grouped-query attention: set enable_gqa)";
-                return attn__fail_arg(ATTN_ERR_SHAPE, bad == q ? "q" : bad == k ? "k" : "v",
-                                  "batch dimension %d does not broadcast: q has %lld, k %lld, "
-                                  "v %lld%s",
-                                  neg_dim(nb, d), (long long)sq, (long long)sk, (long long)sv,
-                                  hint);
+                return attn__fail_arg(ATTN_ERR_SHAPE, bad == q ? qn : bad == k ? kn : vn,
+                                      "batch dimension %d does not broadcast: %s has %lld, %s "
+                                      "%lld, %s %lld%s",
+                                      neg_dim(nb, d), qn, (long long)sq, kn, (long long)sk, vn,
+                                      (long long)sv, hint);
             }
         }
         p->bshape[d] = size;
         if (attn__mul_overflows(p->nbatch, size, &p->nbatch))
-            return attn__fail_arg(ATTN_ERR_OVERFLOW, "q", "the batch size overflows 64 bits");
+            return attn__fail_arg(ATTN_ERR_OVERFLOW, qn, "the batch size overflows 64 bits");
     }
     p->nseq = nb == 0 ? 1 : p->bshape[0];
     int64_t rows, cells, outs;
     if (attn__mul_overflows(p->nbatch, p->L, &rows) ||
         attn__mul_overflows(rows, p->S, &cells) || attn__mul_overflows(rows, p->Ev, &outs))
-        return attn__fail_arg(ATTN_ERR_OVERFLOW, "q",
+        return attn__fail_arg(ATTN_ERR_OVERFLOW, qn,
                           "batch x L x S = %lld x %lld x %lld overflows 64 bits",
                           (long long)p->nbatch, (long long)p->L, (long long)p->S);
 
@@ -249,17 +255,17 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
     memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)nb);
     shape[nb] = p->L;
     shape[nb + 1] = p->Ev;
-    if ((st = check_output(r->out, "out", p->dtype, nb + 2, shape)) != ATTN_OK) return st;
+    if ((st = check_output(r->out, NAME(r, 3), p->dtype, nb + 2, shape)) != ATTN_OK) return st;
     fill_operand(&p->out, r->out, nb);
     if (r->weights != NULL) {
         shape[nb + 1] = p->S;
-        if ((st = check_output(r->weights, "weights", p->dtype, nb + 2, shape)) != ATTN_OK)
+        if ((st = check_output(r->weights, NAME(r, 4), p->dtype, nb + 2, shape)) != ATTN_OK)
             return st;
         fill_operand(&p->weights, r->weights, nb);
         p->has_weights = true;
     }
     if (r->lse != NULL) {
-        if ((st = check_output(r->lse, "lse", p->dtype, nb + 1, shape)) != ATTN_OK) return st;
+        if ((st = check_output(r->lse, NAME(r, 5), p->dtype, nb + 1, shape)) != ATTN_OK) return st;
         /* lse is (B..., L): its last dimension is the row dimension. */
         attn__operand *op = &p->lse;
         memset(op, 0, sizeof *op);
@@ -284,7 +290,7 @@ void attn_sdpa_params_init(attn_sdpa_params *params) {
 }
 
 /* attn_sdpa_params as 0.2.0 had it: the smallest struct_size accepted. */
-#define SDPA_PARAMS_FIRST_SIZE ATTN__SIZE_THROUGH(attn_sdpa_params, rng_offset)
+#define SDPA_PARAMS_FIRST_SIZE ATTN__SIZE_THROUGH(attn_sdpa_params, arg_names)
 
 static attn_status request_from_public(attn__problem_request *r, const attn_tensor *q,
                                        const attn_tensor *k, const attn_tensor *v,
@@ -311,6 +317,7 @@ static attn_status request_from_public(attn__problem_request *r, const attn_tens
     r->dropout_p = params.dropout_p;
     r->seed = params.seed;
     r->rng_offset = params.rng_offset;
+    r->names = params.arg_names;
     return ATTN_OK;
 }
 
@@ -321,7 +328,8 @@ attn_status attn__problem_from_sdpa(attn__problem *plan, const attn_tensor *q,
     attn__problem_request r;
     attn_status st = request_from_public(&r, q, k, v, params);
     if (st != ATTN_OK) return st;
-    if (out == NULL) return attn__fail_arg(ATTN_ERR_NULL, "out", "out is NULL");
+    if (out == NULL)
+        return attn__fail_arg(ATTN_ERR_NULL, NAME(&r, 3), "%s is NULL", NAME(&r, 3));
     r.out = out;
     r.weights = weights;
     r.lse = lse;

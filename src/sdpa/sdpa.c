@@ -1,21 +1,21 @@
-/* sdpa.c — the public entry point: validate into a plan, run a kernel. */
+/* sdpa.c — the public entry point: validate into a problem, run a kernel. */
 #include "flash.h"
 #include "sdpa.h"
 
-attn_status attn__sdpa_execute(const attn__problem *plan) {
+attn_status attn__sdpa_execute(const attn__problem *p) {
     const attn_isa isa = attn_get_isa();
-    if (isa == ATTN_ISA_REF) return attn__sdpa_reference(plan);
+    if (isa == ATTN_ISA_REF) return attn__sdpa_reference(p);
     /* attn_get_isa only names a path the CPU runs and whose kernels were
      * compiled in; the registry holds its context. */
-    return attn__sdpa_flash(plan, attn__ukernel_for(isa));
+    return attn__sdpa_flash(p, attn__ukernel_for(isa));
 }
 
 attn_status attn_sdpa(const attn_tensor *q, const attn_tensor *k, const attn_tensor *v,
                       const attn_sdpa_params *params, attn_tensor *out, attn_tensor *weights,
                       attn_tensor *lse) {
     attn__clear_error();
-    attn__problem plan;
-    attn_status st = attn__problem_from_sdpa(&plan, q, k, v, params, out, weights, lse);
+    attn__problem p;
+    attn_status st = attn__problem_from_sdpa(&p, q, k, v, params, out, weights, lse);
     if (st != ATTN_OK) return st;
-    return attn__sdpa_execute(&plan);
+    return attn__sdpa_execute(&p);
 }

@@ -267,5 +267,27 @@ static void test_ragged_batches(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- a binding's names in messages ---- */
+
+static void test_binding_names_in_messages(void) {
+    float qd[2 * 8] = {0}, kd[3 * 7] = {0}, od[2 * 7];
+    const int64_t qs[2] = {2, 8}, ks[2] = {3, 7}, os[2] = {2, 7};
+    attn_tensor q = view(qd, ATTN_DTYPE_F32, 2, qs), k = view(kd, ATTN_DTYPE_F32, 2, ks);
+    attn_tensor out = view(od, ATTN_DTYPE_F32, 2, os);
+    static const char *const names[6] = {"query", "key", "value", "output", NULL, NULL};
+    attn_sdpa_params prm;
+    attn_sdpa_params_init(&prm);
+    CHECK_STATUS(attn_sdpa(&q, &k, &k, &prm, &out, NULL, NULL), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "k") == 0 && strstr(attn_last_error(), "k.shape[-1]"),
+          "C names: %s / %s", attn_last_error_arg(), attn_last_error());
+    prm.arg_names = names;
+    CHECK_STATUS(attn_sdpa(&q, &k, &k, &prm, &out, NULL, NULL), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "key") == 0 &&
+              strstr(attn_last_error(), "key.shape[-1] is 7 but query.shape[-1] is 8"),
+          "binding names: %s / %s", attn_last_error_arg(), attn_last_error());
+    CHECK_STATUS(attn_sdpa(&q, &q, &q, &prm, NULL, NULL, NULL), ATTN_ERR_NULL);
+    CHECK(strcmp(attn_last_error_arg(), "output") == 0, "out named: %s", attn_last_error_arg());
+}
+
 HARNESS_MAIN(T(test_dropout_halves_merge_bitwise), T(test_lse_merge_rules),
-             T(test_ragged_batches))
+             T(test_ragged_batches), T(test_binding_names_in_messages))
