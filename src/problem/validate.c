@@ -129,8 +129,8 @@ static attn_status check_overlaps(const attn__problem_request *r) {
     return ATTN_OK;
 }
 
-attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r) {
-    memset(p, 0, sizeof *p);
+/* q, k and v: views, one float dtype, and matching E and S. */
+static attn_status check_inputs(attn__problem *p, const attn__problem_request *r) {
     attn_status st;
     const char *qn = NAME(r, 0), *kn = NAME(r, 1), *vn = NAME(r, 2);
     if ((st = attn__check_tensor(r->q, qn, 2, ATTN__INPUT)) != ATTN_OK ||
@@ -161,11 +161,54 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
                               "%s.shape[-2] is %lld but %s.shape[-2] is %lld: there must be one "
                               "value per key (S)",
                               vn, (long long)v->shape[v->rank - 2], kn, (long long)p->S);
-
     p->L_total = p->L; /* a whole problem: its slices set these (key_slice) */
     p->S_total = p->S;
+    return ATTN_OK;
+}
 
-    /* Batch dimensions: broadcast, except the head dimension under GQA. */
+/* Batch dimension d of q, k, v: broadcast, or grouped (GQA) on the head
+ * dimension. Sets p->bshape[d] and the divisors of k and v. */
+static attn_status batch_dim(attn__problem *p, const attn__problem_request *r, int d) {
+    const char *qn = NAME(r, 0), *kn = NAME(r, 1), *vn = NAME(r, 2);
+    const attn_tensor *q = r->q, *k = r->k, *v = r->v;
+    const int nb = p->nb;
+    const int64_t sq = batch_size(q, nb, d), sk = batch_size(k, nb, d), sv = batch_size(v, nb, d);
+    if (r->enable_gqa && d == nb - 1) {
+        if (sq % sk != 0 || sq % sv != 0)
+            return attn__fail_arg(ATTN_ERR_SHAPE, sq % sk != 0 ? kn : vn,
+                                  "enable_gqa: %s has %lld heads, %s %lld and %s %lld; the "
+                                  "query heads must be a multiple of the key and value heads",
+                                  qn, (long long)sq, kn, (long long)sk, vn, (long long)sv);
+        p->k.bdiv[d] = sq / sk;
+        p->v.bdiv[d] = sq / sv;
+        p->bshape[d] = sq;
+        return ATTN_OK;
+    }
+    int64_t size = sq;
+    if (sk > size) size = sk;
+    if (sv > size) size = sv;
+    const attn_tensor *bad = (sq != 1 && sq != size)   ? q
+                             : (sk != 1 && sk != size) ? k
+                             : (sv != 1 && sv != size) ? v
+                                                       : NULL;
+    if (bad != NULL) {
+        const char *hint = "";
+        if (d == nb - 1 && sq % sk == 0 && sq % sv == 0)
+            hint = " (grouped-query attention: set enable_gqa)";
+        return attn__fail_arg(ATTN_ERR_SHAPE, bad == q ? qn : bad == k ? kn : vn,
+                              "batch dimension %d does not broadcast: %s has %lld, %s "
+                              "%lld, %s %lld%s",
+                              neg_dim(nb, d), qn, (long long)sq, kn, (long long)sk, vn,
+                              (long long)sv, hint);
+    }
+    p->bshape[d] = size;
+    return ATTN_OK;
+}
+
+/* The batch dimensions and the sizes they lead to. */
+static attn_status batch_dims(attn__problem *p, const attn__problem_request *r) {
+    const char *qn = NAME(r, 0), *kn = NAME(r, 1), *vn = NAME(r, 2);
+    const attn_tensor *q = r->q, *k = r->k, *v = r->v;
     int nb = q->rank;
     if (k->rank > nb) nb = k->rank;
     if (v->rank > nb) nb = v->rank;
@@ -181,36 +224,9 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
                               qn, kn, vn, q->rank, k->rank, v->rank);
     p->nbatch = 1;
     for (int d = 0; d < nb; d++) {
-        int64_t sq = batch_size(q, nb, d), sk = batch_size(k, nb, d), sv = batch_size(v, nb, d);
-        int64_t size = sq;
-        if (r->enable_gqa && d == nb - 1) {
-            if (sq % sk != 0 || sq % sv != 0)
-                return attn__fail_arg(ATTN_ERR_SHAPE, sq % sk != 0 ? kn : vn,
-                                      "enable_gqa: %s has %lld heads, %s %lld and %s %lld; the "
-                                      "query heads must be a multiple of the key and value heads",
-                                      qn, (long long)sq, kn, (long long)sk, vn, (long long)sv);
-            p->k.bdiv[d] = sq / sk;
-            p->v.bdiv[d] = sq / sv;
-        } else {
-            if (sk > size) size = sk;
-            if (sv > size) size = sv;
-            const attn_tensor *bad = (sq != 1 && sq != size) ? q
-                                     : (sk != 1 && sk != size) ? k
-                                     : (sv != 1 && sv != size) ? v
-                                                               : NULL;
-            if (bad != NULL) {
-                const char *hint = "";
-                if (d == nb - 1 && sq % sk == 0 && sq % sv == 0)
-                    hint = " (grouped-query attention: set enable_gqa)";
-                return attn__fail_arg(ATTN_ERR_SHAPE, bad == q ? qn : bad == k ? kn : vn,
-                                      "batch dimension %d does not broadcast: %s has %lld, %s "
-                                      "%lld, %s %lld%s",
-                                      neg_dim(nb, d), qn, (long long)sq, kn, (long long)sk, vn,
-                                      (long long)sv, hint);
-            }
-        }
-        p->bshape[d] = size;
-        if (attn__mul_overflows(p->nbatch, size, &p->nbatch))
+        attn_status st = batch_dim(p, r, d);
+        if (st != ATTN_OK) return st;
+        if (attn__mul_overflows(p->nbatch, p->bshape[d], &p->nbatch))
             return attn__fail_arg(ATTN_ERR_OVERFLOW, qn, "the batch size overflows 64 bits");
     }
     p->nseq = nb == 0 ? 1 : p->bshape[0];
@@ -218,39 +234,39 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
     if (attn__mul_overflows(p->nbatch, p->L, &rows) ||
         attn__mul_overflows(rows, p->S, &cells) || attn__mul_overflows(rows, p->Ev, &outs))
         return attn__fail_arg(ATTN_ERR_OVERFLOW, qn,
-                          "batch x L x S = %lld x %lld x %lld overflows 64 bits",
-                          (long long)p->nbatch, (long long)p->L, (long long)p->S);
+                              "batch x L x S = %lld x %lld x %lld overflows 64 bits",
+                              (long long)p->nbatch, (long long)p->L, (long long)p->S);
+    return ATTN_OK;
+}
 
-    /* Scalars. */
+/* Causality, scale, dropout. */
+static attn_status check_scalars(attn__problem *p, const attn__problem_request *r) {
     if (r->causal != ATTN_CAUSAL_NONE && r->causal != ATTN_CAUSAL_TOP_LEFT &&
         r->causal != ATTN_CAUSAL_BOTTOM_RIGHT)
-        return attn__fail_arg(ATTN_ERR_INVALID, "params.causal", "causal is %d; expected ATTN_CAUSAL_NONE, "
-                          "ATTN_CAUSAL_TOP_LEFT or ATTN_CAUSAL_BOTTOM_RIGHT", (int)r->causal);
+        return attn__fail_arg(ATTN_ERR_INVALID, "params.causal",
+                              "causal is %d; expected ATTN_CAUSAL_NONE, ATTN_CAUSAL_TOP_LEFT or "
+                              "ATTN_CAUSAL_BOTTOM_RIGHT",
+                              (int)r->causal);
     p->causal = r->causal;
     if (r->has_scale && !isfinite(r->scale))
-        return attn__fail_arg(ATTN_ERR_INVALID, "params.scale", "scale is %g; expected a finite number", r->scale);
+        return attn__fail_arg(ATTN_ERR_INVALID, "params.scale",
+                              "scale is %g; expected a finite number", r->scale);
     p->scale = r->has_scale ? r->scale : 1.0 / sqrt((double)p->E);
     if (!(r->dropout_p >= 0.0 && r->dropout_p <= 1.0))
-        return attn__fail_arg(ATTN_ERR_INVALID, "params.dropout_p", "dropout_p is %g; expected a probability in [0, 1]",
-                          r->dropout_p);
+        return attn__fail_arg(ATTN_ERR_INVALID, "params.dropout_p",
+                              "dropout_p is %g; expected a probability in [0, 1]", r->dropout_p);
     p->dropout = r->dropout_p > 0.0;
     p->dropout_p = r->dropout_p;
     p->keep_threshold = attn__dropout_threshold(r->dropout_p);
     p->seed = r->seed;
     p->rng_offset = r->rng_offset;
-    p->cancel = attn__cancel_flag();
+    return ATTN_OK;
+}
 
-    /* Masks. */
-    for (int i = 0; i < r->nmask; i++) {
-        if (r->mask[i] == NULL) continue;
-        if ((st = check_mask(p, r->mask[i], r->mask_name[i], r->mask_bool_keep[i],
-                             &p->mask[p->nmask])) != ATTN_OK)
-            return st;
-        p->nmask++;
-    }
-
-    /* Outputs. */
-    if (r->out == NULL) return ATTN_OK; /* shape inference only */
+/* out (B..., L, Ev), weights (B..., L, S), lse (B..., L). */
+static attn_status check_outputs(attn__problem *p, const attn__problem_request *r) {
+    const int nb = p->nb;
+    attn_status st;
     int64_t shape[ATTN_MAX_RANK];
     memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)nb);
     shape[nb] = p->L;
@@ -280,6 +296,24 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
         p->has_lse = true;
     }
     return check_overlaps(r);
+}
+
+attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r) {
+    memset(p, 0, sizeof *p);
+    attn_status st;
+    if ((st = check_inputs(p, r)) != ATTN_OK || (st = batch_dims(p, r)) != ATTN_OK ||
+        (st = check_scalars(p, r)) != ATTN_OK)
+        return st;
+    p->cancel = attn__cancel_flag();
+    for (int i = 0; i < r->nmask; i++) {
+        if (r->mask[i] == NULL) continue;
+        if ((st = check_mask(p, r->mask[i], r->mask_name[i], r->mask_bool_keep[i],
+                             &p->mask[p->nmask])) != ATTN_OK)
+            return st;
+        p->nmask++;
+    }
+    if (r->out == NULL) return ATTN_OK; /* shape inference only */
+    return check_outputs(p, r);
 }
 
 void attn_sdpa_params_init(attn_sdpa_params *params) {
