@@ -80,6 +80,11 @@ typedef struct attn__problem {
     /* Outputs. out: L x Ev; lse: L x 1 (rs only); weights: L x S. */
     attn__operand out, lse, weights;
     bool has_lse, has_weights;
+    /* lse to float64 accuracy: the kernels track each row's best key and
+     * recompute its score exactly. On whenever a caller asks for lse; the
+     * split decode path's internal chunk lse only when the whole call's is
+     * asked for (tracking costs a pass over every score tile). */
+    bool lse_exact;
 
     /* Where this problem sits in the whole one (a slice: a key chunk, a ring
      * step). Query row i is position q_pos0 + i of L_total, key j position

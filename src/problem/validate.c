@@ -294,6 +294,7 @@ static attn_status check_outputs(attn__problem *p, const attn__problem_request *
         op->rs = r->lse->strides[nb];
         op->cs = 0;
         p->has_lse = true;
+        p->lse_exact = true;
     }
     return check_overlaps(r);
 }
