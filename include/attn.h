@@ -22,7 +22,8 @@
  *    ever added at the end: the library reads the fields a caller's struct
  *    has and gives the rest their defaults, so a program built against an
  *    older attn.h keeps working with a newer library. A struct that was never
- *    initialised (struct_size 0) is refused with ATTN_ERR_INVALID; one from a
+ *    initialised (struct_size 0, or above 4096) is refused with
+ *    ATTN_ERR_INVALID before anything past its fields is read; one from a
  *    newer header that sets fields this library does not know, with
  *    ATTN_ERR_UNSUPPORTED.
  *  - Tensors are strided views (attn_tensor): a data pointer, a dtype, a rank,
@@ -222,8 +223,9 @@ typedef struct attn_sdpa_params {
     uint64_t seed;                /* dropout stream                          */
     uint64_t rng_offset;          /* [attn] sub-stream, e.g. layer or step   */
     /* [attn] What messages and attn_last_error_arg() call q, k, v, out,
-     * weights and lse, in that order: a binding passes its own names (the
-     * Python package: "query", "key", "value", ...). NULL keeps these. */
+     * weights and lse: an array of six names in that order, any of which
+     * may be NULL (keeps the C name), or NULL for all C names. A binding
+     * passes its own (the Python package: "query", "key", "value", ...). */
     const char *const *arg_names;
 } attn_sdpa_params;
 

@@ -55,6 +55,9 @@ const char *attn__message_path(const char *path, char buf[ATTN__MESSAGE_PATH]);
  * messages. */
 attn_status attn__read_params(void *dst, size_t dst_size, size_t first_size, const void *src,
                               const char *name, const char *init_name);
+/* No version of a parameter struct will be larger: a bigger struct_size is
+ * taken for an uninitialised one. */
+#define ATTN__MAX_STRUCT_SIZE ((size_t)4096)
 /* The end of a struct's last field: the size a version of it had. */
 #define ATTN__SIZE_THROUGH(type, field) (offsetof(type, field) + sizeof(((type *)0)->field))
 

@@ -65,7 +65,10 @@ attn_status attn__read_params(void *dst, size_t dst_size, size_t first_size, con
     memcpy(&size, src, sizeof size); /* every parameter struct starts with it */
     char arg[64];                    /* the field errors are about */
     snprintf(arg, sizeof arg, "%s.struct_size", name);
-    if (size < first_size) /* 0: never initialised; else not a size we ever had */
+    /* 0, or garbage, is a struct never initialised: refused before a byte
+     * past the library's own fields is read (a garbage size would make the
+     * zero check below read far beyond the caller's struct). */
+    if (size < first_size || size > ATTN__MAX_STRUCT_SIZE)
         return attn__fail_arg(ATTN_ERR_INVALID, arg,
                               "%s.struct_size is %zu: initialise %s with %s() before setting "
                               "its fields",

@@ -3,30 +3,32 @@
 
 #include "problem.h"
 
-attn__operand *attn__problem_operand(attn__problem *p, attn__role_id role) {
-    switch (role) {
-    case ATTN__Q: return &p->q;
-    case ATTN__K: return &p->k;
-    case ATTN__V: return &p->v;
-    case ATTN__OUT: return &p->out;
-    case ATTN__LSE: return &p->lse;
-    case ATTN__WEIGHTS: return &p->weights;
-    case ATTN__NUM_ROLES: break;
-    }
-    return NULL;
-}
-
 const char *attn__role_name(attn__role_id role) {
     switch (role) {
     case ATTN__Q: return "q";
     case ATTN__K: return "k";
     case ATTN__V: return "v";
     case ATTN__OUT: return "out";
-    case ATTN__LSE: return "lse";
     case ATTN__WEIGHTS: return "weights";
+    case ATTN__LSE: return "lse";
     case ATTN__NUM_ROLES: break;
     }
     return "?";
+}
+
+void attn__operand_dense(const attn__problem *p, attn__operand *op, void *data, attn_dtype dtype,
+                         int64_t width) {
+    memset(op, 0, sizeof *op);
+    op->data = data;
+    op->dtype = dtype;
+    op->rs = width;
+    op->cs = 1;
+    int64_t span = p->L * width; /* row-major over (B..., L, width) */
+    for (int d = p->nb - 1; d >= 0; d--) {
+        op->bstride[d] = span;
+        op->bdiv[d] = 1;
+        span *= p->bshape[d];
+    }
 }
 
 void attn__problem_key_slice(const attn__problem *whole, int64_t j0, int64_t nk,

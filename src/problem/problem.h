@@ -52,15 +52,16 @@ typedef struct attn__mask {
 
 enum { ATTN__MAX_MASKS = 2 };
 
-/* The operands by role: validation, overlap checks and the tables that name
- * them walk this list. Gradients (dq, dk, dv, dmask) are the next roles. */
+/* The operands by role, in the order of attn_sdpa_params.arg_names:
+ * validation names them by role. Gradients (dq, dk, dv, dmask) are the
+ * next roles. */
 typedef enum attn__role_id {
     ATTN__Q,
     ATTN__K,
     ATTN__V,
     ATTN__OUT,
-    ATTN__LSE,
     ATTN__WEIGHTS,
+    ATTN__LSE,
     ATTN__NUM_ROLES
 } attn__role_id;
 
@@ -69,7 +70,6 @@ typedef struct attn__problem {
     int nb;                         /* number of batch dimensions          */
     int64_t bshape[ATTN_MAX_RANK];  /* their (broadcast) sizes             */
     int64_t nbatch;                 /* product of bshape                   */
-    int64_t nseq;                   /* sequences: bshape[0], or 1          */
     int64_t L, S, E, Ev;            /* rows and keys held here (maxima when ragged) */
 
     /* Inputs. q: L x E, k: S x E, v: S x Ev. */
@@ -100,10 +100,13 @@ typedef struct attn__problem {
     const volatile int *cancel;     /* the caller's cancel flag, or NULL   */
 } attn__problem;
 
-/* The operand of a role (NULL for no such role). */
-attn__operand *attn__problem_operand(attn__problem *p, attn__role_id role);
-/* Its name in messages and attn_last_error_arg(): "q", "out", ... */
+/* A role's C name in messages and attn_last_error_arg(): "q", "out", ... */
 const char *attn__role_name(attn__role_id role);
+
+/* Points `op` at a contiguous (B..., L, width) buffer of p's batch shape:
+ * partial results, and buffers the caller lays out itself. */
+void attn__operand_dense(const attn__problem *p, attn__operand *op, void *data, attn_dtype dtype,
+                         int64_t width);
 
 /* ---- addressing ---- */
 

@@ -21,8 +21,8 @@ static int64_t batch_stride(const attn_tensor *t, int nb, int d) {
 static int neg_dim(int nb, int d) { return d - nb - 2; }
 
 /* What messages call argument i of q, k, v, out, weights, lse. */
-static const char *const C_NAMES[6] = {"q", "k", "v", "out", "weights", "lse"};
-#define NAME(r, i) ((r)->names != NULL && (r)->names[i] != NULL ? (r)->names[i] : C_NAMES[i])
+#define NAME(r, role) \
+    ((r)->names != NULL && (r)->names[role] != NULL ? (r)->names[role] : attn__role_name(role))
 
 static void fill_operand(attn__operand *op, const attn_tensor *t, int nb) {
     memset(op, 0, sizeof *op);
@@ -105,9 +105,9 @@ static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char
  * masks. Tested on address ranges (attn__views_overlap). */
 static attn_status check_overlaps(const attn__problem_request *r) {
     const attn_tensor *outs[3] = {r->out, r->weights, r->lse};
-    const char *out_names[3] = {NAME(r, 3), NAME(r, 4), NAME(r, 5)};
+    const char *out_names[3] = {NAME(r, ATTN__OUT), NAME(r, ATTN__WEIGHTS), NAME(r, ATTN__LSE)};
     const attn_tensor *ins[3 + ATTN__MAX_MASKS] = {r->q, r->k, r->v};
-    const char *in_names[3 + ATTN__MAX_MASKS] = {NAME(r, 0), NAME(r, 1), NAME(r, 2)};
+    const char *in_names[3 + ATTN__MAX_MASKS] = {NAME(r, ATTN__Q), NAME(r, ATTN__K), NAME(r, ATTN__V)};
     for (int i = 0; i < r->nmask; i++) {
         ins[3 + i] = r->mask[i];
         in_names[3 + i] = r->mask_name[i];
@@ -132,7 +132,7 @@ static attn_status check_overlaps(const attn__problem_request *r) {
 /* q, k and v: views, one float dtype, and matching E and S. */
 static attn_status check_inputs(attn__problem *p, const attn__problem_request *r) {
     attn_status st;
-    const char *qn = NAME(r, 0), *kn = NAME(r, 1), *vn = NAME(r, 2);
+    const char *qn = NAME(r, ATTN__Q), *kn = NAME(r, ATTN__K), *vn = NAME(r, ATTN__V);
     if ((st = attn__check_tensor(r->q, qn, 2, ATTN__INPUT)) != ATTN_OK ||
         (st = attn__check_tensor(r->k, kn, 2, ATTN__INPUT)) != ATTN_OK ||
         (st = attn__check_tensor(r->v, vn, 2, ATTN__INPUT)) != ATTN_OK)
@@ -169,7 +169,7 @@ static attn_status check_inputs(attn__problem *p, const attn__problem_request *r
 /* Batch dimension d of q, k, v: broadcast, or grouped (GQA) on the head
  * dimension. Sets p->bshape[d] and the divisors of k and v. */
 static attn_status batch_dim(attn__problem *p, const attn__problem_request *r, int d) {
-    const char *qn = NAME(r, 0), *kn = NAME(r, 1), *vn = NAME(r, 2);
+    const char *qn = NAME(r, ATTN__Q), *kn = NAME(r, ATTN__K), *vn = NAME(r, ATTN__V);
     const attn_tensor *q = r->q, *k = r->k, *v = r->v;
     const int nb = p->nb;
     const int64_t sq = batch_size(q, nb, d), sk = batch_size(k, nb, d), sv = batch_size(v, nb, d);
@@ -207,7 +207,7 @@ static attn_status batch_dim(attn__problem *p, const attn__problem_request *r, i
 
 /* The batch dimensions and the sizes they lead to. */
 static attn_status batch_dims(attn__problem *p, const attn__problem_request *r) {
-    const char *qn = NAME(r, 0), *kn = NAME(r, 1), *vn = NAME(r, 2);
+    const char *qn = NAME(r, ATTN__Q), *kn = NAME(r, ATTN__K), *vn = NAME(r, ATTN__V);
     const attn_tensor *q = r->q, *k = r->k, *v = r->v;
     int nb = q->rank;
     if (k->rank > nb) nb = k->rank;
@@ -229,7 +229,6 @@ static attn_status batch_dims(attn__problem *p, const attn__problem_request *r) 
         if (attn__mul_overflows(p->nbatch, p->bshape[d], &p->nbatch))
             return attn__fail_arg(ATTN_ERR_OVERFLOW, qn, "the batch size overflows 64 bits");
     }
-    p->nseq = nb == 0 ? 1 : p->bshape[0];
     int64_t rows, cells, outs;
     if (attn__mul_overflows(p->nbatch, p->L, &rows) ||
         attn__mul_overflows(rows, p->S, &cells) || attn__mul_overflows(rows, p->Ev, &outs))
@@ -271,17 +270,17 @@ static attn_status check_outputs(attn__problem *p, const attn__problem_request *
     memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)nb);
     shape[nb] = p->L;
     shape[nb + 1] = p->Ev;
-    if ((st = check_output(r->out, NAME(r, 3), p->dtype, nb + 2, shape)) != ATTN_OK) return st;
+    if ((st = check_output(r->out, NAME(r, ATTN__OUT), p->dtype, nb + 2, shape)) != ATTN_OK) return st;
     fill_operand(&p->out, r->out, nb);
     if (r->weights != NULL) {
         shape[nb + 1] = p->S;
-        if ((st = check_output(r->weights, NAME(r, 4), p->dtype, nb + 2, shape)) != ATTN_OK)
+        if ((st = check_output(r->weights, NAME(r, ATTN__WEIGHTS), p->dtype, nb + 2, shape)) != ATTN_OK)
             return st;
         fill_operand(&p->weights, r->weights, nb);
         p->has_weights = true;
     }
     if (r->lse != NULL) {
-        if ((st = check_output(r->lse, NAME(r, 5), p->dtype, nb + 1, shape)) != ATTN_OK) return st;
+        if ((st = check_output(r->lse, NAME(r, ATTN__LSE), p->dtype, nb + 1, shape)) != ATTN_OK) return st;
         /* lse is (B..., L): its last dimension is the row dimension. */
         attn__operand *op = &p->lse;
         memset(op, 0, sizeof *op);
@@ -364,7 +363,7 @@ attn_status attn__problem_from_sdpa(attn__problem *plan, const attn_tensor *q,
     attn_status st = request_from_public(&r, q, k, v, params);
     if (st != ATTN_OK) return st;
     if (out == NULL)
-        return attn__fail_arg(ATTN_ERR_NULL, NAME(&r, 3), "%s is NULL", NAME(&r, 3));
+        return attn__fail_arg(ATTN_ERR_NULL, NAME(&r, ATTN__OUT), "%s is NULL", NAME(&r, ATTN__OUT));
     r.out = out;
     r.weights = weights;
     r.lse = lse;

@@ -111,17 +111,11 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
 /* The type the kernels compute in: the problem's (float32 or float64). */
 static attn_dtype compute_dtype(const attn__problem *p) { return p->dtype; }
 
-/* The type an operand is stored in: its own (the problem says it); the
- * load slots (ukernel.h) convert it to the compute type. */
-static attn_dtype operand_dtype(const attn__problem *p, const attn__operand *op) {
-    (void)p;
-    return op->dtype;
-}
-
 /* Whether the kernels may read a K or V operand where it is: rows of the
- * compute type with unit column stride. Otherwise its rows are loaded. */
+ * compute type with unit column stride. Otherwise its rows are loaded, the
+ * load slots (ukernel.h) converting from the operand's own dtype. */
 static bool operand_in_place(const attn__problem *p, const attn__operand *op) {
-    return op->cs == 1 && operand_dtype(p, op) == compute_dtype(p);
+    return op->cs == 1 && op->dtype == compute_dtype(p);
 }
 
 /* The address of element `off` of an operand's data, stored as `dtype`. */

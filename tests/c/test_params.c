@@ -214,6 +214,13 @@ static void uninitialised_structs(void) {
     int64_t shape[ATTN_MAX_RANK];
     CHECK_STATUS(attn_sdpa_out_shape(&a.q, &a.k, &a.v, &p, &rank, shape), ATTN_ERR_INVALID);
     CHECK_ARG("params.struct_size");
+    /* Stack garbage in struct_size: refused, nothing past the struct read
+     * (ASan would see a read of SIZE_MAX - sizeof bytes). */
+    p.struct_size = (size_t)0xdeadbeefdeadbeefull;
+    CHECK_STATUS(attn_sdpa(&a.q, &a.k, &a.v, &p, &a.out, NULL, NULL), ATTN_ERR_INVALID);
+    CHECK_ARG("params.struct_size");
+    p.struct_size = sizeof p + 4096; /* past any header's struct */
+    CHECK_STATUS(attn_sdpa(&a.q, &a.k, &a.v, &p, &a.out, NULL, NULL), ATTN_ERR_INVALID);
 
     attn_mha_config c;
     attn_mha_config_init(&c, 8, 2);

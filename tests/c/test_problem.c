@@ -27,22 +27,6 @@ static attn_tensor view(void *data, attn_dtype dt, int rank, const int64_t *shap
     return t;
 }
 
-/* An operand over a contiguous (B..., L, width) buffer. */
-static void dense_operand(const attn__problem *p, attn__operand *op, void *data, attn_dtype dt,
-                          int64_t width) {
-    memset(op, 0, sizeof *op);
-    op->data = data;
-    op->dtype = dt;
-    op->rs = width;
-    op->cs = 1;
-    int64_t span = p->L * width;
-    for (int d = p->nb - 1; d >= 0; d--) {
-        op->bstride[d] = span;
-        op->bdiv[d] = 1;
-        span *= p->bshape[d];
-    }
-}
-
 /* ---- dropout over two key halves, merged, equals the whole call ---- */
 
 enum { H = 4, L = 3, S = 2048, E = 64 }; /* a decode shape: the split path */
@@ -77,8 +61,8 @@ static void halves_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool fl
     CHECK_OK(attn__problem_from_sdpa(&whole_p, &q, &k, &v, &prm, &out, NULL, &lse));
     for (int c = 0; c < 2; c++) {
         attn__problem_key_slice(&whole_p, c * (S / 2), S / 2, &half);
-        dense_operand(&half, &half.out, (char *)halves + c * H * L * E * es, dt, E);
-        dense_operand(&half, &half.lse, lse_h[c], ATTN_DTYPE_F64, 1);
+        attn__operand_dense(&half, &half.out, (char *)halves + c * H * L * E * es, dt, E);
+        attn__operand_dense(&half, &half.lse, lse_h[c], ATTN_DTYPE_F64, 1);
         half.has_lse = true;
         CHECK_OK(attn__sdpa_execute(&half));
     }
@@ -111,8 +95,8 @@ static void halves_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool fl
     CHECK(memcmp(plain, whole, H * L * E * es) != 0, "dropout left the output unchanged");
     attn__problem_key_slice(&whole_p, S / 2, S / 2, &half);
     half.k_pos0 = 0;
-    dense_operand(&half, &half.out, merged, dt, E);
-    dense_operand(&half, &half.lse, lse_m, ATTN_DTYPE_F64, 1);
+    attn__operand_dense(&half, &half.out, merged, dt, E);
+    attn__operand_dense(&half, &half.lse, lse_m, ATTN_DTYPE_F64, 1);
     CHECK_OK(attn__sdpa_execute(&half));
     CHECK(memcmp(merged, (char *)halves + H * L * E * es, H * L * E * es) != 0,
           "the key offset does not reach the dropout mask");

@@ -269,21 +269,12 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
 }
 
 /* The float32 slots; float64 keeps the portable kernels. The blocking
- * repeats the AVX-512 kernels' numbers (not retuned for 16 ymm registers:
- * the qkt tile here is 16 queries wide, so 48 lanes are three passes), with
- * S padded to 8 columns (one vector) and pv's 6-row register tile. */
+ * stays the portable context's (the numbers measured for AVX-512; not
+ * retuned for 16 ymm registers: the qkt tile here is 16 queries wide, so 48
+ * lanes are three passes); S is padded to 8 columns (one vector) and pv has
+ * a 6-row register tile. */
 void attn__ukernel_init_avx2(attn__ukernel *ctx) {
     ctx->name = "avx2";
-    ctx->lanes = 48;
-    ctx->lane_step = 16;
-    ctx->key_block[0].max_width = 64;
-    ctx->key_block[0].keys = 128;
-    ctx->key_block[1].max_width = 128;
-    ctx->key_block[1].keys = 64;
-    ctx->key_block[2].max_width = INT64_MAX;
-    ctx->key_block[2].keys = 32;
-    ctx->direct_keys = 256;
-    ctx->direct_rows = 16;
     ctx->pv_rows = ROWS;
     ctx->col_step = 8;
     ctx->qkt_f = qkt_f;
