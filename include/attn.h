@@ -258,6 +258,40 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
                                          const attn_sdpa_params *params, int *rank,
                                          int64_t shape[ATTN_MAX_RANK]);
 
+/* The backward pass [attn]: gradients of attn_sdpa's output.
+ *
+ * Given dout = dLoss/dout and what the forward call took and gave (q, k, v,
+ * the same params, its out and its lse), computes
+ *   dq = dLoss/dq, dk = dLoss/dk, dv = dLoss/dv, dmask = dLoss/d attn_mask
+ * FlashAttention-2's way: the weights are recomputed block by block from lse
+ * (no L x S buffer), with D = rowsum(dout * out).
+ *   dout    (B..., Hq, L, Ev)  like out
+ *   out     (B..., Hq, L, Ev)  the forward's output
+ *   lse     (B..., Hq, L)      the forward's log-sum-exp (attn_sdpa's lse)
+ *   dq, dk, dv                 shaped like q, k, v, same dtype; each may be
+ *                              NULL when that gradient is not wanted
+ *   dmask                      optional: shaped like params->attn_mask, which
+ *                              must then be a float mask; same dtype as it
+ * All float inputs share q's dtype. A gradient sums over everything its
+ * input was broadcast to: dk and dv over the query heads of a GQA group,
+ * dmask over the dimensions where the mask has size 1, any of them over
+ * batch dimensions where its input had size 1. Dropout is replayed from
+ * params' seed and rng_offset: the same keep mask as the forward call.
+ * Rows that saw no key (lse = -inf) contribute nothing and get dq = 0.
+ * Terms whose weight is exactly 0 (masked, dropped) are skipped as in the
+ * forward, so a NaN or Inf in a masked-out key or value reaches no
+ * gradient; NaN in a term that takes part gives NaN where it flows.
+ * Accumulation: the reference path (ATTN_ISA_REF) in float64; the fused
+ * paths in the compute type, in an order fixed by the shape, so gradients
+ * are bitwise identical for any thread count. Extra memory: a few vectors of
+ * L per head, and, when there are few heads to share among threads, partial
+ * dq sums (at most 32 MiB). */
+ATTN_API attn_status attn_sdpa_backward(const attn_tensor *dout, const attn_tensor *q,
+                                        const attn_tensor *k, const attn_tensor *v,
+                                        const attn_tensor *out, const attn_tensor *lse,
+                                        const attn_sdpa_params *params, attn_tensor *dq,
+                                        attn_tensor *dk, attn_tensor *dv, attn_tensor *dmask);
+
 /* ------------------------------------------------------------------------ */
 /* Multi-head attention                                                      */
 /* ------------------------------------------------------------------------ */
@@ -384,6 +418,39 @@ ATTN_API attn_status attn_mha_forward(const attn_mha *mha, const attn_tensor *qu
                                       const attn_tensor *key, const attn_tensor *value,
                                       const attn_mha_forward_params *params,
                                       attn_tensor *out, attn_tensor *weights);
+
+/* Training [attn]. attn_mha_forward_train runs attn_mha_forward and keeps,
+ * in *saved, what attn_mha_backward needs (the projected Q, K, V, the
+ * attention output before out_proj, its log-sum-exp, and the call's
+ * options: masks are copied, dropout is replayed from the seed). *saved is
+ * the caller's: free it with attn_mha_saved_destroy (NULL is a no-op); it
+ * holds no pointer to caller memory. The backward reads mha's parameters,
+ * which must still be those the forward used.
+ *
+ * attn_mha_backward computes, from dout (shaped like out):
+ *   dquery, dkey, dvalue    shaped like query, key, value; each may be NULL
+ *   grads                   NULL, or a module made with the same
+ *                           configuration, whose parameters are overwritten
+ *                           with the gradients of mha's (in_proj_weight,
+ *                           in_proj_bias or q/k/v_proj_weight, bias_k,
+ *                           bias_v, out_proj.weight, out_proj.bias)
+ * query, key and value must be the tensors the forward was given (same
+ * shapes; the backward reads them for the weight gradients). The returned
+ * weights are not differentiated: gradients flow through out only. Results
+ * are bitwise identical for any thread count. */
+typedef struct attn_mha_saved attn_mha_saved;
+
+ATTN_API attn_status attn_mha_forward_train(const attn_mha *mha, const attn_tensor *query,
+                                            const attn_tensor *key, const attn_tensor *value,
+                                            const attn_mha_forward_params *params,
+                                            attn_tensor *out, attn_tensor *weights,
+                                            attn_mha_saved **saved);
+ATTN_API void attn_mha_saved_destroy(attn_mha_saved *saved);
+ATTN_API attn_status attn_mha_backward(const attn_mha *mha, const attn_mha_saved *saved,
+                                       const attn_tensor *query, const attn_tensor *key,
+                                       const attn_tensor *value, const attn_tensor *dout,
+                                       attn_tensor *dquery, attn_tensor *dkey,
+                                       attn_tensor *dvalue, attn_mha *grads);
 
 /* The shapes out and weights must have for these inputs. */
 ATTN_API attn_status attn_mha_out_shapes(const attn_mha *mha, const attn_tensor *query,

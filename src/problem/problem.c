@@ -11,6 +11,11 @@ const char *attn__role_name(attn__role_id role) {
     case ATTN__OUT: return "out";
     case ATTN__WEIGHTS: return "weights";
     case ATTN__LSE: return "lse";
+    case ATTN__DOUT: return "dout";
+    case ATTN__DQ: return "dq";
+    case ATTN__DK: return "dk";
+    case ATTN__DV: return "dv";
+    case ATTN__DMASK: return "dmask";
     case ATTN__NUM_ROLES: break;
     }
     return "?";
@@ -49,4 +54,50 @@ void attn__problem_key_slice(const attn__problem *whole, int64_t j0, int64_t nk,
     }
     slice->S = nk;
     slice->k_pos0 = whole->k_pos0 + j0;
+}
+
+bool attn__operand_shared(const attn__problem *p, const attn__operand *op) {
+    for (int d = 0; d < p->nb; d++)
+        if (p->bshape[d] > 1 && (op->bstride[d] == 0 || op->bdiv[d] > 1)) return true;
+    return false;
+}
+
+/* The smallest batch index whose gradient elements in `op` are b's. */
+static int64_t representative(const attn__problem *p, const attn__operand *op, int64_t b) {
+    int64_t rep = 0, mult = 1;
+    for (int d = p->nb - 1; d >= 0; d--) {
+        const int64_t idx = b % p->bshape[d];
+        b /= p->bshape[d];
+        const int64_t canon = op->bstride[d] == 0 ? 0 : idx / op->bdiv[d] * op->bdiv[d];
+        rep += canon * mult;
+        mult *= p->bshape[d];
+    }
+    return rep;
+}
+
+void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *partial,
+                     int64_t rows, int64_t width) {
+    const int64_t mat = rows * width;
+    for (int64_t b = 0; b < p->nbatch; b++) { /* batch indices onto their representative */
+        const int64_t rep = representative(p, op, b);
+        if (rep == b) continue;
+        double *dst = partial + rep * mat;
+        const double *src = partial + b * mat;
+        for (int64_t x = 0; x < mat; x++) dst[x] += src[x];
+    }
+    for (int64_t b = 0; b < p->nbatch; b++) {
+        if (representative(p, op, b) != b) continue;
+        double *m = partial + b * mat;
+        if (op->rs == 0 || op->cs == 0) /* rows or columns onto the first */
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < width; c++) {
+                    const int64_t rr = op->rs == 0 ? 0 : r, cc = op->cs == 0 ? 0 : c;
+                    if (rr != r || cc != c) m[rr * width + cc] += m[r * width + c];
+                }
+        const int64_t off = attn__batch_offset(p, op, b);
+        const int64_t nr = op->rs == 0 ? 1 : rows, nc = op->cs == 0 ? 1 : width;
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < nc; c++)
+                attn__store(op->data, op->dtype, off + r * op->rs + c * op->cs, m[r * width + c]);
+    }
 }

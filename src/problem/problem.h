@@ -52,9 +52,9 @@ typedef struct attn__mask {
 
 enum { ATTN__MAX_MASKS = 2 };
 
-/* The operands by role, in the order of attn_sdpa_params.arg_names:
- * validation names them by role. Gradients (dq, dk, dv, dmask) are the
- * next roles. */
+/* The operands by role, the first six in the order of
+ * attn_sdpa_params.arg_names: validation names them by role. The backward
+ * pass's (dout, dq, dk, dv, dmask) always have their C names. */
 typedef enum attn__role_id {
     ATTN__Q,
     ATTN__K,
@@ -62,6 +62,12 @@ typedef enum attn__role_id {
     ATTN__OUT,
     ATTN__WEIGHTS,
     ATTN__LSE,
+    ATTN__NAMED_ROLES, /* roles a caller may rename */
+    ATTN__DOUT = ATTN__NAMED_ROLES,
+    ATTN__DQ,
+    ATTN__DK,
+    ATTN__DV,
+    ATTN__DMASK,
     ATTN__NUM_ROLES
 } attn__role_id;
 
@@ -90,6 +96,15 @@ typedef struct attn__problem {
      * step). Query row i is position q_pos0 + i of L_total, key j position
      * k_pos0 + j of S_total. A whole problem has 0, 0, L, S. */
     int64_t q_pos0, k_pos0, L_total, S_total;
+
+    /* Backward (attn_sdpa_backward). out and lse are then inputs, and dout
+     * (L x Ev) too. The gradients are laid out like the input they belong
+     * to (dq like q, dk like k with its GQA divisors, dmask like mask
+     * dmask_of): several batch indices may map to one gradient element,
+     * whose contributions the kernels sum in a fixed order. */
+    attn__operand dout, dq, dk, dv, dmask;
+    bool has_dq, has_dk, has_dv, has_dmask;
+    int dmask_of;
 
     double scale;
     attn_causal causal;             /* alignment over the whole lengths    */
@@ -193,6 +208,41 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
 attn_status attn__problem_from_sdpa(attn__problem *p, const attn_tensor *q, const attn_tensor *k,
                                     const attn_tensor *v, const attn_sdpa_params *params,
                                     attn_tensor *out, attn_tensor *weights, attn_tensor *lse);
+
+/* What the backward pass adds to a request: dout, and out and lse as the
+ * forward gave them (inputs now), and the gradients wanted (NULL: not
+ * wanted). dmask is the gradient of mask number dmask_of of the request. */
+typedef struct attn__backward_request {
+    const attn_tensor *dout, *out, *lse;
+    attn_tensor *dq, *dk, *dv, *dmask;
+    int dmask_of;
+} attn__backward_request;
+
+/* Validates a backward request (r->out, weights and lse are unused). */
+attn_status attn__problem_build_backward(attn__problem *p, const attn__problem_request *r,
+                                         const attn__backward_request *g);
+
+/* The same from attn_sdpa_backward's public arguments. */
+attn_status attn__problem_from_sdpa_backward(attn__problem *p, const attn_tensor *dout,
+                                             const attn_tensor *q, const attn_tensor *k,
+                                             const attn_tensor *v, const attn_tensor *out,
+                                             const attn_tensor *lse,
+                                             const attn_sdpa_params *params, attn_tensor *dq,
+                                             attn_tensor *dk, attn_tensor *dv,
+                                             attn_tensor *dmask);
+
+/* Whether more than one batch index maps to some element of a gradient laid
+ * out by `op` (it was broadcast or grouped there): its contributions then
+ * need a reduction. */
+bool attn__operand_shared(const attn__problem *p, const attn__operand *op);
+
+/* Stores gradient contributions into the gradient `op` describes, summing
+ * those that share an element in a fixed order (batch index, then row, then
+ * column), in float64, and rounding once. `partial` is dense (nbatch, rows,
+ * width) and is overwritten. Rows and columns reduce too where op's row or
+ * column stride is 0 (a mask broadcast over queries or keys). */
+void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *partial,
+                     int64_t rows, int64_t width);
 
 /* A slice of a whole problem: keys [j0, j0 + nk) (nk >= 1), with the
  * slice's global key position, so that causality and dropout stay those of

@@ -21,8 +21,10 @@ static int64_t batch_stride(const attn_tensor *t, int nb, int d) {
 static int neg_dim(int nb, int d) { return d - nb - 2; }
 
 /* What messages call argument i of q, k, v, out, weights, lse. */
-#define NAME(r, role) \
-    ((r)->names != NULL && (r)->names[role] != NULL ? (r)->names[role] : attn__role_name(role))
+#define NAME(r, role)                                                                \
+    ((role) < ATTN__NAMED_ROLES && (r)->names != NULL && (r)->names[role] != NULL \
+         ? (r)->names[role]                                                        \
+         : attn__role_name(role))
 
 static void fill_operand(attn__operand *op, const attn_tensor *t, int nb) {
     memset(op, 0, sizeof *op);
@@ -36,9 +38,11 @@ static void fill_operand(attn__operand *op, const attn_tensor *t, int nb) {
     op->cs = t->strides[t->rank - 1];
 }
 
-static attn_status check_output(const attn_tensor *t, const char *name, attn_dtype dtype,
-                                int rank, const int64_t *shape) {
-    attn_status st = attn__check_tensor(t, name, 1, ATTN__OUTPUT);
+/* A tensor of one exact shape and dtype: an output, or (role ATTN__INPUT)
+ * an input the backward pass reads (dout, out, lse). */
+static attn_status check_exact(const attn_tensor *t, const char *name, attn__role role,
+                               attn_dtype dtype, int rank, const int64_t *shape) {
+    attn_status st = attn__check_tensor(t, name, 1, role);
     if (st != ATTN_OK) return st;
     bool same = t->rank == rank;
     for (int d = 0; same && d < rank; d++) same = t->shape[d] == shape[d];
@@ -52,6 +56,11 @@ static attn_status check_output(const attn_tensor *t, const char *name, attn_dty
         return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s like the query", name,
                           attn_dtype_name(t->dtype), attn_dtype_name(dtype));
     return ATTN_OK;
+}
+
+static attn_status check_output(const attn_tensor *t, const char *name, attn_dtype dtype,
+                                int rank, const int64_t *shape) {
+    return check_exact(t, name, ATTN__OUTPUT, dtype, rank, shape);
 }
 
 static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char *name,
@@ -262,6 +271,19 @@ static attn_status check_scalars(attn__problem *p, const attn__problem_request *
     return ATTN_OK;
 }
 
+/* lse is (B..., L): its last dimension is the row dimension. */
+static void fill_lse(attn__operand *op, const attn_tensor *t, int nb) {
+    memset(op, 0, sizeof *op);
+    op->data = t->data;
+    op->dtype = t->dtype;
+    for (int d = 0; d < nb; d++) {
+        op->bstride[d] = t->shape[d] == 1 ? 0 : t->strides[d];
+        op->bdiv[d] = 1;
+    }
+    op->rs = t->strides[nb];
+    op->cs = 0;
+}
+
 /* out (B..., L, Ev), weights (B..., L, S), lse (B..., L). */
 static attn_status check_outputs(attn__problem *p, const attn__problem_request *r) {
     const int nb = p->nb;
@@ -281,17 +303,7 @@ static attn_status check_outputs(attn__problem *p, const attn__problem_request *
     }
     if (r->lse != NULL) {
         if ((st = check_output(r->lse, NAME(r, ATTN__LSE), p->dtype, nb + 1, shape)) != ATTN_OK) return st;
-        /* lse is (B..., L): its last dimension is the row dimension. */
-        attn__operand *op = &p->lse;
-        memset(op, 0, sizeof *op);
-        op->data = r->lse->data;
-        op->dtype = r->lse->dtype;
-        for (int d = 0; d < nb; d++) {
-            op->bstride[d] = r->lse->shape[d] == 1 ? 0 : r->lse->strides[d];
-            op->bdiv[d] = 1;
-        }
-        op->rs = r->lse->strides[nb];
-        op->cs = 0;
+        fill_lse(&p->lse, r->lse, nb);
         p->has_lse = true;
         p->lse_exact = true;
     }
@@ -387,4 +399,145 @@ attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor *k,
     shape[plan.nb] = plan.L;
     shape[plan.nb + 1] = plan.Ev;
     return ATTN_OK;
+}
+
+/* ---- the backward pass ---- */
+
+/* dout, out (B..., L, Ev) and lse (B..., L): inputs of one exact shape. */
+static attn_status check_backward_inputs(attn__problem *p, const attn_tensor *dout,
+                                         const attn_tensor *out, const attn_tensor *lse,
+                                         const char *out_name, const char *lse_name) {
+    const int nb = p->nb;
+    attn_status st;
+    int64_t shape[ATTN_MAX_RANK];
+    memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)nb);
+    shape[nb] = p->L;
+    shape[nb + 1] = p->Ev;
+    if ((st = check_exact(dout, "dout", ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
+        (st = check_exact(out, out_name, ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
+        (st = check_exact(lse, lse_name, ATTN__INPUT, p->dtype, nb + 1, shape)) != ATTN_OK)
+        return st;
+    fill_operand(&p->dout, dout, nb);
+    fill_operand(&p->out, out, nb);
+    fill_lse(&p->lse, lse, nb);
+    p->has_lse = true;
+    return ATTN_OK;
+}
+
+/* A gradient: the shape and dtype of the input it belongs to, laid out by
+ * that input's batch mapping (`like`: its divisors). */
+static attn_status check_grad(const attn__problem *p, attn_tensor *g, const char *name,
+                              const attn_tensor *input, const char *input_name,
+                              const attn__operand *like, attn__operand *op, bool *has) {
+    if (g == NULL) return ATTN_OK;
+    attn_status st = attn__check_tensor(g, name, 1, ATTN__OUTPUT);
+    if (st != ATTN_OK) return st;
+    bool same = g->rank == input->rank;
+    for (int d = 0; same && d < g->rank; d++) same = g->shape[d] == input->shape[d];
+    if (!same) {
+        char want[160], got[160];
+        return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s has shape %s; expected %s, the shape of %s",
+                              name, attn__shape_str(got, sizeof got, g->rank, g->shape),
+                              attn__shape_str(want, sizeof want, input->rank, input->shape),
+                              input_name);
+    }
+    if (g->dtype != input->dtype)
+        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s like %s", name,
+                              attn_dtype_name(g->dtype), attn_dtype_name(input->dtype),
+                              input_name);
+    const int nb = p->nb;
+    *op = *like;
+    op->data = g->data;
+    op->dtype = g->dtype;
+    if (like == &p->mask[p->dmask_of].op) { /* right-aligned to (B..., L, S) */
+        const int full = nb + 2;
+        for (int d = 0; d < full; d++) {
+            const int gd = d - (full - g->rank);
+            const int64_t stride = gd < 0 || g->shape[gd] == 1 ? 0 : g->strides[gd];
+            if (d < nb) op->bstride[d] = stride;
+            else if (d == nb) op->rs = stride;
+            else op->cs = stride;
+        }
+    } else {
+        for (int d = 0; d < nb; d++) op->bstride[d] = batch_stride(g, nb, d);
+        op->rs = g->strides[g->rank - 2];
+        op->cs = g->strides[g->rank - 1];
+    }
+    *has = true;
+    return attn__check_output_layout(g, name);
+}
+
+/* Gradients must not share memory with what the backward reads or with
+ * each other. */
+static attn_status check_backward_overlaps(const attn_tensor *const grads[4],
+                                           const char *const grad_names[4],
+                                           const attn_tensor *const ins[7],
+                                           const char *const in_names[7]) {
+    for (int g = 0; g < 4; g++) {
+        if (grads[g] == NULL) continue;
+        for (int i = 0; i < 7; i++)
+            if (attn__views_overlap(grads[g], ins[i]))
+                return attn__fail_arg(ATTN_ERR_OVERLAP, grad_names[g],
+                                      "%s overlaps %s in memory: give each gradient a buffer "
+                                      "of its own",
+                                      grad_names[g], in_names[i]);
+        for (int g2 = g + 1; g2 < 4; g2++)
+            if (attn__views_overlap(grads[g], grads[g2]))
+                return attn__fail_arg(ATTN_ERR_OVERLAP, grad_names[g2],
+                                      "%s and %s overlap in memory", grad_names[g],
+                                      grad_names[g2]);
+    }
+    return ATTN_OK;
+}
+
+attn_status attn__problem_build_backward(attn__problem *p, const attn__problem_request *r,
+                                         const attn__backward_request *g) {
+    attn__problem_request inputs = *r; /* the forward's outputs are inputs here */
+    inputs.out = inputs.weights = inputs.lse = NULL;
+    attn_status st = attn__problem_build(p, &inputs);
+    if (st != ATTN_OK) return st;
+    const char *out_name = NAME(r, ATTN__OUT), *lse_name = NAME(r, ATTN__LSE);
+    if ((st = check_backward_inputs(p, g->dout, g->out, g->lse, out_name, lse_name)) != ATTN_OK)
+        return st;
+    const attn_tensor *mask = NULL;
+    const char *mask_name = "attn_mask";
+    if (g->dmask != NULL) {
+        const int m = g->dmask_of;
+        mask = m < r->nmask ? r->mask[m] : NULL;
+        if (mask != NULL) mask_name = r->mask_name[m];
+        if (mask == NULL || !attn__is_float(mask->dtype))
+            return attn__fail_arg(ATTN_ERR_INVALID, "dmask",
+                                  "dmask is the gradient of a float %s, but it is %s", mask_name,
+                                  mask == NULL ? "not given" : attn_dtype_name(mask->dtype));
+        /* the mask's index among the problem's masks (absent ones are skipped) */
+        p->dmask_of = 0;
+        for (int i = 0; i < m; i++) p->dmask_of += r->mask[i] != NULL;
+    }
+    const char *qn = NAME(r, ATTN__Q), *kn = NAME(r, ATTN__K), *vn = NAME(r, ATTN__V);
+    if ((st = check_grad(p, g->dq, "dq", r->q, qn, &p->q, &p->dq, &p->has_dq)) != ATTN_OK ||
+        (st = check_grad(p, g->dk, "dk", r->k, kn, &p->k, &p->dk, &p->has_dk)) != ATTN_OK ||
+        (st = check_grad(p, g->dv, "dv", r->v, vn, &p->v, &p->dv, &p->has_dv)) != ATTN_OK ||
+        (g->dmask != NULL && (st = check_grad(p, g->dmask, "dmask", mask, mask_name,
+                                              &p->mask[p->dmask_of].op, &p->dmask,
+                                              &p->has_dmask)) != ATTN_OK))
+        return st;
+    const attn_tensor *const grads[4] = {g->dq, g->dk, g->dv, g->dmask};
+    const char *const grad_names[4] = {"dq", "dk", "dv", "dmask"};
+    const attn_tensor *const ins[7] = {g->dout, r->q, r->k, r->v, g->out, g->lse, mask};
+    const char *const in_names[7] = {"dout", qn, kn, vn, out_name, lse_name, mask_name};
+    return check_backward_overlaps(grads, grad_names, ins, in_names);
+}
+
+attn_status attn__problem_from_sdpa_backward(attn__problem *p, const attn_tensor *dout,
+                                             const attn_tensor *q, const attn_tensor *k,
+                                             const attn_tensor *v, const attn_tensor *out,
+                                             const attn_tensor *lse,
+                                             const attn_sdpa_params *params, attn_tensor *dq,
+                                             attn_tensor *dk, attn_tensor *dv,
+                                             attn_tensor *dmask) {
+    attn__problem_request r;
+    attn_status st = request_from_public(&r, q, k, v, params);
+    if (st != ATTN_OK) return st;
+    const attn__backward_request g = {dout, out, lse, dq, dk, dv, dmask, 0};
+    return attn__problem_build_backward(p, &r, &g);
 }

@@ -238,3 +238,8 @@ attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *
     return compute_dtype(problem) == ATTN_DTYPE_F32 ? flash_run_f(problem, ukernel)
                                                     : flash_run_d(problem, ukernel);
 }
+
+attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__ukernel *ukernel) {
+    (void)ukernel; /* the fused backward is being written */
+    return attn__sdpa_backward_reference(problem);
+}

@@ -18,4 +18,7 @@
 /* Runs a problem with the given ISA context (attn__ukernel_for). */
 attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *ukernel);
 
+/* The backward pass of a problem (FlashAttention-2's, see flash_backward.inc). */
+attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__ukernel *ukernel);
+
 #endif /* ATTN_SDPA_FLASH_H */

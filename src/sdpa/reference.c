@@ -37,18 +37,16 @@ static bool key_visible(const attn__problem *p, const int64_t *mask_off, int64_t
     return true;
 }
 
-/* Computes one query row; `s` has room for S doubles. */
-void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, double *s,
+/* Scores s_j = scale * q_i . k_j + mask_ij of the keys row i of batch b
+ * may see (visible[j]); returns their maximum, NaN when one is NaN (a NaN
+ * score poisons its row, as in PyTorch), -inf when there are none. */
+double attn__reference_scores(const attn__problem *p, int64_t b, int64_t i, double *s,
                               bool *visible) {
     const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
     const int64_t ko = attn__batch_offset(p, &p->k, b);
-    const int64_t vo = attn__batch_offset(p, &p->v, b);
-    const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
     int64_t mask_off[ATTN__MAX_MASKS];
     for (int m = 0; m < p->nmask; m++) mask_off[m] = attn__batch_offset(p, &p->mask[m].op, b);
     const int64_t last = attn__last_key(p, b, i);
-
-    /* Scores of the visible keys, and their maximum. */
     double max = -INFINITY;
     bool nan = false;
     for (int64_t j = 0; j < p->S; j++) {
@@ -63,7 +61,15 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
         nan |= isnan(s[j]);
         if (s[j] > max) max = s[j];
     }
-    if (nan) max = NAN; /* a NaN score poisons its row, as in PyTorch */
+    return nan ? NAN : max;
+}
+
+/* Computes one query row; `s` has room for S doubles. */
+void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, double *s,
+                              bool *visible) {
+    const int64_t vo = attn__batch_offset(p, &p->v, b);
+    const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
+    const double max = attn__reference_scores(p, b, i, s, visible);
 
     /* Softmax. A row with no visible key (or only -inf scores) is empty:
      * its output and weights are 0 and its log-sum-exp is -inf. */

@@ -19,3 +19,21 @@ attn_status attn_sdpa(const attn_tensor *q, const attn_tensor *k, const attn_ten
     if (st != ATTN_OK) return st;
     return attn__sdpa_execute(&p);
 }
+
+attn_status attn__sdpa_backward_execute(const attn__problem *p) {
+    const attn_isa isa = attn_get_isa();
+    if (isa == ATTN_ISA_REF) return attn__sdpa_backward_reference(p);
+    return attn__sdpa_flash_backward(p, attn__ukernel_for(isa));
+}
+
+attn_status attn_sdpa_backward(const attn_tensor *dout, const attn_tensor *q, const attn_tensor *k,
+                               const attn_tensor *v, const attn_tensor *out, const attn_tensor *lse,
+                               const attn_sdpa_params *params, attn_tensor *dq, attn_tensor *dk,
+                               attn_tensor *dv, attn_tensor *dmask) {
+    attn__clear_error();
+    attn__problem p;
+    attn_status st = attn__problem_from_sdpa_backward(&p, dout, q, k, v, out, lse, params, dq, dk,
+                                                      dv, dmask);
+    if (st != ATTN_OK) return st;
+    return attn__sdpa_backward_execute(&p);
+}

@@ -17,4 +17,17 @@ attn_status attn__sdpa_reference(const attn__problem *p);
 void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, double *s,
                               bool *visible);
 
+/* Scores of the keys row i of batch b sees, in float64 (see reference.c). */
+double attn__reference_scores(const attn__problem *p, int64_t b, int64_t i, double *s,
+                              bool *visible);
+
+/* ---- the backward pass ---- */
+
+/* Runs a backward problem on the current kernel path. */
+attn_status attn__sdpa_backward_execute(const attn__problem *p);
+/* The float64 reference backward: the oracle (reference_backward.c). */
+attn_status attn__sdpa_backward_reference(const attn__problem *p);
+/* dmask alone, in float64 (every path computes it this way). */
+attn_status attn__sdpa_backward_dmask(const attn__problem *p);
+
 #endif /* ATTN_SDPA_SDPA_H */

@@ -1,0 +1,254 @@
+/*
+ * reference_backward.c — the oracle of the backward pass, in float64, one
+ * query row at a time, reading like the formulas. With the forward's lse
+ * and out, for row i:
+ *
+ *   p_j  = exp(s_j - lse_i)                  the weights, recomputed
+ *   w_j  = p_j * z_j                         z_j = dropout's 1/(1-p) or 0
+ *   dp_j = z_j * dout_i . v_j
+ *   D_i  = dout_i . out_i                    = sum_j w_j dout_i . v_j
+ *   ds_j = p_j * (dp_j - D_i)                d loss / d s_j (s = scaled score + mask)
+ *
+ *   dq_i += scale * sum_j ds_j k_j,  dk_j += scale * ds_j q_i,
+ *   dv_j += w_j dout_i,              dmask_ij += ds_j
+ *
+ * Terms with p_j exactly 0 (masked, underflowed) are skipped, and v_j is
+ * not read where w_j is 0 (dropped), the forward's rule: a NaN or Inf there
+ * reaches no gradient. Each batch index's contributions go to a dense
+ * float64 buffer, folded into the gradients in a fixed order
+ * (attn__grad_fold), so the result does not depend on the thread count.
+ */
+#include <math.h>
+
+#include "sdpa.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Per-thread row buffers, S entries each. */
+typedef struct row_buffers {
+    double *p, *w, *ds;
+    bool *visible;
+} row_buffers;
+
+/* Row i of batch b: p, w and ds for every key (0 where the row does not see
+ * it). Returns false when the row saw no key (everything 0). */
+static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffers *rb) {
+    const double max = attn__reference_scores(p, b, i, rb->p, rb->visible);
+    const double lse = attn__load(p->lse.data, p->lse.dtype,
+                                  attn__batch_offset(p, &p->lse, b) + i * p->lse.rs);
+    const bool empty = max == -INFINITY || lse == -INFINITY;
+    const int64_t vo = attn__batch_offset(p, &p->v, b);
+    const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
+    const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
+    double D = 0.0;
+    for (int64_t e = 0; !empty && e < p->Ev; e++)
+        D += attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs) *
+             attn__load(p->out.data, p->out.dtype, oo + e * p->out.cs);
+    const double keep_scale = p->dropout_p < 1.0 ? 1.0 / (1.0 - p->dropout_p) : 0.0;
+    for (int64_t j = 0; j < p->S; j++) {
+        const double pj = rb->visible[j] && !empty ? exp(rb->p[j] - lse) : 0.0;
+        rb->p[j] = pj;
+        rb->w[j] = rb->ds[j] = 0.0;
+        if (pj == 0.0) continue;
+        double z = 1.0;
+        if (p->dropout) {
+            const uint32_t word = attn__dropout_word(p->seed, p->rng_offset,
+                                                     attn__dropout_index(p, b, i, j));
+            z = (uint64_t)word >= p->keep_threshold ? keep_scale : 0.0;
+        }
+        double dp = 0.0;
+        if (z != 0.0) {
+            for (int64_t e = 0; e < p->Ev; e++)
+                dp += attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs) *
+                      attn__load(p->v.data, p->v.dtype, vo + j * p->v.rs + e * p->v.cs);
+            dp *= z;
+        }
+        rb->w[j] = pj * z;
+        rb->ds[j] = pj * (dp - D);
+    }
+    return !empty;
+}
+
+/* Adds row i of batch b to the dense contributions of b: gq (L x E),
+ * gk (S x E), gv (S x Ev); any may be NULL. */
+static void accumulate_row(const attn__problem *p, int64_t b, int64_t i, const row_buffers *rb,
+                           double *gq, double *gk, double *gv) {
+    const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
+    const int64_t ko = attn__batch_offset(p, &p->k, b);
+    const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
+    for (int64_t j = 0; j < p->S; j++) {
+        if (rb->p[j] == 0.0) continue;
+        const double ds = p->scale * rb->ds[j];
+        for (int64_t e = 0; e < p->E; e++) {
+            if (gq != NULL)
+                gq[i * p->E + e] +=
+                    ds * attn__load(p->k.data, p->k.dtype, ko + j * p->k.rs + e * p->k.cs);
+            if (gk != NULL)
+                gk[j * p->E + e] += ds * attn__load(p->q.data, p->q.dtype, qo + e * p->q.cs);
+        }
+        if (gv != NULL && rb->w[j] != 0.0)
+            for (int64_t e = 0; e < p->Ev; e++)
+                gv[j * p->Ev + e] +=
+                    rb->w[j] * attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs);
+    }
+}
+
+static attn_status alloc_rows(int threads, int64_t S, row_buffers *all) {
+    const size_t n = (size_t)threads * (size_t)S;
+    all->p = attn__alloc_array(n, sizeof(double));
+    all->w = attn__alloc_array(n, sizeof(double));
+    all->ds = attn__alloc_array(n, sizeof(double));
+    all->visible = attn__alloc_array(n, sizeof(bool));
+    return all->p && all->w && all->ds && all->visible ? ATTN_OK : ATTN_ERR_NOMEM;
+}
+
+static void free_rows(row_buffers *all) {
+    attn__free(all->p);
+    attn__free(all->w);
+    attn__free(all->ds);
+    attn__free(all->visible);
+}
+
+static row_buffers thread_rows(const row_buffers *all, int64_t S) {
+#ifdef _OPENMP
+    const size_t t = (size_t)omp_get_thread_num();
+#else
+    const size_t t = 0;
+#endif
+    const size_t at = t * (size_t)S;
+    return (row_buffers){all->p + at, all->w + at, all->ds + at, all->visible + at};
+}
+
+/* Every batch index's dq, dk, dv contributions, one batch index per task. */
+static attn_status reference_qkv(const attn__problem *p, double *gq, double *gk, double *gv) {
+    const int threads = attn__threads();
+    row_buffers all;
+    if (alloc_rows(threads, p->S, &all) != ATTN_OK) {
+        free_rows(&all);
+        return ATTN_ERR_NOMEM;
+    }
+    const double work = (double)p->nbatch * p->L * p->S * (double)(p->E + p->Ev);
+    const bool parallel = p->nbatch > 1 && threads > 1 && work >= ATTN_PARALLEL_MIN_WORK;
+    (void)parallel; /* only read by the OpenMP pragma */
+    int cancelled = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t b = 0; b < p->nbatch; b++) {
+        int stop;
+#pragma omp atomic read
+        stop = cancelled;
+        if (stop || attn__cancelled(p->cancel)) {
+#pragma omp atomic write
+            cancelled = 1;
+            continue;
+        }
+        row_buffers rb = thread_rows(&all, p->S);
+        double *q = gq ? gq + b * p->L * p->E : NULL, *k = gk ? gk + b * p->S * p->E : NULL;
+        double *v = gv ? gv + b * p->S * p->Ev : NULL;
+        for (int64_t i = 0; i < attn__rows_of(p, b); i++)
+            if (backward_row(p, b, i, &rb)) accumulate_row(p, b, i, &rb, q, k, v);
+    }
+    free_rows(&all);
+    return cancelled ? attn__fail_cancelled() : ATTN_OK;
+}
+
+attn_status attn__sdpa_backward_reference(const attn__problem *p) {
+    const size_t nb = (size_t)p->nbatch;
+    double *gq = p->has_dq ? attn__alloc_array(nb * (size_t)(p->L * p->E), sizeof(double)) : NULL;
+    double *gk = p->has_dk ? attn__alloc_array(nb * (size_t)(p->S * p->E), sizeof(double)) : NULL;
+    double *gv = p->has_dv ? attn__alloc_array(nb * (size_t)(p->S * p->Ev), sizeof(double)) : NULL;
+    attn_status st = ATTN_OK;
+    if ((p->has_dq && !gq) || (p->has_dk && !gk) || (p->has_dv && !gv)) st = ATTN_ERR_NOMEM;
+    if (st == ATTN_OK && (gq || gk || gv)) st = reference_qkv(p, gq, gk, gv);
+    if (st == ATTN_OK) {
+        if (gq) attn__grad_fold(p, &p->dq, gq, p->L, p->E);
+        if (gk) attn__grad_fold(p, &p->dk, gk, p->S, p->E);
+        if (gv) attn__grad_fold(p, &p->dv, gv, p->S, p->Ev);
+    }
+    attn__free(gq);
+    attn__free(gk);
+    attn__free(gv);
+    if (st == ATTN_OK && p->has_dmask) st = attn__sdpa_backward_dmask(p);
+    return st;
+}
+
+/* ---- dmask ---- */
+
+/* Index of (b, i, j) in a dense buffer over dmask's own elements: C order
+ * over the dimensions where it is not broadcast. */
+typedef struct dense_index {
+    int64_t bstride[ATTN_MAX_RANK], rs, cs, size;
+} dense_index;
+
+static dense_index dmask_dense(const attn__problem *p) {
+    dense_index x;
+    const attn__operand *op = &p->dmask;
+    int64_t span = 1;
+    x.cs = op->cs == 0 ? 0 : span;
+    span *= op->cs == 0 ? 1 : p->S;
+    x.rs = op->rs == 0 ? 0 : span;
+    span *= op->rs == 0 ? 1 : p->L;
+    for (int d = p->nb - 1; d >= 0; d--) {
+        x.bstride[d] = op->bstride[d] == 0 ? 0 : span;
+        span *= op->bstride[d] == 0 ? 1 : p->bshape[d];
+    }
+    x.size = span;
+    return x;
+}
+
+static int64_t dense_batch(const attn__problem *p, const dense_index *x, int64_t b) {
+    int64_t off = 0;
+    for (int d = p->nb - 1; d >= 0; d--) {
+        off += (b % p->bshape[d]) * x->bstride[d];
+        b /= p->bshape[d];
+    }
+    return off;
+}
+
+enum { DMASK_ROWS = 64 }; /* rows whose ds are computed at once, in parallel */
+
+/* dmask = sum of ds over what the mask was broadcast to. Rows are computed
+ * DMASK_ROWS at a time in parallel, then added to a float64 buffer over
+ * dmask's elements in (batch, row, key) order, then stored. */
+attn_status attn__sdpa_backward_dmask(const attn__problem *p) {
+    const dense_index x = dmask_dense(p);
+    const int threads = attn__threads();
+    double *acc = attn__alloc_array((size_t)x.size, sizeof(double));
+    double *ds = attn__alloc_array((size_t)DMASK_ROWS * (size_t)p->S, sizeof(double));
+    row_buffers all;
+    attn_status st = alloc_rows(threads, p->S, &all);
+    if (acc == NULL || ds == NULL) st = ATTN_ERR_NOMEM;
+    const bool parallel = threads > 1 && (double)p->L * p->S * (p->E + p->Ev) >= ATTN_PARALLEL_MIN_WORK;
+    (void)parallel;
+    for (int64_t b = 0; st == ATTN_OK && b < p->nbatch; b++) {
+        const int64_t held = attn__rows_of(p, b), base = dense_batch(p, &x, b);
+        for (int64_t i0 = 0; st == ATTN_OK && i0 < held; i0 += DMASK_ROWS) {
+            const int64_t n = held - i0 < DMASK_ROWS ? held - i0 : DMASK_ROWS;
+            if (attn__cancelled(p->cancel)) {
+                st = attn__fail_cancelled();
+                break;
+            }
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+            for (int64_t r = 0; r < n; r++) {
+                row_buffers rb = thread_rows(&all, p->S);
+                backward_row(p, b, i0 + r, &rb);
+                for (int64_t j = 0; j < p->S; j++) ds[r * p->S + j] = rb.ds[j];
+            }
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t j = 0; j < p->S; j++)
+                    acc[base + (i0 + r) * x.rs + j * x.cs] += ds[r * p->S + j];
+        }
+    }
+    for (int64_t b = 0; st == ATTN_OK && b < p->nbatch; b++) { /* shared elements: same value */
+        const int64_t off = attn__batch_offset(p, &p->dmask, b), base = dense_batch(p, &x, b);
+        for (int64_t i = 0; i < p->L; i++)
+            for (int64_t j = 0; j < p->S; j++)
+                attn__store(p->dmask.data, p->dmask.dtype, off + i * p->dmask.rs + j * p->dmask.cs,
+                            acc[base + i * x.rs + j * x.cs]);
+    }
+    attn__free(acc);
+    attn__free(ds);
+    free_rows(&all);
+    return st;
+}
