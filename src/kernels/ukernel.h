@@ -18,6 +18,13 @@
  *   softmax(_t)       P = 2^((S - m)·c) in place; updates the running maximum
  *                     m and sum l, and returns alpha = 2^((m_old - m_new)·c)
  *   pv                O = alpha·O + P · V, V rows with unit column stride
+ *   softmax_bwd_t     the backward's elementwise step on a keys x lanes tile:
+ *                     P = 2^(S·c - off) from the forward's log-sum-exp, and
+ *                     dS = ds_scale · P · (dP - D) (0 where P is 0)
+ *
+ * The backward (flash_backward.inc) runs on the same kernels: St = K · Qt
+ * and dPt = V · dOt are qkt's, and dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K are
+ * pv's with alpha = 1, reading the transposed tile through p_rs and p_cs.
  *
  * Scores are raw dot products, and the running maximum m is one of them
  * (the smallest when c < 0): the softmax forms x = (s - m)·c with
@@ -98,6 +105,11 @@ typedef struct attn__ukernel {
                       float *l, float *alpha);
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
+    /* st[j][r] <- P = 2^(st[j][r]·c - off[r]); dpt[j][r] <- ds_scale·P·(dpt[j][r] - D[r]),
+     * exactly 0 where P is 0 (a hidden key's dP may be anything); for j < nk,
+     * r < lanes (a multiple of lane_step), both tiles with leading dimension ld. */
+    void (*softmax_bwd_t_f)(float *st, float *dpt, int64_t ld, int64_t nk, int64_t lanes, float c,
+                            const float *off, const float *D, float ds_scale);
 
     /* ---- micro-kernels, float64: the same contracts ---- */
     void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
@@ -112,6 +124,8 @@ typedef struct attn__ukernel {
                       double *l, double *alpha);
     void (*pv_d)(const double *p, int64_t p_rs, int64_t p_cs, const double *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha);
+    void (*softmax_bwd_t_d)(double *st, double *dpt, int64_t ld, int64_t nk, int64_t lanes,
+                            double c, const double *off, const double *D, double ds_scale);
 } attn__ukernel;
 
 /* Every slot and parameter: the portable kernels (generic/flash_generic.c). */

@@ -204,6 +204,67 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     return z;
 }
 
+/* ---- the backward's plan (flash_backward.inc), shared by both precisions ---- */
+
+enum { BWD_TASKS_MIN = 8 }; /* split keys into chunks while there are fewer tasks */
+#define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, beyond one */
+
+/* Groups as the forward's, query blocks of `lanes` rows, key blocks of the
+ * forward's size; nchunks key chunks (each a dq partial sum), chosen from the
+ * shape alone so that the bits do not depend on the thread count. */
+static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, size_t real_size) {
+    flash_work w;
+    memset(&w, 0, sizeof w);
+    w.G = group_size(p);
+    w.ngroups = p->nbatch / w.G;
+    w.nrows = w.G * p->L;
+    const int64_t step = kern->lane_step;
+    w.lanes = w.nrows < kern->lanes ? (w.nrows + step - 1) / step * step : kern->lanes;
+    w.BR = w.lanes;
+    w.nqb = (w.nrows + w.BR - 1) / w.BR;
+    w.BC = lanes_keys(kern, p->E > p->Ev ? p->E : p->Ev);
+    const int64_t nkb = (p->S + w.BC - 1) / w.BC;
+    const int64_t dq_bytes = p->nbatch * p->L * p->E * (int64_t)real_size;
+    w.nchunks = 1;
+    while (w.nchunks < nkb && w.ngroups * w.nchunks < BWD_TASKS_MIN &&
+           (!p->has_dq || w.nchunks * dq_bytes <= BWD_DQ_BUDGET))
+        w.nchunks++;
+    w.chunk = w.BC;
+    return w;
+}
+
+/* Whether each group's K (or V) head is its own: shared only along the head
+ * dimension, by exactly the group's heads. Otherwise several groups add to
+ * one gradient element, and the backward sums them by attn__grad_fold. */
+static bool group_owns(const attn__problem *p, const flash_work *w, const attn__operand *op) {
+    for (int d = 0; d < p->nb; d++) {
+        if (p->bshape[d] == 1) continue;
+        const int64_t sharing = op->bstride[d] == 0 ? p->bshape[d] : op->bdiv[d];
+        if (sharing == 1) continue;
+        if (d != p->nb - 1 || sharing != w->G) return false;
+    }
+    return true;
+}
+
+/* Whether every element of a gradient is finite. */
+static bool grad_finite(const attn__problem *p, const attn__operand *op, int64_t rows,
+                        int64_t width) {
+    for (int64_t b = 0; b < p->nbatch; b++) {
+        const int64_t base = attn__batch_offset(p, op, b);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < width; c++)
+                if (!isfinite(attn__load(op->data, op->dtype, base + r * op->rs + c * op->cs)))
+                    return false;
+    }
+    return true;
+}
+
+static bool bwd_grads_finite(const attn__problem *p) {
+    return (!p->has_dq || grad_finite(p, &p->dq, p->L, p->E)) &&
+           (!p->has_dk || grad_finite(p, &p->dk, p->S, p->E)) &&
+           (!p->has_dv || grad_finite(p, &p->dv, p->S, p->Ev));
+}
+
 /* Instantiate the driver for float and for double. */
 typedef uint32_t bits_f;
 typedef uint64_t bits_d;
@@ -216,6 +277,7 @@ typedef uint64_t bits_d;
 #define NEXTAFTER nextafterf
 #define EPSILON FLT_EPSILON
 #include "flash_driver.inc"
+#include "flash_backward.inc"
 #undef REAL
 #undef SFX
 #undef EXP2
@@ -228,6 +290,7 @@ typedef uint64_t bits_d;
 #define NEXTAFTER nextafter
 #define EPSILON DBL_EPSILON
 #include "flash_driver.inc"
+#include "flash_backward.inc"
 #undef REAL
 #undef SFX
 #undef EXP2
@@ -240,6 +303,6 @@ attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *
 }
 
 attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__ukernel *ukernel) {
-    (void)ukernel; /* the fused backward is being written */
-    return attn__sdpa_backward_reference(problem);
+    return compute_dtype(problem) == ATTN_DTYPE_F32 ? bwd_run_f(problem, ukernel)
+                                                    : bwd_run_d(problem, ukernel);
 }

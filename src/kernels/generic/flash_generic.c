@@ -80,6 +80,18 @@
                 for (int64_t e = 0; e < Ev; e++) orow[e] += pj * vj[e];                          \
             }                                                                                    \
         }                                                                                        \
+    }                                                                                            \
+    static void generic_softmax_bwd_t_##SFX(REAL *st, REAL *dpt, int64_t ld, int64_t nk,         \
+                                            int64_t lanes, REAL c, const REAL *off,              \
+                                            const REAL *D, REAL ds_scale) {                      \
+        for (int64_t j = 0; j < nk; j++) {                                                       \
+            REAL *s = st + j * ld, *dp = dpt + j * ld;                                           \
+            for (int64_t r = 0; r < lanes; r++) {                                                \
+                const REAL pr = EXP2(s[r] * c - off[r]);                                         \
+                s[r] = pr;                                                                       \
+                dp[r] = pr == 0 ? 0 : ds_scale * pr * (dp[r] - D[r]);                           \
+            }                                                                                    \
+        }                                                                                        \
     }
 
 DEFINE_GENERIC(float, f, attn__exp2f_inline)
@@ -133,11 +145,13 @@ void attn__ukernel_init_generic(attn__ukernel *ctx) {
         .qk_direct_f = generic_qk_direct_f,
         .softmax_f = generic_softmax_f,
         .pv_f = generic_pv_f,
+        .softmax_bwd_t_f = generic_softmax_bwd_t_f,
         .pack_qt_d = NULL,
         .qkt_d = generic_qkt_d,
         .softmax_t_d = generic_softmax_t_d,
         .qk_direct_d = generic_qk_direct_d,
         .softmax_d = generic_softmax_d,
         .pv_d = generic_pv_d,
+        .softmax_bwd_t_d = generic_softmax_bwd_t_d,
     };
 }
