@@ -383,6 +383,24 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
     }
 }
 
+/* ---- the backward's elementwise step (ukernel.h) ---- */
+
+/* P = 2^(S·c - off) and dS = ds_scale·P·(dP - D), 16 queries per vector.
+ * The exponent is one fused multiply-add, so it is rounded once. A lane
+ * whose P is 0 (a hidden key, whose dP may be anything) gets dS = 0. */
+static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64_t lanes, float c,
+                            const float *off, const float *D, float ds_scale) {
+    const __m512 cv = _mm512_set1_ps(c), sc = _mm512_set1_ps(ds_scale), zero = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; j++) {
+        float *s = st + j * ld, *dp = dpt + j * ld;
+        for (int64_t r = 0; r < lanes; r += 16) {
+            const __m512 pr = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + r), cv, _mm512_loadu_ps(off + r)));
+            _mm512_storeu_ps(s + r, pr);
+            _mm512_storeu_ps(dp + r, _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(pr, zero, _CMP_NEQ_UQ), _mm512_mul_ps(pr, sc), _mm512_sub_ps(_mm512_loadu_ps(dp + r), _mm512_loadu_ps(D + r))));
+        }
+    }
+}
+
 /* The float32 slots; float64 keeps the portable kernels. The blocking is
  * the one these kernels were measured with: 48 lanes are the qkt tile's
  * three 16-query vectors; 128 keys per block at widths up to 64 and 64 up
@@ -409,4 +427,5 @@ void attn__ukernel_init_avx512(attn__ukernel *ctx) {
     ctx->qk_direct_f = qk_direct_f;
     ctx->softmax_f = softmax_f;
     ctx->pv_f = pv_f;
+    ctx->softmax_bwd_t_f = softmax_bwd_t_f;
 }
