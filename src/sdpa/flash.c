@@ -209,13 +209,33 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
 enum { BWD_TASKS_MIN = 8 }; /* split keys into chunks while there are fewer tasks */
 #define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, beyond one */
 
-/* Groups as the forward's, query blocks of `lanes` rows, key blocks of the
+/* How many query heads share an element of a gradient along the head
+ * dimension: all of them where its input had size 1, a GQA group, or 1. */
+static int64_t head_sharing(const attn__problem *p, const attn__operand *op) {
+    if (p->nb == 0) return 1;
+    const int hd = p->nb - 1;
+    return op->bstride[hd] == 0 ? p->bshape[hd] : op->bdiv[hd];
+}
+
+/* The backward's groups: the heads whose dK and dV are one sum. Not the
+ * forward's: K and V read through a zero stride are shared by heads that
+ * still have gradients of their own. */
+static int64_t bwd_group_size(const attn__problem *p) {
+    if (!p->has_dk && !p->has_dv) return group_size(p);
+    const int64_t gk = p->has_dk ? head_sharing(p, &p->dk) : -1;
+    const int64_t gv = p->has_dv ? head_sharing(p, &p->dv) : -1;
+    if (gk < 0) return gv;
+    if (gv < 0) return gk;
+    return gk == gv ? gk : 1;
+}
+
+/* Groups of heads sharing dK and dV, query blocks of `lanes` rows, key blocks of the
  * forward's size; nchunks key chunks (each a dq partial sum), chosen from the
  * shape alone so that the bits do not depend on the thread count. */
 static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, size_t real_size) {
     flash_work w;
     memset(&w, 0, sizeof w);
-    w.G = group_size(p);
+    w.G = bwd_group_size(p);
     w.ngroups = p->nbatch / w.G;
     w.nrows = w.G * p->L;
     const int64_t step = kern->lane_step;
@@ -237,13 +257,9 @@ static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, si
  * dimension, by exactly the group's heads. Otherwise several groups add to
  * one gradient element, and the backward sums them by attn__grad_fold. */
 static bool group_owns(const attn__problem *p, const flash_work *w, const attn__operand *op) {
-    for (int d = 0; d < p->nb; d++) {
-        if (p->bshape[d] == 1) continue;
-        const int64_t sharing = op->bstride[d] == 0 ? p->bshape[d] : op->bdiv[d];
-        if (sharing == 1) continue;
-        if (d != p->nb - 1 || sharing != w->G) return false;
-    }
-    return true;
+    for (int d = 0; d < p->nb - 1; d++)
+        if (p->bshape[d] > 1 && op->bstride[d] == 0) return false;
+    return head_sharing(p, op) == w->G;
 }
 
 /* Whether every element of a gradient is finite. */

@@ -1,0 +1,331 @@
+/*
+ * test_backward.c — attn_sdpa_backward.
+ *
+ *  - the float64 reference backward against central finite differences of
+ *    the independent oracle's forward (testutil.c), for every option:
+ *    loss = sum(dout * out), so d loss / d x is what the backward returns;
+ *  - every fused path against the reference (float64 tight, float32 within
+ *    a bound that scales with the gradient's magnitude);
+ *  - bits identical for 1-4 threads on every path, including the layouts
+ *    that take the backward's reductions (key chunks, shared K/V, q
+ *    broadcast over batch);
+ *  - the NaN/Inf rules and fully masked rows; hostile arguments.
+ * Inputs use random strides (LAYOUT_RANDOM), except under finite
+ * differences.
+ */
+#include <float.h>
+
+#include "testutil.h"
+
+typedef struct bw_case {
+    int rank;
+    int64_t q[6], k[6], v[6];
+    int mask_rank;
+    int64_t m[6];
+    attn_dtype mask_dtype; /* 0: no mask */
+    attn_causal causal;
+    int gqa;
+    int has_scale;
+    double scale;
+    double dropout_p;
+} bw_case;
+
+/* One case's tensors: inputs, the forward's out and lse, dout, gradients. */
+typedef struct bw_data {
+    test_tensor q, k, v, mask, out, lse, dout, dq, dk, dv, dmask;
+    attn_sdpa_params params;
+    int out_rank;
+    int64_t out_shape[ATTN_MAX_RANK];
+} bw_data;
+
+static void bw_params(const bw_case *c, const attn_tensor *mask, attn_sdpa_params *p) {
+    attn_sdpa_params_init(p);
+    p->attn_mask = mask;
+    p->causal = c->causal;
+    p->enable_gqa = c->gqa;
+    p->has_scale = c->has_scale;
+    p->scale = c->scale;
+    p->dropout_p = c->dropout_p;
+    p->seed = 1234;
+    p->rng_offset = 7;
+}
+
+/* Inputs, the reference forward's out and lse, dout; zeroed gradients. */
+static void bw_make(bw_data *d, const bw_case *c, attn_dtype dtype, int layout, rng *r) {
+    memset(d, 0, sizeof *d);
+    tt_make(&d->q, r, dtype, c->rank, c->q, layout, 1.0, 0);
+    tt_make(&d->k, r, dtype, c->rank, c->k, layout, 1.0, 0);
+    tt_make(&d->v, r, dtype, c->rank, c->v, layout, 1.0, 0);
+    const bool mask = c->mask_dtype != 0;
+    if (mask) tt_make(&d->mask, r, c->mask_dtype, c->mask_rank, c->m, layout, 1.0, 0.7);
+    bw_params(c, mask ? &d->mask.t : NULL, &d->params);
+    CHECK_OK(attn_sdpa_out_shape(&d->q.t, &d->k.t, &d->v.t, &d->params, &d->out_rank,
+                                 d->out_shape));
+    tt_make_output(&d->out, r, dtype, d->out_rank, d->out_shape, layout);
+    tt_make_output(&d->lse, r, dtype, d->out_rank - 1, d->out_shape, layout);
+    tt_make(&d->dout, r, dtype, d->out_rank, d->out_shape, layout, 1.0, 0);
+    const attn_isa isa = attn_get_isa();
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    CHECK_OK(attn_sdpa(&d->q.t, &d->k.t, &d->v.t, &d->params, &d->out.t, NULL, &d->lse.t));
+    CHECK_OK(attn_set_isa(isa));
+    tt_make_output(&d->dq, r, dtype, c->rank, c->q, layout);
+    tt_make_output(&d->dk, r, dtype, c->rank, c->k, layout);
+    tt_make_output(&d->dv, r, dtype, c->rank, c->v, layout);
+    if (mask && c->mask_dtype != ATTN_DTYPE_BOOL)
+        tt_make_output(&d->dmask, r, c->mask_dtype, c->mask_rank, c->m, layout);
+}
+
+static void bw_free(bw_data *d) {
+    test_tensor *all[] = {&d->q, &d->k, &d->v, &d->mask, &d->out, &d->lse,
+                          &d->dout, &d->dq, &d->dk, &d->dv, &d->dmask};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (all[i]->storage != NULL) tt_free(all[i]);
+}
+
+static attn_status bw_run(bw_data *d) {
+    return attn_sdpa_backward(&d->dout.t, &d->q.t, &d->k.t, &d->v.t, &d->out.t, &d->lse.t,
+                              &d->params, &d->dq.t, &d->dk.t, &d->dv.t,
+                              d->dmask.storage ? &d->dmask.t : NULL);
+}
+
+/* ---- finite differences of the oracle ---- */
+
+/* sum(dout * out) by the oracle, for the current inputs. */
+static double oracle_loss(const bw_data *d, const bw_case *c) {
+    oracle_sdpa_args a = {&d->q.t, &d->k.t, &d->v.t, c->mask_dtype ? &d->mask.t : NULL, 1,
+                          (int)c->causal, c->has_scale, c->scale, c->gqa, c->dropout_p,
+                          1234, 7};
+    oracle_sdpa_result res;
+    CHECK(oracle_sdpa(&a, &res) == 0, "oracle refused the case");
+    double *g = tt_dense(&d->dout.t), loss = 0;
+    const int64_t n = res.nbatch * res.L * res.Ev;
+    for (int64_t x = 0; x < n; x++) loss += g[x] * res.out[x];
+    free(g);
+    oracle_free(&res);
+    return loss;
+}
+
+/* Next index of a row-major walk over `shape`; false after the last. */
+static bool next_index(int rank, const int64_t *shape, int64_t *idx) {
+    for (int d = rank - 1; d >= 0; d--) {
+        if (++idx[d] < shape[d]) return true;
+        idx[d] = 0;
+    }
+    return false;
+}
+
+/* Every element of x's gradient g against (loss(x + h) - loss(x - h)) / 2h. */
+static void check_fd(bw_data *d, const bw_case *c, test_tensor *x, const test_tensor *g,
+                     const char *name) {
+    int64_t idx[ATTN_MAX_RANK] = {0};
+    double worst = 0, scale = 0;
+    do {
+        const double x0 = tt_get(&x->t, idx), h = 1e-5 * (fabs(x0) > 1 ? fabs(x0) : 1);
+        tt_set(&x->t, idx, x0 + h);
+        const double up = oracle_loss(d, c);
+        tt_set(&x->t, idx, x0 - h);
+        const double down = oracle_loss(d, c);
+        tt_set(&x->t, idx, x0);
+        const double fd = (up - down) / (2 * h), got = tt_get(&g->t, idx);
+        if (fabs(fd - got) > worst) worst = fabs(fd - got);
+        if (fabs(fd) > scale) scale = fabs(fd);
+    } while (next_index(x->t.rank, x->t.shape, idx));
+    /* central differences in float64: O(h^2) + O(eps/h), ~1e-9 here */
+    CHECK(worst <= 1e-7 * (scale > 1 ? scale : 1), "%s: |reference - finite difference| = %.3g "
+          "(max |grad| %.3g)", name, worst, scale);
+}
+
+static const bw_case FD_CASES[] = {
+    /* rank, q, k, v, mask rank, mask shape, mask dtype, causal, gqa, scale, dropout */
+    {4, {2, 2, 5, 4}, {2, 2, 6, 4}, {2, 2, 6, 3}, 0, {0}, 0, ATTN_CAUSAL_NONE, 0, 0, 0, 0},
+    {4, {1, 4, 5, 4}, {1, 2, 6, 4}, {1, 2, 6, 3}, 0, {0}, 0, ATTN_CAUSAL_NONE, 1, 0, 0, 0},
+    {4, {2, 2, 6, 3}, {2, 2, 6, 3}, {2, 2, 6, 2}, 0, {0}, 0, ATTN_CAUSAL_TOP_LEFT, 0, 0, 0, 0},
+    {3, {2, 3, 4}, {2, 7, 4}, {2, 7, 2}, 0, {0}, 0, ATTN_CAUSAL_BOTTOM_RIGHT, 0, 1, -0.8, 0},
+    {4, {2, 2, 4, 3}, {2, 2, 5, 3}, {2, 2, 5, 3}, 2, {4, 5}, ATTN_DTYPE_F64, 0, 0, 0, 0, 0},
+    {4, {2, 2, 4, 3}, {2, 2, 5, 3}, {2, 2, 5, 3}, 4, {2, 1, 1, 5}, ATTN_DTYPE_F64, 0, 0, 0, 0, 0},
+    {4, {2, 2, 4, 3}, {2, 2, 5, 3}, {2, 2, 5, 3}, 3, {2, 4, 5}, ATTN_DTYPE_BOOL, 0, 0, 0, 0, 0},
+    {4, {1, 2, 4, 3}, {3, 2, 5, 3}, {3, 1, 5, 2}, 0, {0}, 0, ATTN_CAUSAL_NONE, 0, 0, 0, 0},
+    {4, {2, 2, 5, 3}, {2, 2, 5, 3}, {2, 2, 5, 3}, 0, {0}, 0, ATTN_CAUSAL_NONE, 0, 0, 0, 0.3},
+    {4, {2, 2, 5, 3}, {2, 2, 5, 3}, {2, 2, 5, 3}, 2, {5, 5}, ATTN_DTYPE_F64,
+     ATTN_CAUSAL_TOP_LEFT, 0, 1, 0.0, 0.25},
+};
+
+static void test_reference_matches_finite_differences(void) {
+    rng r = {harness_seed() ^ 0xbac4u};
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    for (size_t i = 0; i < sizeof FD_CASES / sizeof FD_CASES[0]; i++) {
+        const bw_case *c = &FD_CASES[i];
+        bw_data d;
+        /* contiguous: a zero-stride input would alias the element perturbed */
+        bw_make(&d, c, ATTN_DTYPE_F64, LAYOUT_CONTIGUOUS, &r);
+        CHECK_OK(bw_run(&d));
+        check_fd(&d, c, &d.q, &d.dq, "dq");
+        check_fd(&d, c, &d.k, &d.dk, "dk");
+        check_fd(&d, c, &d.v, &d.dv, "dv");
+        if (d.dmask.storage != NULL) check_fd(&d, c, &d.mask, &d.dmask, "dmask");
+        bw_free(&d);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- fused paths against the reference ---- */
+
+static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512};
+
+/* A random case of moderate size (one block and a few). */
+static bw_case random_case(rng *r) {
+    bw_case c;
+    memset(&c, 0, sizeof c);
+    const int64_t B = rng_int(r, 1, 2), H = rng_int(r, 1, 3), G = rng_int(r, 1, 2);
+    const int64_t L = rng_int(r, 1, 70), S = rng_int(r, 1, 150), E = rng_int(r, 1, 40),
+                  Ev = rng_int(r, 1, 40);
+    c.gqa = G > 1;
+    c.rank = 4;
+    const int64_t q[4] = {B, H * G, L, E}, k[4] = {B, H, S, E}, v[4] = {B, H, S, Ev};
+    memcpy(c.q, q, sizeof q);
+    memcpy(c.k, k, sizeof k);
+    memcpy(c.v, v, sizeof v);
+    c.causal = (attn_causal)rng_int(r, 0, 2);
+    const long m = rng_int(r, 0, 3);
+    if (m > 0) {
+        c.mask_dtype = m == 1 ? ATTN_DTYPE_BOOL : m == 2 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64;
+        c.mask_rank = 4;
+        const int64_t ms[4] = {rng_int(r, 0, 1) ? B : 1, rng_int(r, 0, 1) ? H * G : 1,
+                               rng_int(r, 0, 1) ? L : 1, S};
+        memcpy(c.m, ms, sizeof ms);
+    }
+    c.has_scale = rng_int(r, 0, 3) == 0;
+    c.scale = rng_normal(r);
+    c.dropout_p = rng_int(r, 0, 3) == 0 ? 0.2 : 0;
+    return c;
+}
+
+/* max |a - b| over a tensor, and max |b|. */
+static void compare(const attn_tensor *a, const attn_tensor *b, double *diff, double *mag) {
+    double *x = tt_dense(a), *y = tt_dense(b);
+    const int64_t n = attn_tensor_numel(a);
+    *diff = max_abs_diff(x, y, n);
+    *mag = 0;
+    for (int64_t i = 0; i < n; i++) *mag = fabs(y[i]) > *mag ? fabs(y[i]) : *mag;
+    free(x);
+    free(y);
+}
+
+static void check_against_reference(bw_data *d, const bw_case *c, attn_dtype dtype, rng *r,
+                                    const char *isa) {
+    bw_data ref = *d; /* the same inputs; gradients of its own */
+    tt_make_output(&ref.dq, r, dtype, c->rank, c->q, LAYOUT_CONTIGUOUS);
+    tt_make_output(&ref.dk, r, dtype, c->rank, c->k, LAYOUT_CONTIGUOUS);
+    tt_make_output(&ref.dv, r, dtype, c->rank, c->v, LAYOUT_CONTIGUOUS);
+    if (d->dmask.storage)
+        tt_make_output(&ref.dmask, r, c->mask_dtype, c->mask_rank, c->m, LAYOUT_CONTIGUOUS);
+    const attn_isa isa_now = attn_get_isa();
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    CHECK_OK(bw_run(&ref));
+    CHECK_OK(attn_set_isa(isa_now));
+    /* float64: the fused sums differ from the reference's in order only;
+     * float32: rounding of scores and sums, growing like sqrt of the
+     * lengths summed over (E, S, L). Relative to max(|grad|, 1): inputs are
+     * N(0, 1), so the terms a gradient sums are of order 1, and a gradient
+     * that cancels to 0 (random layouts broadcast V along S: dP = D) still
+     * carries their rounding. */
+    const double n = (double)(c->q[2] + c->k[2] + c->q[3]);
+    const double tol = dtype == ATTN_DTYPE_F64 ? 1e-12 : 16 * FLT_EPSILON * sqrt(n);
+    const test_tensor *got[4] = {&d->dq, &d->dk, &d->dv, &d->dmask},
+                      *want[4] = {&ref.dq, &ref.dk, &ref.dv, &ref.dmask};
+    const char *names[4] = {"dq", "dk", "dv", "dmask"};
+    for (int g = 0; g < 4; g++) {
+        if (got[g]->storage == NULL) continue;
+        double diff, mag;
+        compare(&got[g]->t, &want[g]->t, &diff, &mag);
+        CHECK(diff <= tol * (mag > 1 ? mag : 1),
+              "%s %s %s: |fused - reference| = %.3g, max |grad| %.3g (L %lld S %lld E %lld mask %d causal %d scale %d %g drop %g gqa %d)",
+              isa, attn_dtype_name(dtype), names[g], diff, mag, (long long)c->q[2],
+              (long long)c->k[2], (long long)c->q[3], (int)c->mask_dtype, (int)c->causal,
+              c->has_scale, c->scale, c->dropout_p, c->gqa);
+        tt_free((test_tensor *)want[g]);
+    }
+}
+
+static void test_fused_matches_reference(void) {
+    rng r = {harness_seed() ^ 0xf00du};
+    for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
+        if (!attn_isa_supported(FUSED[i])) continue;
+        CHECK_OK(attn_set_isa(FUSED[i]));
+        for (int n = 0; n < 40; n++) {
+            const bw_case c = random_case(&r);
+            const attn_dtype dtype = n % 2 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64;
+            bw_data d;
+            bw_make(&d, &c, dtype, LAYOUT_RANDOM, &r);
+            CHECK_OK(bw_run(&d));
+            check_against_reference(&d, &c, dtype, &r, attn_isa_name(FUSED[i]));
+            bw_free(&d);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- bits for any thread count ---- */
+
+static const bw_case THREAD_CASES[] = {
+    /* many heads: one task per head */
+    {4, {2, 4, 100, 32}, {2, 4, 90, 32}, {2, 4, 90, 16}, 0, {0}, 0, 0, 0, 0, 0, 0},
+    /* one head, many keys: dq partial sums over key chunks */
+    {4, {1, 1, 70, 16}, {1, 1, 1500, 16}, {1, 1, 1500, 16}, 2, {70, 1500}, ATTN_DTYPE_F32,
+     ATTN_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0.1},
+    /* K/V broadcast over the batch: dk, dv folded; GQA */
+    {4, {3, 4, 40, 8}, {1, 2, 300, 8}, {1, 2, 300, 8}, 0, {0}, 0, 0, 1, 0, 0, 0},
+    /* q broadcast over the batch: dq folded */
+    {4, {1, 2, 30, 8}, {3, 2, 200, 8}, {3, 2, 200, 8}, 4, {3, 1, 1, 200}, ATTN_DTYPE_F32,
+     ATTN_CAUSAL_TOP_LEFT, 0, 0, 0, 0},
+};
+
+static bool same_bits(const attn_tensor *a, const attn_tensor *b) {
+    double *x = tt_dense(a), *y = tt_dense(b);
+    const int64_t n = attn_tensor_numel(a);
+    const bool same = memcmp(x, y, sizeof(double) * (size_t)n) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+static void test_bits_for_any_thread_count(void) {
+    rng r = {harness_seed() ^ 0x7a11u};
+    for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
+        if (!attn_isa_supported(FUSED[i])) continue;
+        CHECK_OK(attn_set_isa(FUSED[i]));
+        for (size_t n = 0; n < sizeof THREAD_CASES / sizeof THREAD_CASES[0]; n++) {
+            const bw_case *c = &THREAD_CASES[n];
+            bw_data d, base;
+            bw_make(&d, c, ATTN_DTYPE_F32, LAYOUT_CONTIGUOUS, &r);
+            base = d;
+            tt_make_output(&base.dq, &r, ATTN_DTYPE_F32, c->rank, c->q, LAYOUT_CONTIGUOUS);
+            tt_make_output(&base.dk, &r, ATTN_DTYPE_F32, c->rank, c->k, LAYOUT_CONTIGUOUS);
+            tt_make_output(&base.dv, &r, ATTN_DTYPE_F32, c->rank, c->v, LAYOUT_CONTIGUOUS);
+            if (d.dmask.storage)
+                tt_make_output(&base.dmask, &r, c->mask_dtype, c->mask_rank, c->m,
+                               LAYOUT_CONTIGUOUS);
+            attn_set_num_threads(1);
+            CHECK_OK(bw_run(&base));
+            for (int t = 2; t <= 4; t++) {
+                attn_set_num_threads(t);
+                CHECK_OK(bw_run(&d));
+                CHECK(same_bits(&d.dq.t, &base.dq.t) && same_bits(&d.dk.t, &base.dk.t) &&
+                          same_bits(&d.dv.t, &base.dv.t) &&
+                          (!d.dmask.storage || same_bits(&d.dmask.t, &base.dmask.t)),
+                      "%s case %zu: gradients differ between 1 and %d threads",
+                      attn_isa_name(FUSED[i]), n, t);
+            }
+            tt_free(&base.dq);
+            tt_free(&base.dk);
+            tt_free(&base.dv);
+            if (base.dmask.storage) tt_free(&base.dmask);
+            bw_free(&d);
+        }
+    }
+    attn_set_num_threads(0);
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+HARNESS_MAIN(T(test_reference_matches_finite_differences), T(test_fused_matches_reference),
+             T(test_bits_for_any_thread_count))
