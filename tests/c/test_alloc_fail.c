@@ -356,6 +356,86 @@ static void sdpa_failures(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- attn_sdpa_backward ---- */
+
+typedef struct bwd_state {
+    test_tensor q, k, v, mask, out, lse, dout, grad[4]; /* dq, dk, dv, dmask */
+    attn_sdpa_params p;
+    double *expect[4];
+} bwd_state;
+
+static attn_status bwd_run(void *state, bool compare) {
+    bwd_state *s = state;
+    attn_status st = attn_sdpa_backward(&s->dout.t, &s->q.t, &s->k.t, &s->v.t, &s->out.t,
+                                        &s->lse.t, &s->p, &s->grad[0].t, &s->grad[1].t,
+                                        &s->grad[2].t, &s->grad[3].t);
+    if (st != ATTN_OK) return st;
+    for (int g = 0; g < 4; g++) {
+        if (!compare) {
+            free(s->expect[g]);
+            s->expect[g] = tt_dense(&s->grad[g].t);
+        } else {
+            CHECK(same_dense(&s->grad[g].t, s->expect[g]), "gradient %d differs", g);
+        }
+    }
+    return st;
+}
+
+/* q (B, H, L, E) against K/V broadcast over the batch (the folded path), a
+ * float mask with its gradient, causal, dropout: every buffer the backward
+ * allocates. `long_keys`: one head and many keys (dq partial sums). */
+static void bwd_setup(bwd_state *s, rng *r, attn_dtype dt, bool long_keys) {
+    memset(s, 0, sizeof *s);
+    const int64_t S = long_keys ? 2100 : 9, H = long_keys ? 1 : 2;
+    const int64_t qs[4] = {2, H, 6, 8}, ks[4] = {1, H, S, 8}, vs[4] = {1, H, S, 5},
+                  os[4] = {2, H, 6, 5}, ms[2] = {6, S};
+    tt_make(&s->q, r, dt, 4, qs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->k, r, dt, 4, ks, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->v, r, dt, 4, vs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->mask, r, dt, 2, ms, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->dout, r, dt, 4, os, LAYOUT_RANDOM, 1, 0);
+    tt_make_output(&s->out, r, dt, 4, os, LAYOUT_RANDOM);
+    tt_make_output(&s->lse, r, dt, 3, os, LAYOUT_RANDOM);
+    const int64_t *shapes[4] = {qs, ks, vs, ms};
+    const int ranks[4] = {4, 4, 4, 2};
+    for (int g = 0; g < 4; g++)
+        tt_make_output(&s->grad[g], r, dt, ranks[g], shapes[g], LAYOUT_RANDOM);
+    attn_sdpa_params_init(&s->p);
+    s->p.attn_mask = &s->mask.t;
+    s->p.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+    s->p.dropout_p = 0.25;
+    s->p.seed = 99;
+    CHECK_OK(attn_sdpa(&s->q.t, &s->k.t, &s->v.t, &s->p, &s->out.t, NULL, &s->lse.t));
+}
+
+static void bwd_teardown(bwd_state *s) {
+    test_tensor *all[7] = {&s->q, &s->k, &s->v, &s->mask, &s->out, &s->lse, &s->dout};
+    for (int i = 0; i < 7; i++) tt_free(all[i]);
+    for (int g = 0; g < 4; g++) {
+        tt_free(&s->grad[g]);
+        free(s->expect[g]);
+    }
+}
+
+static void backward_failures(void) {
+    rng r = {harness_seed() ^ 0xbacc};
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)i));
+        printf(" path %s:\n", attn_isa_name((attn_isa)i));
+        for (int long_keys = 0; long_keys <= 1; long_keys++) {
+            bwd_state st;
+            bwd_setup(&st, &r, long_keys ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64, long_keys);
+            scenario s = {long_keys ? "attn_sdpa_backward (f32, 2100 keys)"
+                                    : "attn_sdpa_backward (f64, folded K/V, dmask)",
+                          bwd_run, &st};
+            run_scenario(&s);
+            bwd_teardown(&st);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 static void mha_failures(void) {
     rng r = {harness_seed() ^ 0x3a};
     const char *names[3] = {"attn_mha_create+forward (padded masks)",
@@ -386,4 +466,4 @@ static void npy_failures(void) {
         }
 }
 
-HARNESS_MAIN(T(sdpa_failures), T(mha_failures), T(npy_failures))
+HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(mha_failures), T(npy_failures))

@@ -327,5 +327,107 @@ static void test_bits_for_any_thread_count(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- NaN/Inf rules ---- */
+
+/* A NaN key and an Inf value that a mask hides, and a row that sees no key:
+ * every path gives finite gradients, zero for the hidden key and for the
+ * empty row's dq, as the reference does. */
+static void test_hidden_nan_and_empty_rows(void) {
+    rng r = {harness_seed() ^ 0x4a4u};
+    const bw_case c = {4, {1, 2, 6, 4}, {1, 2, 7, 4}, {1, 2, 7, 3}, 2, {6, 7}, ATTN_DTYPE_BOOL,
+                       ATTN_CAUSAL_NONE, 0, 0, 0, 0};
+    for (int isa = ATTN_ISA_REF; isa <= ATTN_ISA_AVX512; isa++) {
+        if (!attn_isa_supported((attn_isa)isa)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)isa));
+        bw_data d;
+        bw_make(&d, &c, ATTN_DTYPE_F32, LAYOUT_CONTIGUOUS, &r);
+        for (int64_t i = 0; i < 6; i++) /* key 3 hidden from every row, row 2 sees nothing */
+            for (int64_t j = 0; j < 7; j++)
+                tt_set(&d.mask.t, (int64_t[]){i, j}, j != 3 && i != 2);
+        CHECK_OK(attn_set_isa(ATTN_ISA_REF)); /* the forward again, with the new mask */
+        CHECK_OK(attn_sdpa(&d.q.t, &d.k.t, &d.v.t, &d.params, &d.out.t, NULL, &d.lse.t));
+        CHECK_OK(attn_set_isa((attn_isa)isa));
+        for (int64_t h = 0; h < 2; h++) {
+            tt_set(&d.k.t, (int64_t[]){0, h, 3, 1}, NAN);
+            tt_set(&d.v.t, (int64_t[]){0, h, 3, 2}, INFINITY);
+        }
+        CHECK_OK(bw_run(&d));
+        const test_tensor *g[3] = {&d.dq, &d.dk, &d.dv};
+        for (int x = 0; x < 3; x++) {
+            double *v = tt_dense(&g[x]->t);
+            const int64_t n = attn_tensor_numel(&g[x]->t);
+            bool finite = true;
+            for (int64_t e = 0; e < n; e++) finite &= isfinite(v[e]) != 0;
+            CHECK(finite, "%s: gradient %d is not finite", attn_isa_name((attn_isa)isa), x);
+            free(v);
+        }
+        for (int64_t h = 0; h < 2; h++)
+            for (int64_t e = 0; e < 4; e++) {
+                CHECK(tt_get(&d.dk.t, (int64_t[]){0, h, 3, e}) == 0, "hidden key: dk != 0");
+                CHECK(tt_get(&d.dq.t, (int64_t[]){0, h, 2, e}) == 0, "empty row: dq != 0");
+            }
+        bw_free(&d);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- arguments ---- */
+
+#define CHECK_ARG(call, status, arg)                                                       \
+    do {                                                                                   \
+        CHECK_STATUS(call, status);                                                        \
+        CHECK(strcmp(attn_last_error_arg(), arg) == 0, "%s: arg is '%s', expected '%s'", \
+              #call, attn_last_error_arg(), arg);                                          \
+    } while (0)
+
+static void test_arguments(void) {
+    rng r = {harness_seed() ^ 0xa2u};
+    const bw_case c = {4, {1, 2, 5, 4}, {1, 2, 6, 4}, {1, 2, 6, 3}, 2, {5, 6}, ATTN_DTYPE_F32,
+                       ATTN_CAUSAL_NONE, 0, 0, 0, 0};
+    bw_data d;
+    bw_make(&d, &c, ATTN_DTYPE_F32, LAYOUT_CONTIGUOUS, &r);
+    attn_tensor *dq = &d.dq.t, *dk = &d.dk.t, *dv = &d.dv.t, *dm = &d.dmask.t;
+    const attn_tensor *q = &d.q.t, *k = &d.k.t, *v = &d.v.t, *o = &d.out.t, *l = &d.lse.t,
+                      *g = &d.dout.t;
+    const attn_sdpa_params *p = &d.params;
+    CHECK_OK(attn_sdpa_backward(g, q, k, v, o, l, p, dq, dk, dv, dm));
+    CHECK_OK(attn_sdpa_backward(g, q, k, v, o, l, p, NULL, NULL, dv, NULL)); /* only dv */
+    CHECK_ARG(attn_sdpa_backward(NULL, q, k, v, o, l, p, dq, dk, dv, dm), ATTN_ERR_NULL, "dout");
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, NULL, l, p, dq, dk, dv, dm), ATTN_ERR_NULL, "out");
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, NULL, p, dq, dk, dv, dm), ATTN_ERR_NULL, "lse");
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, p, dk, dk, dv, NULL), ATTN_ERR_SHAPE, "dq");
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, p, dq, dq, dv, NULL), ATTN_ERR_SHAPE, "dk");
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, p, dq, dk, dk, NULL), ATTN_ERR_SHAPE, "dv");
+    attn_tensor alias = *dv; /* dv over dq's memory */
+    alias.data = dq->data;
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, p, dq, NULL, &alias, NULL), ATTN_ERR_OVERLAP,
+              "dv");
+    attn_tensor in_q = *dq; /* dq over q itself */
+    in_q.data = d.q.t.data;
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, p, &in_q, dk, dv, NULL), ATTN_ERR_OVERLAP,
+              "dq");
+    attn_tensor wrong = *g; /* dout of the wrong shape */
+    wrong.shape[2] = 4;
+    CHECK_ARG(attn_sdpa_backward(&wrong, q, k, v, o, l, p, dq, dk, dv, dm), ATTN_ERR_SHAPE,
+              "dout");
+    attn_tensor f64 = *dq; /* a gradient of another dtype */
+    f64.dtype = ATTN_DTYPE_F64;
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, p, &f64, dk, dv, dm), ATTN_ERR_DTYPE, "dq");
+    attn_sdpa_params none = *p; /* dmask without a float mask */
+    none.attn_mask = NULL;
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, &none, dq, dk, dv, dm), ATTN_ERR_INVALID,
+              "dmask");
+    attn_sdpa_params bad = *p;
+    bad.dropout_p = 2;
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, &bad, dq, dk, dv, dm), ATTN_ERR_INVALID,
+              "params.dropout_p");
+    bad = *p;
+    bad.struct_size = 0;
+    CHECK_ARG(attn_sdpa_backward(g, q, k, v, o, l, &bad, dq, dk, dv, dm), ATTN_ERR_INVALID,
+              "params.struct_size");
+    bw_free(&d);
+}
+
 HARNESS_MAIN(T(test_reference_matches_finite_differences), T(test_fused_matches_reference),
-             T(test_bits_for_any_thread_count))
+             T(test_bits_for_any_thread_count), T(test_hidden_nan_and_empty_rows),
+             T(test_arguments))
