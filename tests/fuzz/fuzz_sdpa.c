@@ -135,6 +135,41 @@ static void check_outputs(const problem *pr, double p, const fz_values *vals) {
     }
 }
 
+/* The backward of a forward that succeeded (with lse): gradients shaped
+ * like the inputs (sometimes perturbed: hostile shapes), dmask when the mask
+ * is a float one. Must not leak or crash; finite for tame inputs. */
+static void fuzz_backward(fz *f, problem *pr, const attn_sdpa_params *params, fz_values *vals) {
+    fz_tensor dout, g[4];
+    memset(&dout, 0, sizeof dout);
+    memset(g, 0, sizeof g);
+    int64_t shape[ATTN_MAX_RANK + 2];
+    memcpy(shape, pr->out.t.shape, sizeof(int64_t) * (size_t)pr->out.t.rank);
+    make(f, &dout, pr->out.t.dtype, pr->out.t.rank, shape, false, vals);
+    const fz_tensor *like[4] = {&pr->q, &pr->k, &pr->v, &pr->mask};
+    const bool want_dmask = pr->has_mask && pr->mask.t.dtype != ATTN_DTYPE_BOOL && fz_bool(f);
+    bool backed = dout.backed;
+    for (int i = 0; i < 4; i++) {
+        if (i == 3 && !want_dmask) continue;
+        if (i < 3 && fz_one_in(f, 8)) continue; /* a gradient not wanted */
+        memcpy(shape, like[i]->t.shape, sizeof(int64_t) * (size_t)like[i]->t.rank);
+        make(f, &g[i], like[i]->t.dtype, like[i]->t.rank, shape, true, vals);
+        backed &= g[i].backed;
+    }
+    if (backed) {
+        attn_status st = attn_sdpa_backward(
+            &dout.t, &pr->q.t, &pr->k.t, &pr->v.t, &pr->out.t, &pr->lse.t, params,
+            g[0].alloc ? &g[0].t : NULL, g[1].alloc ? &g[1].t : NULL,
+            g[2].alloc ? &g[2].t : NULL, g[3].alloc ? &g[3].t : NULL);
+        fz_check_status(st, "attn_sdpa_backward");
+        FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa_backward leaked %ld blocks", fz_live_blocks());
+        for (int i = 0; st == ATTN_OK && vals->tame && i < 4; i++)
+            if (g[i].alloc)
+                FZ_ASSERT(fz_all_finite(&g[i].t, false), "finite inputs gave a non-finite gradient");
+    }
+    fz_tensor_free(&dout);
+    for (int i = 0; i < 4; i++) fz_tensor_free(&g[i]);
+}
+
 /* nbatch * L * S * (E + Ev) from the shapes, or -1 on overflow. */
 static int64_t work_of(int out_rank, const int64_t *out_shape, const attn_tensor *k) {
     int64_t w = 1;
@@ -294,6 +329,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             for (int d = 0; d < orank; d++)
                 FZ_ASSERT(out->shape[d] == oshape[d], "out dim %d differs from out_shape", d);
             check_outputs(&pr, params ? params->dropout_p : 0.0, &vals);
+            if (pr.has_lse) fuzz_backward(&f, &pr, params, &vals);
         }
     }
     if (!run && attn_get_isa() == ATTN_ISA_REF) {
