@@ -283,9 +283,11 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
  * gradient; NaN in a term that takes part gives NaN where it flows.
  * Accumulation: the reference path (ATTN_ISA_REF) in float64; the fused
  * paths in the compute type, in an order fixed by the shape, so gradients
- * are bitwise identical for any thread count. Extra memory: a few vectors of
- * L per head, and, when there are few heads to share among threads, partial
- * dq sums (at most 32 MiB). */
+ * are bitwise identical for any thread count. Extra memory: two vectors of
+ * L per head and dq's size in the compute type (its partial sum), or, when
+ * there are few heads to share among threads, one partial dq per key chunk,
+ * as many as fit in 32 MiB; plus float64 sums where a gradient reduces
+ * over a broadcast batch dimension. */
 ATTN_API attn_status attn_sdpa_backward(const attn_tensor *dout, const attn_tensor *q,
                                         const attn_tensor *k, const attn_tensor *v,
                                         const attn_tensor *out, const attn_tensor *lse,

@@ -207,7 +207,7 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
 /* ---- the backward's plan (flash_backward.inc), shared by both precisions ---- */
 
 enum { BWD_TASKS_MIN = 8 }; /* split keys into chunks while there are fewer tasks */
-#define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, beyond one */
+#define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, unless one is more */
 
 /* How many query heads share an element of a gradient along the head
  * dimension: all of them where its input had size 1, a GQA group, or 1. */
@@ -247,7 +247,7 @@ static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, si
     const int64_t dq_bytes = p->nbatch * p->L * p->E * (int64_t)real_size;
     w.nchunks = 1;
     while (w.nchunks < nkb && w.ngroups * w.nchunks < BWD_TASKS_MIN &&
-           (!p->has_dq || w.nchunks * dq_bytes <= BWD_DQ_BUDGET))
+           (!p->has_dq || (w.nchunks + 1) * dq_bytes <= BWD_DQ_BUDGET))
         w.nchunks++;
     w.chunk = w.BC;
     return w;
