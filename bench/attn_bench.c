@@ -344,11 +344,15 @@ static int cmd_backward(int argc, char **argv) {
     b.Hk = opt_long(argc, argv, "--kv-heads", b.H);
     b.causal = has_flag(argc, argv, "--causal");
     const int reps = (int)opt_long(argc, argv, "--reps", 10);
+    if (reps < 1) {
+        fprintf(stderr, "attn_bench backward: --reps must be >= 1\n");
+        return 2;
+    }
     const char *save_dir = opt_str(argc, argv, "--save");
-    double *fwd = malloc(sizeof(double) * (size_t)(reps + 1));
-    double *bwd = malloc(sizeof(double) * (size_t)(reps + 1));
-    double *both = malloc(sizeof(double) * (size_t)(reps + 1));
-    int rc = reps < 1 || !fwd || !bwd || !both || bwd_setup(&b, opt_str(argc, argv, "--load"));
+    double *fwd = malloc(sizeof(double) * (size_t)reps);
+    double *bwd = malloc(sizeof(double) * (size_t)reps);
+    double *both = malloc(sizeof(double) * (size_t)reps);
+    int rc = !fwd || !bwd || !both || bwd_setup(&b, opt_str(argc, argv, "--load"));
     for (int r = -1; r < reps && rc == 0; r++) { /* r = -1: the warm-up */
         double f, g;
         if (bwd_run(&b, &f, &g) != ATTN_OK) {
