@@ -486,7 +486,8 @@ static int cmd_sdpa(int argc, char **argv) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: attn_bench peak|bandwidth|memory|memory-backward|sdpa|backward ...\n");
+        fprintf(stderr,
+                "usage: attn_bench peak|bandwidth|memory|memory-backward|sdpa|backward ...\n");
         return 2;
     }
     const long threads = opt_long(argc, argv, "--threads", 0);
