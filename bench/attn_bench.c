@@ -9,8 +9,19 @@
  *   attn_bench memory [--len L] [--dim E]
  *                                        one SDPA with L = S, H = 1; checks peak
  *                                        RSS <= inputs + outputs + 64 MiB
+ *   attn_bench memory-backward [--len L] [--dim E]
+ *                                        one forward + backward with L = S, H = 1;
+ *                                        checks the backward's peak RSS <= inputs
+ *                                        (q, k, v, dout, out, lse) + dq, dk, dv + 64 MiB
  *   attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N] [--cpu-time]
  *                                        times attn alone (median ms, GFLOP/s)
+ *   attn_bench backward B H L S E [--causal] [--kv-heads H] [--reps N]
+ *                       [--load DIR] [--save DIR] [--cpu-time]
+ *                                        times attn_sdpa (with lse) then
+ *                                        attn_sdpa_backward: per-rep and median
+ *                                        ms of the backward and of both; inputs
+ *                                        q, k, v, dout from DIR/NAME.npy, dq, dk,
+ *                                        dv written to DIR/NAME.npy
  *
  * --cpu-time (with --threads 1) measures the calling thread's CPU time
  * instead of wall time: on a shared machine it excludes the time the thread
@@ -195,6 +206,231 @@ static int cmd_memory(int argc, char **argv) {
     return used <= budget ? 0 : 1;
 }
 
+/* ---- the backward: one forward (with lse) and its backward on seeded or loaded inputs ---- */
+
+/* A backward problem: q (B,H,L,E), k and v (B,Hk,S,E), dout and out like q,
+ * lse (B,H,L), gradients like their inputs; every buffer owned here. */
+typedef struct {
+    int64_t B, H, Hk, L, S, E;
+    int causal;
+    float *q, *k, *v, *dout, *out, *lse, *dq, *dk, *dv;
+    attn_tensor tq, tk, tv, tdout, tout, tlse, tdq, tdk, tdv;
+    attn_sdpa_params p;
+} bwd_problem;
+
+static void bwd_free(bwd_problem *b) {
+    float *bufs[] = {b->q, b->k, b->v, b->dout, b->out, b->lse, b->dq, b->dk, b->dv};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+}
+
+/* Replaces dst's n floats by DIR/NAME.npy (float32, n elements), so that
+ * run.py can give attn and PyTorch the same inputs. 0 on success. */
+static int load_npy(const char *dir, const char *name, float *dst, int64_t n) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s.npy", dir, name);
+    attn_tensor t;
+    if (attn_npy_load(path, &t) != ATTN_OK) {
+        fprintf(stderr, "attn_bench: %s: %s\n", path, attn_last_error());
+        return 1;
+    }
+    const int ok = t.dtype == ATTN_DTYPE_F32 && attn_tensor_numel(&t) == n;
+    if (ok) memcpy(dst, t.data, (size_t)n * sizeof(float));
+    else fprintf(stderr, "attn_bench: %s: expected %lld float32 values\n", path, (long long)n);
+    attn_npy_free(&t);
+    return !ok;
+}
+
+/* Allocates and fills every buffer (seeded, or q, k, v, dout from
+ * load_dir), sets the tensor views and params. Outputs and gradients are
+ * filled too: their pages are resident before any timing or RSS reading. */
+static int bwd_setup(bwd_problem *b, const char *load_dir) {
+    const int64_t nq = b->B * b->H * b->L * b->E, nk = b->B * b->Hk * b->S * b->E;
+    b->q = filled(nq, 1), b->k = filled(nk, 2), b->v = filled(nk, 3), b->dout = filled(nq, 5);
+    b->out = filled(nq, 4), b->lse = filled(b->B * b->H * b->L, 6);
+    b->dq = filled(nq, 7), b->dk = filled(nk, 8), b->dv = filled(nk, 9);
+    if (!b->q || !b->k || !b->v || !b->dout || !b->out || !b->lse || !b->dq || !b->dk || !b->dv)
+        return 1;
+    if (load_dir != NULL &&
+        (load_npy(load_dir, "q", b->q, nq) || load_npy(load_dir, "k", b->k, nk) ||
+         load_npy(load_dir, "v", b->v, nk) || load_npy(load_dir, "dout", b->dout, nq)))
+        return 1;
+    int64_t qs[4] = {b->B, b->H, b->L, b->E}, ks[4] = {b->B, b->Hk, b->S, b->E};
+    attn_tensor_init(&b->tq, b->q, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&b->tk, b->k, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&b->tv, b->v, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&b->tdout, b->dout, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&b->tout, b->out, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&b->tlse, b->lse, ATTN_DTYPE_F32, 3, qs);
+    attn_tensor_init(&b->tdq, b->dq, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&b->tdk, b->dk, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&b->tdv, b->dv, ATTN_DTYPE_F32, 4, ks);
+    attn_sdpa_params_init(&b->p);
+    b->p.causal = b->causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
+    b->p.enable_gqa = b->Hk != b->H;
+    return 0;
+}
+
+/* The forward, writing out and lse. */
+static attn_status bwd_forward(bwd_problem *b) {
+    return attn_sdpa(&b->tq, &b->tk, &b->tv, &b->p, &b->tout, NULL, &b->tlse);
+}
+
+/* The backward, writing dq, dk and dv. */
+static attn_status bwd_backward(bwd_problem *b) {
+    return attn_sdpa_backward(&b->tdout, &b->tq, &b->tk, &b->tv, &b->tout, &b->tlse, &b->p,
+                              &b->tdq, &b->tdk, &b->tdv, NULL);
+}
+
+/* The forward then the backward; their times in ms. */
+static attn_status bwd_run(bwd_problem *b, double *fwd_ms, double *bwd_ms) {
+    const double t0 = now();
+    attn_status st = bwd_forward(b);
+    const double t1 = now();
+    if (st == ATTN_OK) st = bwd_backward(b);
+    *fwd_ms = (t1 - t0) * 1e3;
+    *bwd_ms = (now() - t1) * 1e3;
+    return st;
+}
+
+/* Writes DIR/{dq,dk,dv}.npy, for run.py to compare with PyTorch's. */
+static int bwd_save(const bwd_problem *b, const char *dir) {
+    const char *names[3] = {"dq", "dk", "dv"};
+    const attn_tensor *ts[3] = {&b->tdq, &b->tdk, &b->tdv};
+    char path[4096];
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%s/%s.npy", dir, names[i]);
+        if (attn_npy_save(path, ts[i]) != ATTN_OK) {
+            fprintf(stderr, "attn_bench: %s: %s\n", path, attn_last_error());
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Value of "--name TEXT" in argv, or NULL. */
+static const char *opt_str(int argc, char **argv, const char *name) {
+    for (int i = 0; i + 1 < argc; i++)
+        if (strcmp(argv[i], name) == 0) return argv[i + 1];
+    return NULL;
+}
+
+/* Prints a JSON list of n values (in the order they were measured). */
+static void print_list(const char *name, const double *x, int n) {
+    printf("\"%s\": [", name);
+    for (int i = 0; i < n; i++) printf("%s%.3f", i ? ", " : "", x[i]);
+    printf("], ");
+}
+
+static double median(const double *x, int n) {
+    double *s = malloc(sizeof(double) * (size_t)n);
+    if (s == NULL) return NAN;
+    memcpy(s, x, sizeof(double) * (size_t)n);
+    qsort(s, (size_t)n, sizeof(double), cmp_double);
+    const double m = n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+    free(s);
+    return m;
+}
+
+/* ---- backward: forward + backward timed, one warm-up then N reps ---- */
+
+static int cmd_backward(int argc, char **argv) {
+    if (argc < 5) {
+        fprintf(stderr, "usage: attn_bench backward B H L S E [--causal] [--kv-heads H] "
+                        "[--reps N] [--load DIR] [--save DIR]\n");
+        return 2;
+    }
+    bwd_problem b = {.B = atol(argv[0]), .H = atol(argv[1]), .L = atol(argv[2]),
+                     .S = atol(argv[3]), .E = atol(argv[4])};
+    b.Hk = opt_long(argc, argv, "--kv-heads", b.H);
+    b.causal = has_flag(argc, argv, "--causal");
+    const int reps = (int)opt_long(argc, argv, "--reps", 10);
+    if (reps < 1) {
+        fprintf(stderr, "attn_bench backward: --reps must be >= 1\n");
+        return 2;
+    }
+    const char *save_dir = opt_str(argc, argv, "--save");
+    double *fwd = malloc(sizeof(double) * (size_t)reps);
+    double *bwd = malloc(sizeof(double) * (size_t)reps);
+    double *both = malloc(sizeof(double) * (size_t)reps);
+    int rc = !fwd || !bwd || !both || bwd_setup(&b, opt_str(argc, argv, "--load"));
+    for (int r = -1; r < reps && rc == 0; r++) { /* r = -1: the warm-up */
+        double f, g;
+        if (bwd_run(&b, &f, &g) != ATTN_OK) {
+            fprintf(stderr, "attn_bench backward: %s\n", attn_last_error());
+            rc = 1;
+        } else if (r >= 0) {
+            fwd[r] = f, bwd[r] = g, both[r] = f + g;
+        }
+    }
+    if (rc == 0 && save_dir != NULL) rc = bwd_save(&b, save_dir);
+    if (rc == 0) {
+        const double bhlse = (double)(b.B * b.H * b.L) * (double)b.S * (double)b.E;
+        const double half = b.causal ? 0.5 : 1, mb = median(bwd, reps), mt = median(both, reps);
+        double checksum = 0;
+        for (int64_t i = 0; i < b.B * b.H * b.L * b.E; i += 101) checksum += b.dq[i];
+        printf("{\"shape\": [%lld, %lld, %lld, %lld, %lld], \"kv_heads\": %lld, \"causal\": %s, "
+               "\"isa\": \"%s\", \"threads\": %d, ",
+               (long long)b.B, (long long)b.H, (long long)b.L, (long long)b.S, (long long)b.E,
+               (long long)b.Hk, b.causal ? "true" : "false", attn_isa_name(attn_get_isa()),
+               attn_get_num_threads());
+        print_list("fwd_ms", fwd, reps);
+        print_list("bwd_ms", bwd, reps);
+        print_list("fwd_bwd_ms", both, reps);
+        printf("\"median_bwd_ms\": %.3f, \"median_fwd_bwd_ms\": %.3f, \"bwd_gflops\": %.2f, "
+               "\"fwd_bwd_gflops\": %.2f, \"dq_checksum\": %.6f}\n",
+               mb, mt, 10 * bhlse * half / mb / 1e6, 14 * bhlse * half / mt / 1e6, checksum);
+    }
+    bwd_free(&b);
+    free(fwd);
+    free(bwd);
+    free(both);
+    return rc;
+}
+
+/* ---- memory-backward: the backward's footprint at L = S = 65536 ---- */
+
+/* Resets the kernel's RSS high-water mark to the current RSS (Linux: "5"
+ * to clear_refs), so that the next peak is the backward's alone. */
+static int reset_hwm(void) {
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (f == NULL) return 0;
+    const int ok = fputs("5", f) >= 0;
+    return fclose(f) == 0 && ok;
+}
+
+static int cmd_memory_backward(int argc, char **argv) {
+    const int64_t L = opt_long(argc, argv, "--len", 65536), E = opt_long(argc, argv, "--dim", 64);
+    const double baseline = rss_mib();
+    bwd_problem b = {.B = 1, .H = 1, .Hk = 1, .L = L, .S = L, .E = E};
+    if (bwd_setup(&b, NULL)) return 1;
+    const double t0 = now();
+    attn_status st = bwd_forward(&b);
+    const int reset = st == ATTN_OK && reset_hwm(); /* the forward's peak is not counted */
+    const double before = rss_mib(), t1 = now();
+    if (st == ATTN_OK) st = bwd_backward(&b);
+    const double fwd_s = t1 - t0, bwd_s = now() - t1;
+    if (st != ATTN_OK) {
+        fprintf(stderr, "attn_bench memory-backward: %s\n", attn_last_error());
+        return 1;
+    }
+    const double peak = rss_mib();
+    double checksum = 0;
+    for (int64_t i = 0; i < L * E; i += 997) checksum += b.dq[i] + b.dk[i] + b.dv[i];
+    /* q, k, v, dout, out (4 bytes x L x E each), lse (4 x L), dq, dk, dv */
+    const double io_mib = (8.0 * (double)(L * E) + (double)L) * 4 / (1 << 20);
+    const double used = peak - baseline, budget = io_mib + 64;
+    printf("{\"L\": %lld, \"E\": %lld, \"seconds\": %.2f, \"fwd_seconds\": %.2f, "
+           "\"baseline_rss_mib\": %.1f, \"rss_before_backward_mib\": %.1f, "
+           "\"hwm_reset_after_forward\": %s, \"peak_rss_mib\": %.1f, "
+           "\"inputs_outputs_gradients_mib\": %.1f, \"used_mib\": %.1f, \"budget_mib\": %.1f, "
+           "\"within_budget\": %s, \"checksum\": %.6f}\n",
+           (long long)L, (long long)E, bwd_s, fwd_s, baseline, before,
+           reset ? "true" : "false", peak, io_mib, used, budget, used <= budget ? "true" : "false",
+           checksum);
+    bwd_free(&b);
+    return used <= budget ? 0 : 1;
+}
+
 /* ---- sdpa: attn alone, seeded inputs, median of N after warm-up ---- */
 
 static int cmd_sdpa(int argc, char **argv) {
@@ -250,7 +486,8 @@ static int cmd_sdpa(int argc, char **argv) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: attn_bench peak|bandwidth|memory|sdpa ...\n");
+        fprintf(stderr,
+                "usage: attn_bench peak|bandwidth|memory|memory-backward|sdpa|backward ...\n");
         return 2;
     }
     const long threads = opt_long(argc, argv, "--threads", 0);
@@ -266,6 +503,8 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "bandwidth") == 0) return cmd_bandwidth(argc - 2, argv + 2);
     if (strcmp(argv[1], "memory") == 0) return cmd_memory(argc - 2, argv + 2);
     if (strcmp(argv[1], "sdpa") == 0) return cmd_sdpa(argc - 2, argv + 2);
+    if (strcmp(argv[1], "backward") == 0) return cmd_backward(argc - 2, argv + 2);
+    if (strcmp(argv[1], "memory-backward") == 0) return cmd_memory_backward(argc - 2, argv + 2);
     fprintf(stderr, "attn_bench: unknown command '%s'\n", argv[1]);
     return 2;
 }

@@ -15,6 +15,16 @@ peak extra memory of one call, output included (measured in a fresh interpreter
 from the kernel's RSS high-water mark), and the largest
 difference between the two outputs.
 
+The backward (prefill shapes, causal and not): attn's forward with lse then
+``attn_sdpa_backward`` through ``attn_bench backward``, against PyTorch's
+``F.scaled_dot_product_attention(...).backward(dout)``, on the same seeded
+q, k, v, dout (handed to attn_bench as .npy), in rounds that alternate the
+two. Reported: ms of forward+backward and of the backward alone, GFLOP/s with
+4·B·H·L·S·E for the forward and 10·B·H·L·S·E for the backward (half when
+causal), % of the same-run FMA peak, the PyTorch/attn ratios, the largest
+difference of dq, dk, dv; and ``attn_bench memory-backward``'s peak RSS at
+L = S = 65536 (8192 with --quick).
+
 Writes bench/results/results.json, bench/results/results.md and
 bench/results/throughput.png, and prints the Markdown table.
 """
@@ -26,6 +36,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -48,6 +59,7 @@ SWEEP = [256, 512, 1024, 2048, 4096]  # (1, 16, L, L, 64) for the plot
 TARGET_PREFILL_RATIO, TARGET_PEAK_PCT = 1.5, 60.0
 TARGET_DECODE_RATIO, TARGET_BW_PCT = 1.2, 60.0
 TARGET_MHA_RATIO = 1.3
+TARGET_BWD_RATIO, TARGET_BWD_PEAK_PCT = 1.3, 60.0  # forward+backward vs PyTorch; backward alone
 
 
 def log(msg):
@@ -202,6 +214,144 @@ def bench_mha(args, N, L, E, H):
                 mem_torch=peak_memory(args, "torch", "mha", (N, L, E, H)))
 
 
+# ---- backward ----
+# attn through `attn_bench backward` (the Python package has no autograd yet),
+# PyTorch through autograd, on the same inputs: run.py draws q, k, v, dout
+# and hands them to attn_bench as .npy files. attn runs in a child process,
+# so the two alternate by rounds (a few calls each) rather than call by call.
+
+def backward_inputs(B, H, L, S, E, seed=0):
+    """sdpa_inputs' q, k, v and a seeded dout shaped like the output."""
+    q, k, v = sdpa_inputs(B, H, L, S, E, H, seed)
+    dout = torch.randn(B, H, L, E, generator=torch.Generator().manual_seed(seed + 1))
+    return q, k, v, dout
+
+
+def attn_backward_round(args, shape, causal, reps, folder, save):
+    """One attn round: a warm-up then `reps` forward+backward calls on the
+    inputs in folder; per-call ms lists (and dq, dk, dv written when save)."""
+    cmd = ["backward", *map(str, shape), "--reps", str(reps), "--load", folder]
+    cmd += (["--causal"] if causal else []) + (["--save", folder] if save else [])
+    out = probe(args, *cmd)
+    return out["fwd_bwd_ms"], out["bwd_ms"]
+
+
+def torch_backward_round(q, k, v, dout, causal, reps):
+    """One PyTorch round: `reps` times the forward then .backward(dout), with
+    fresh gradients each time; per-call ms lists (forward+backward, backward)."""
+    both, bwd = [], []
+    for _ in range(reps):
+        q.grad = k.grad = v.grad = None
+        t0 = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        t1 = time.perf_counter()
+        out.backward(dout)
+        t2 = time.perf_counter()
+        both.append((t2 - t0) * 1e3)
+        bwd.append((t2 - t1) * 1e3)
+    return both, bwd
+
+
+def grad_diffs(folder, q, k, v):
+    """max |attn - PyTorch| of each gradient (attn's from the .npy files)."""
+    return {name: float(np.max(np.abs(np.load(os.path.join(folder, name + ".npy")) -
+                                      t.grad.numpy())))
+            for name, t in (("dq", q), ("dk", k), ("dv", v))}
+
+
+def bench_backward(args, B, H, L, S, E, causal):
+    """Medians over rounds that alternate attn and PyTorch (order flipped
+    every round); gradients compared on the first round's calls."""
+    q, k, v, dout = backward_inputs(B, H, L, S, E)
+    reps = args.reps if L * S <= 4096 * 4096 else max(3, args.reps // 3)
+    rounds = min(3, reps)
+    per_round = [reps // rounds + (r < reps % rounds) for r in range(rounds)]
+    a_both, a_bwd, t_both, t_bwd = [], [], [], []
+    with tempfile.TemporaryDirectory(prefix="attn_bench_") as folder:
+        for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+            np.save(os.path.join(folder, name + ".npy"), t.numpy())
+        for t in (q, k, v):
+            t.requires_grad_()
+        torch_backward_round(q, k, v, dout, causal, 1)  # warm-up (attn_bench warms itself)
+        for r, n in enumerate(per_round):
+            def run_attn():
+                both, bwd = attn_backward_round(args, (B, H, L, S, E), causal, n, folder, r == 0)
+                a_both.extend(both), a_bwd.extend(bwd)
+
+            def run_torch():
+                both, bwd = torch_backward_round(q, k, v, dout, causal, n)
+                t_both.extend(both), t_bwd.extend(bwd)
+            for run in ((run_attn, run_torch) if r % 2 == 0 else (run_torch, run_attn)):
+                run()
+        diffs = grad_diffs(folder, q, k, v)
+    half = 0.5 if causal else 1.0
+    return dict(ms_attn=statistics.median(a_both), ms_attn_bwd=statistics.median(a_bwd),
+                ms_torch=statistics.median(t_both), ms_torch_bwd=statistics.median(t_bwd),
+                flops=14.0 * B * H * L * S * E * half, flops_bwd=10.0 * B * H * L * S * E * half,
+                max_diff=diffs, reps=reps, rounds=rounds,
+                runs_ms=dict(attn_fwd_bwd=a_both, attn_bwd=a_bwd, torch_fwd_bwd=t_both,
+                             torch_bwd=t_bwd))
+
+
+def backward_figures(c, peak):
+    """Ratios, GFLOP/s and % of peak of one backward case (in place)."""
+    c["ratio"] = c["ms_torch"] / c["ms_attn"]
+    c["ratio_bwd"] = c["ms_torch_bwd"] / c["ms_attn_bwd"]
+    c["gflops_attn"] = c["flops"] / c["ms_attn"] / 1e6
+    c["gflops_torch"] = c["flops"] / c["ms_torch"] / 1e6
+    c["gflops_attn_bwd"] = c["flops_bwd"] / c["ms_attn_bwd"] / 1e6
+    c["gflops_torch_bwd"] = c["flops_bwd"] / c["ms_torch_bwd"] / 1e6
+    c["peak_pct"] = 100 * c["gflops_attn"] / peak
+    c["peak_pct_bwd"] = 100 * c["gflops_attn_bwd"] / peak
+
+
+def fmt_backward_row(c):
+    d = c["max_diff"]
+    return (f"| {c['label']} | {c['ms_attn']:.2f} | {c['ms_attn_bwd']:.2f} | "
+            f"{c['ms_torch']:.2f} | {c['ms_torch_bwd']:.2f} | **{c['ratio']:.2f}×** | "
+            f"{c['ratio_bwd']:.2f}× | {c['gflops_attn']:.1f} | {c['gflops_torch']:.1f} | "
+            f"{c['gflops_attn_bwd']:.1f} | {c['peak_pct']:.0f}% | {c['peak_pct_bwd']:.0f}% | "
+            f"{d['dq']:.1e} / {d['dk']:.1e} / {d['dv']:.1e} |")
+
+
+def backward_table(cases):
+    """The backward's Markdown table, with how it counts and measures."""
+    if not cases:
+        return []
+    return ["", "Backward: attn_sdpa (with lse) then attn_sdpa_backward (`attn_bench backward`) "
+            "vs PyTorch's F.scaled_dot_product_attention(...).backward(dout), on the same "
+            "seeded q, k, v, dout, in rounds that alternate the two (order flipped every "
+            "round). GFLOP/s count the forward as 4·B·H·L·S·E and the backward as "
+            "10·B·H·L·S·E (forward+backward 14·B·H·L·S·E), half of it when causal. "
+            "Speed-ups are PyTorch ms / attn ms.", "",
+            "| case | attn fwd+bwd ms | attn bwd ms | PyTorch fwd+bwd ms | PyTorch bwd ms | "
+            "speed-up fwd+bwd | speed-up bwd | attn fwd+bwd GFLOP/s | PyTorch fwd+bwd GFLOP/s | "
+            "attn bwd GFLOP/s | attn fwd+bwd % of peak | attn bwd % of peak | "
+            "max \\|diff\\| dq / dk / dv |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + \
+        [fmt_backward_row(c) for c in cases]
+
+
+def backward_verdicts(cases, memory):
+    """The issue's backward targets: per case, then the memory bound."""
+    verdict = []
+    for c in cases:
+        verdict.append((c["label"], f"fwd+bwd ≥ {TARGET_BWD_RATIO}× PyTorch",
+                        c["ratio"] >= TARGET_BWD_RATIO, f"{c['ratio']:.2f}×"))
+        verdict.append((c["label"], f"bwd ≥ {TARGET_BWD_PEAK_PCT:.0f}% of FMA peak",
+                        c["peak_pct_bwd"] >= TARGET_BWD_PEAK_PCT, f"{c['peak_pct_bwd']:.0f}%"))
+    if memory is not None:
+        m = memory
+        verdict.append((f"L = S = {m['L']}, H = 1, E = {m['E']} (attn_bench memory-backward)",
+                        "backward peak RSS ≤ inputs + outputs + gradients + 64 MiB",
+                        m["within_budget"],
+                        f"{m['used_mib']:.1f} MiB (inputs + outputs + gradients "
+                        f"{m['inputs_outputs_gradients_mib']:.0f} MiB + "
+                        f"{m['used_mib'] - m['inputs_outputs_gradients_mib']:.1f} MiB; "
+                        f"budget {m['budget_mib']:.0f} MiB)"))
+    return verdict
+
+
 # ---- report ----
 
 def fmt_row(c, peak):
@@ -281,20 +431,32 @@ def main():
     for Ls in (SWEEP if not args.quick else [256, 512]):
         for causal in (False, True):
             plan.append(("sweep", (1, 16, Ls, Ls, 64, causal, None)))
+    for shp in prefill:
+        for causal in (False, True):
+            plan.append(("backward", shp + (causal, None)))
 
-    cases = []
+    cases, backward = [], []
     for i, (group, p) in enumerate(plan):
         if group == "mha":
             name, N, L, E, H = p
             label = f"MHA {name} ({N},{L},{E}) {H} heads"
         else:
             B, H, L, S, E, causal, kvh = p
-            label = (f"({B},{H},{L},{S},{E})" + (" causal" if causal else "") +
-                     (f" {kvh} KV heads" if kvh else ""))
+            label = (("backward " if group == "backward" else "") + f"({B},{H},{L},{S},{E})" +
+                     (" causal" if causal else "") + (f" {kvh} KV heads" if kvh else ""))
         if args.only and args.only not in label:
             continue
         log(f"[{i + 1}/{len(plan)}] {group}: {label} ...")
         t0 = time.perf_counter()
+        if group == "backward":
+            c = bench_backward(args, B, H, L, S, E, causal)
+            c.update(group=group, label=label, threads=args.threads, L=L, causal=causal)
+            backward.append(c)
+            log(f"    attn fwd+bwd {c['ms_attn']:.2f} ms (bwd {c['ms_attn_bwd']:.2f}), torch "
+                f"{c['ms_torch']:.2f} ms (bwd {c['ms_torch_bwd']:.2f}), "
+                f"{c['ms_torch'] / c['ms_attn']:.2f}x, max |diff| "
+                f"{max(c['max_diff'].values()):.1e} ({time.perf_counter() - t0:.0f} s)")
+            continue
         if group == "mha":
             c = bench_mha(args, N, L, E, H)
         else:
@@ -322,10 +484,24 @@ def main():
             f"MiB of inputs and outputs (budget {memory['budget_mib']:.0f} MiB) in "
             f"{memory['seconds']:.1f} s")
 
+    # The backward's memory at the issue's length; a short one as a smoke test
+    # when --quick (the verdict names the length measured).
+    memory_bwd = None
+    if not args.only or "memory" in args.only:
+        mlen = 65536 if not args.quick else 8192
+        log(f"memory: attn_bench memory-backward (L = S = {mlen}, H = 1, E = 64) ...")
+        memory_bwd = probe(args, "memory-backward", "--len", str(mlen))
+        log(f"    peak RSS grew {memory_bwd['used_mib']:.1f} MiB for "
+            f"{memory_bwd['inputs_outputs_gradients_mib']:.0f} MiB of inputs, outputs and "
+            f"gradients (budget {memory_bwd['budget_mib']:.0f} MiB); backward "
+            f"{memory_bwd['seconds']:.1f} s")
+
     peak1 = probe(args, "peak")  # again at the end: the machine may have changed
     peak = max(peak0["gflops"], peak1["gflops"])
     for c in cases:
         c["peak_pct"] = 100 * c["gflops_attn"] / peak
+    for c in backward:
+        backward_figures(c, peak)
 
     # Targets, as the issue states them.
     verdict = []
@@ -352,6 +528,7 @@ def main():
                         f"{memory['inputs_outputs_mib']:.0f} MiB + "
                         f"{memory['used_mib'] - memory['inputs_outputs_mib']:.1f} MiB; "
                         f"budget {memory['budget_mib']:.0f} MiB)"))
+    verdict += backward_verdicts(backward, memory_bwd)
 
     machine = dict(cpu=platform.processor() or platform.machine(), threads=args.threads,
                    fma_peak_gflops=[peak0["gflops"], peak1["gflops"]], peak_isa=peak0["isa"],
@@ -360,7 +537,8 @@ def main():
                    date=time.strftime("%Y-%m-%d %H:%M"))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(dict(machine=machine, cases=cases, memory=memory,
-                       targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict]),
+                       targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict],
+                       backward=backward, memory_backward=memory_bwd),
                   f, indent=1)
 
     lines = [f"attn {machine['attn']} ({machine['attn_isa']}) vs PyTorch {machine['torch']}, "
@@ -371,6 +549,7 @@ def main():
              "attn % of peak | note | extra memory MiB attn / PyTorch | max \\|diff\\| |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     lines += [fmt_row(c, peak) for c in cases if c["group"] != "sweep"]
+    lines += backward_table(backward)
     lines += ["", "| target | case | measured | met |", "|---|---|---:|:---:|"]
     lines += [f"| {b} | {a} | {v} | {'yes' if m else '**no**'} |" for a, b, m, v in verdict]
     table = "\n".join(lines)
