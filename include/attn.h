@@ -227,6 +227,12 @@ typedef struct attn_sdpa_params {
      * may be NULL (keeps the C name), or NULL for all C names. A binding
      * passes its own (the Python package: "query", "key", "value", ...). */
     const char *const *arg_names;
+    /* [attn] The lse output for a backward pass: 1 gives the log-sum-exp of
+     * the scores as the fused kernels round them, so that the weights
+     * attn_sdpa_backward recomputes from it sum to 1 (their gradients come
+     * out about half as far from the exact ones as with the exact lse). 0,
+     * the default: lse exact to float64, rounded once. */
+    int lse_for_backward;
 } attn_sdpa_params;
 
 /* The defaults: no mask, not causal, default scale, no GQA, no dropout. */
@@ -267,7 +273,8 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
  * (no L x S buffer), with D = rowsum(dout * out).
  *   dout    (B..., Hq, L, Ev)  like out
  *   out     (B..., Hq, L, Ev)  the forward's output
- *   lse     (B..., Hq, L)      the forward's log-sum-exp (attn_sdpa's lse)
+ *   lse     (B..., Hq, L)      the forward's log-sum-exp (attn_sdpa's lse,
+ *                              best with params->lse_for_backward set)
  *   dq, dk, dv                 shaped like q, k, v, same dtype; each may be
  *                              NULL when that gradient is not wanted
  *   dmask                      optional: shaped like params->attn_mask, which

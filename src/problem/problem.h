@@ -87,9 +87,11 @@ typedef struct attn__problem {
     attn__operand out, lse, weights;
     bool has_lse, has_weights;
     /* lse to float64 accuracy: the kernels track each row's best key and
-     * recompute its score exactly. On whenever a caller asks for lse; the
-     * split decode path's internal chunk lse only when the whole call's is
-     * asked for (tracking costs a pass over every score tile). */
+     * recompute its score exactly. On whenever a caller asks for lse, unless
+     * it is for a backward pass (then the lse of the kernels' own rounded
+     * scores, which the backward's recomputed weights must be normalised
+     * by); the split decode path's internal chunk lse only when the whole
+     * call's is asked for (tracking costs a pass over every score tile). */
     bool lse_exact;
 
     /* Where this problem sits in the whole one (a slice: a key chunk, a ring
@@ -199,6 +201,8 @@ typedef struct attn__problem_request {
     attn_tensor *out, *weights, *lse; /* out may be NULL to only infer shapes */
     /* What messages call q, k, v, out, weights, lse; NULL: those names. */
     const char *const *names;
+    /* lse as the kernels' own scores give it (attn_sdpa_params.lse_for_backward) */
+    bool lse_for_backward;
 } attn__problem_request;
 
 /* Validates a request into a whole problem (offsets 0, no ragged rows). */

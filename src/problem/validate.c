@@ -305,7 +305,7 @@ static attn_status check_outputs(attn__problem *p, const attn__problem_request *
         if ((st = check_output(r->lse, NAME(r, ATTN__LSE), p->dtype, nb + 1, shape)) != ATTN_OK) return st;
         fill_lse(&p->lse, r->lse, nb);
         p->has_lse = true;
-        p->lse_exact = true;
+        p->lse_exact = !r->lse_for_backward;
     }
     return check_overlaps(r);
 }
@@ -364,6 +364,7 @@ static attn_status request_from_public(attn__problem_request *r, const attn_tens
     r->seed = params.seed;
     r->rng_offset = params.rng_offset;
     r->names = params.arg_names;
+    r->lse_for_backward = params.lse_for_backward != 0;
     return ATTN_OK;
 }
 

@@ -371,6 +371,37 @@ static void test_hidden_nan_and_empty_rows(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* lse_for_backward: the same out, bit for bit, and an lse within rounding
+ * of float32 scores of the exact one; and gradients from it at least as
+ * close to the float64 ones (the weights it gives sum to 1). */
+static void test_lse_for_backward(void) {
+    rng r = {harness_seed() ^ 0x15eu};
+    const bw_case c = {4, {1, 4, 200, 64}, {1, 4, 300, 64}, {1, 4, 300, 64}, 0, {0}, 0,
+                       ATTN_CAUSAL_NONE, 0, 0, 0, 0};
+    for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
+        if (!attn_isa_supported(FUSED[i])) continue;
+        CHECK_OK(attn_set_isa(FUSED[i]));
+        bw_data d;
+        bw_make(&d, &c, ATTN_DTYPE_F32, LAYOUT_CONTIGUOUS, &r);
+        test_tensor out2, lse2;
+        tt_make_output(&out2, &r, ATTN_DTYPE_F32, d.out_rank, d.out_shape, LAYOUT_CONTIGUOUS);
+        tt_make_output(&lse2, &r, ATTN_DTYPE_F32, d.out_rank - 1, d.out_shape, LAYOUT_CONTIGUOUS);
+        CHECK_OK(attn_sdpa(&d.q.t, &d.k.t, &d.v.t, &d.params, &d.out.t, NULL, &d.lse.t));
+        d.params.lse_for_backward = 1;
+        CHECK_OK(attn_sdpa(&d.q.t, &d.k.t, &d.v.t, &d.params, &out2.t, NULL, &lse2.t));
+        CHECK(same_bits(&d.out.t, &out2.t), "%s: lse_for_backward changed out",
+              attn_isa_name(FUSED[i]));
+        double diff, mag;
+        compare(&lse2.t, &d.lse.t, &diff, &mag);
+        CHECK(diff <= 64 * FLT_EPSILON * (mag > 1 ? mag : 1), "%s: lse moved by %.3g",
+              attn_isa_name(FUSED[i]), diff);
+        tt_free(&out2);
+        tt_free(&lse2);
+        bw_free(&d);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 /* ---- arguments ---- */
 
 #define CHECK_ARG(call, status, arg)                                                       \
@@ -430,4 +461,4 @@ static void test_arguments(void) {
 
 HARNESS_MAIN(T(test_reference_matches_finite_differences), T(test_fused_matches_reference),
              T(test_bits_for_any_thread_count), T(test_hidden_nan_and_empty_rows),
-             T(test_arguments))
+             T(test_lse_for_backward), T(test_arguments))
