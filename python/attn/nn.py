@@ -39,32 +39,28 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
 
 class _CModules:
-    """The attn_mha a torch module's calls run on (`run`, whose parameters are
-    copied from the torch parameters when they changed) and one receiving
-    gradients (`grads`), per configuration. One lock: a copy never races a
-    call reading the parameters, and the grads module is read out before the
+    """The attn_mha a torch module's calls run on (`run`, into which the torch
+    parameters are copied at every call: a version counter would miss writes
+    through .data, which torch code does) and one receiving gradients
+    (`grads`), for one configuration. One lock: a copy never races a call
+    reading the parameters, and the grads module is read out before the
     next backward writes it."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.key = None
         self.run = self.grads = None
-        self.versions = None
 
     def get(self, spec, params):
         """The run module for `spec` holding `params` (torch tensors in
         attn_mha_param_at order). Caller holds the lock."""
         if self.key != spec:
             self.run = _attn.MHA(**spec)
-            self.grads, self.versions, self.key = None, None, spec
+            self.grads, self.key = None, spec
             self.layout = self.run.param_layout()
-        versions = tuple((p.data_ptr(), p._version) for p in params)
-        if versions != self.versions:  # parameters changed since the last copy
-            flat = np.frombuffer(self.run, dtype=spec["dtype"])
-            for (name, shape, offset), p in zip(self.layout, params):
-                n = int(np.prod(shape))
-                flat[offset:offset + n] = p.detach().reshape(-1).numpy()
-            self.versions = versions
+        flat = np.frombuffer(self.run, dtype=spec["dtype"])
+        for (name, shape, offset), p in zip(self.layout, params):
+            flat[offset:offset + p.numel()] = p.detach().reshape(-1).numpy()
         return self.run
 
     def grad_module(self):
@@ -131,7 +127,7 @@ class _MHAFunction(torch.autograd.Function):
                     _np(query), _np(key), _np(value), empty=np.empty, **kw)
             except (ValueError, TypeError, MemoryError, RuntimeError) as e:
                 raise library_error(e) from None
-        ctx.call, ctx.run, ctx.saved = call, run, saved
+        ctx.call, ctx.saved = call, saved
         ctx.save_for_backward(query, key, value, *params)
         ctx.set_materialize_grads(False)
         out_t = torch.from_numpy(out)
@@ -154,9 +150,12 @@ class _MHAFunction(torch.autograd.Function):
             return (None,) * len(need)
         cm = ctx.call["cmodules"]
         with cm.lock:
+            # the parameters as they are now, as torch's backward reads its
+            # saved parameters (another call may have copied others since)
+            run = cm.get(ctx.call["spec"], params)
             grads = cm.grad_module() if want_params else None
             try:
-                dq, dk, dv = ctx.run.backward(
+                dq, dk, dv = run.backward(
                     ctx.saved, _np(query), _np(key), _np(value), _np(dout), empty=np.empty,
                     need_dquery=need[1], need_dkey=need[2], need_dvalue=need[3], grads=grads)
             except (ValueError, TypeError, MemoryError, RuntimeError) as e:
@@ -169,7 +168,6 @@ class _MHAFunction(torch.autograd.Function):
                         n = int(np.prod(shape))
                         dparams[i] = torch.from_numpy(flat[offset:offset + n].copy()).view(
                             p.shape)
-        ctx.saved = None  # the context's memory goes with the graph's first backward
         t = [None if x is None else torch.from_numpy(x) for x in (dq, dk, dv)]
         return (None, *t, *dparams)
 
@@ -206,7 +204,10 @@ def _mha_call(m, query, key, value, key_padding_mask, need_weights, attn_mask,
             "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
             "module method `generate_square_subsequent_mask` to create this mask.")
     if is_causal and key_padding_mask is None and not need_weights:
-        attn_mask, causal = None, True  # torch's SDPA path: the hint replaces the mask
+        # torch's SDPA path: the hint replaces the mask. (With add_bias_kv /
+        # add_zero_attn torch then hides the appended keys from early
+        # queries, unlike its mask path; attn keeps them visible on both.)
+        attn_mask, causal = None, True
     else:
         causal = False  # torch uses attn_mask, which the hint says is causal
     for x, name in ((key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask")):
@@ -251,7 +252,7 @@ class MultiheadAttention(torch.nn.Module):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
                  add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
-                 dtype=None):
+                 dtype=None) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(
                 f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
