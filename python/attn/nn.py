@@ -51,6 +51,10 @@ class _CModules:
         self.key = None
         self.run = self.grads = None
 
+    def __reduce__(self):
+        # deepcopy / pickle of a module: the copy starts with a cache of its own
+        return (_CModules, ())
+
     def get(self, spec, params):
         """The run module for `spec` holding `params` (torch tensors in
         attn_mha_param_at order). Caller holds the lock."""

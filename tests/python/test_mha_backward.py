@@ -400,3 +400,21 @@ def test_patched_forward_falls_back_for_other_dtypes():
     assert calls == [t] and out.dtype == torch.bfloat16
     out2, _ = attn.nn._patched_mha_forward(t, x, x, x)  # no attribute: torch's forward
     assert torch.equal(out, out2)
+
+
+def test_deepcopy_and_pickle_after_calls():
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    a = attn.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    t = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    x = torch.randn(3, 2, 8, dtype=torch.float64)
+    a(x, x, x)
+    attn.nn._patched_mha_forward(t, x, x, x)  # leaves its C modules on t
+    for m in (a, t):
+        for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+            with torch.no_grad():
+                twin.in_proj_weight.mul_(2)  # the copy's own parameters, own C module
+            assert not torch.equal(attn.nn._patched_mha_forward(twin, x, x, x)[0],
+                                   attn.nn._patched_mha_forward(m, x, x, x)[0])
