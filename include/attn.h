@@ -444,9 +444,18 @@ ATTN_API attn_status attn_mha_forward(const attn_mha *mha, const attn_tensor *qu
  *                           in_proj_bias or q/k/v_proj_weight, bias_k,
  *                           bias_v, out_proj.weight, out_proj.bias)
  * query, key and value must be the tensors the forward was given (same
- * shapes; the backward reads them for the weight gradients). The returned
- * weights are not differentiated: gradients flow through out only. Results
- * are bitwise identical for any thread count. */
+ * shapes; the backward reads them for the weight gradients). When the
+ * forward was given one tensor as query, key and value (self-attention),
+ * dquery, dkey and dvalue are still three separate gradients: the caller
+ * sums them. The returned weights are not differentiated: gradients flow
+ * through out only. Errors: ATTN_ERR_NULL for a NULL mha, saved, query,
+ * key, value or dout; ATTN_ERR_INVALID naming "saved" when it was made on a
+ * module of another configuration, "grads" when grads has another
+ * configuration or is mha itself; ATTN_ERR_SHAPE / ATTN_ERR_DTYPE naming the
+ * tensor that differs from what the forward saw; ATTN_ERR_OVERLAP when a
+ * gradient shares memory with an input, dout, a module's parameters or
+ * another gradient; ATTN_ERR_NOMEM (nothing leaked). Results are bitwise
+ * identical for any thread count. */
 typedef struct attn_mha_saved attn_mha_saved;
 
 ATTN_API attn_status attn_mha_forward_train(const attn_mha *mha, const attn_tensor *query,

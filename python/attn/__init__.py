@@ -30,6 +30,15 @@ __all__ = [
 ]
 
 
+def __getattr__(name):
+    # attn.nn needs torch: imported on first use, so `import attn` works without it.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'attn' has no attribute {name!r}")
+
+
 def set_num_threads(num_threads):
     """Threads each call uses, 1 to max_threads(); 0 restores the default: the
     environment variable ATTN_NUM_THREADS if set, else the number of

@@ -676,7 +676,35 @@ PyDoc_STRVAR(mha_forward_doc,
              "dropout: this call's probability, None for the module's (which may change\n"
              "after construction); batch_first: this call's layout, -1 for the module's.");
 
-static PyObject *mha_forward(MHAObject *self, PyObject *args, PyObject *kwds) {
+PyDoc_STRVAR(mha_forward_train_doc,
+             "forward_train(query, key, value, *, empty, ...same keywords as forward)\n"
+             "        -> (out, weights or None, saved)\n\n"
+             "attn_mha_forward_train: the forward, and a Saved context holding what\n"
+             "backward() needs (freed with the object).");
+
+/* attn_mha_saved as a Python object: the context is freed when the object
+ * is; it holds no pointer to Python memory. */
+typedef struct SavedObject {
+    PyObject_HEAD
+    attn_mha_saved *saved;
+} SavedObject;
+
+static void saved_dealloc(SavedObject *self) {
+    attn_mha_saved_destroy(self->saved);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject SavedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "attn._attn.Saved",
+    .tp_basicsize = sizeof(SavedObject),
+    .tp_dealloc = (destructor)saved_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "What MHA.forward_train keeps for MHA.backward (an attn_mha_saved).",
+};
+
+/* forward and forward_train: the same arguments; `train` adds the Saved. */
+static PyObject *mha_run(MHAObject *self, PyObject *args, PyObject *kwds, bool train) {
     static char *kwlist[] = {"query", "key", "value", "empty", "key_padding_mask",
                              "attn_mask", "need_weights", "average_attn_weights", "is_causal",
                              "training", "dropout", "seed", "rng_offset", "batch_first", NULL};
@@ -708,6 +736,8 @@ static PyObject *mha_forward(MHAObject *self, PyObject *args, PyObject *kwds) {
     memset(&out, 0, sizeof out);
     memset(&w, 0, sizeof w);
     PyObject *r_out = NULL, *r_w = NULL, *result = NULL;
+    SavedObject *r_saved = NULL;
+    attn_mha_saved *saved = NULL;
     if (view_get(oq, "query", 0, &q) < 0) return NULL;
     if (view_get(ok, "key", 0, &k) < 0 || view_get(ov, "value", 0, &v) < 0 ||
         view_get_optional(okpm, "key_padding_mask", &kpm, &has_kpm) < 0 ||
@@ -733,15 +763,29 @@ static PyObject *mha_forward(MHAObject *self, PyObject *args, PyObject *kwds) {
     interrupt_guard guard;
     interrupt_guard_arm(&guard);
     Py_BEGIN_ALLOW_THREADS
-    st = attn_mha_forward(self->mha, &q.t, &k.t, &v.t, &fp, &out.t, need_w ? &w.t : NULL);
+    if (train)
+        st = attn_mha_forward_train(self->mha, &q.t, &k.t, &v.t, &fp, &out.t,
+                                    need_w ? &w.t : NULL, &saved);
+    else
+        st = attn_mha_forward(self->mha, &q.t, &k.t, &v.t, &fp, &out.t, need_w ? &w.t : NULL);
     Py_END_ALLOW_THREADS
     if (interrupt_guard_disarm(&guard, st) < 0) goto done;
     if (st != ATTN_OK) {
         raise_status(st);
         goto done;
     }
-    result = Py_BuildValue("(OO)", r_out, r_w ? r_w : Py_None);
+    if (!train) {
+        result = Py_BuildValue("(OO)", r_out, r_w ? r_w : Py_None);
+        goto done;
+    }
+    r_saved = PyObject_New(SavedObject, &SavedType);
+    if (r_saved == NULL) goto done;
+    r_saved->saved = saved;
+    saved = NULL; /* the object owns it now */
+    result = Py_BuildValue("(OOO)", r_out, r_w ? r_w : Py_None, (PyObject *)r_saved);
 done:
+    attn_mha_saved_destroy(saved);
+    Py_XDECREF(r_saved);
     view_release(&q);
     view_release(&k);
     view_release(&v);
@@ -754,6 +798,88 @@ done:
     return result;
 }
 
+static PyObject *mha_forward(MHAObject *self, PyObject *args, PyObject *kwds) {
+    return mha_run(self, args, kwds, false);
+}
+
+static PyObject *mha_forward_train(MHAObject *self, PyObject *args, PyObject *kwds) {
+    return mha_run(self, args, kwds, true);
+}
+
+static PyTypeObject MHAType;
+
+PyDoc_STRVAR(mha_backward_doc,
+             "backward(saved, query, key, value, dout, *, empty, need_dquery=True,\n"
+             "         need_dkey=True, need_dvalue=True, grads=None)\n"
+             "        -> (dquery or None, dkey or None, dvalue or None)\n\n"
+             "attn_mha_backward: the gradients of the inputs, new arrays shaped like\n"
+             "them; grads (an MHA of the same configuration, or None) receives the\n"
+             "parameters' gradients in its storage. query, key and value are those\n"
+             "the forward_train that made `saved` was given.");
+
+/* The gradients of the inputs as new outputs (NULL where not wanted). */
+static int grad_outputs(PyObject *empty, const buffer_view in[3], const int want[3],
+                        attn_dtype dt, buffer_view d[3], PyObject *r[3]) {
+    static const char *const names[3] = {"dquery", "dkey", "dvalue"};
+    for (int i = 0; i < 3; i++) {
+        if (!want[i]) continue;
+        r[i] = new_output(empty, in[i].t.rank, in[i].t.shape, dt, names[i], &d[i]);
+        if (r[i] == NULL) return -1;
+    }
+    return 0;
+}
+
+static PyObject *mha_backward(MHAObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"saved", "query", "key", "value", "dout", "empty", "need_dquery",
+                             "need_dkey", "need_dvalue", "grads", NULL};
+    PyObject *osaved, *o[4], *empty = NULL, *ograds = Py_None;
+    int want[3] = {1, 1, 1};
+    if (!mha_ready(self)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OOOO|$OpppO:backward", kwlist, &SavedType,
+                                     &osaved, &o[0], &o[1], &o[2], &o[3], &empty, &want[0],
+                                     &want[1], &want[2], &ograds) ||
+        require_empty(empty, "backward") < 0)
+        return NULL;
+    if (ograds != Py_None && !PyObject_TypeCheck(ograds, &MHAType)) {
+        PyErr_Format(PyExc_TypeError, "grads must be an MHA or None, not %.200s",
+                     Py_TYPE(ograds)->tp_name);
+        return NULL;
+    }
+    attn_mha *grads = ograds == Py_None ? NULL : ((MHAObject *)ograds)->mha;
+    if (ograds != Py_None && grads == NULL) return mha_ready((MHAObject *)ograds), NULL;
+    static const char *const in_names[4] = {"query", "key", "value", "dout"};
+    buffer_view in[4], d[3];
+    PyObject *r[3] = {NULL, NULL, NULL}, *result = NULL;
+    memset(in, 0, sizeof in);
+    memset(d, 0, sizeof d);
+    for (int i = 0; i < 4; i++)
+        if (view_get(o[i], in_names[i], 0, &in[i]) < 0) goto done;
+    if (grad_outputs(empty, in, want, self->cfg.dtype, d, r) < 0) goto done;
+    const attn_mha_saved *saved = ((SavedObject *)osaved)->saved;
+    attn_status st;
+    interrupt_guard guard;
+    interrupt_guard_arm(&guard);
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_mha_backward(self->mha, saved, &in[0].t, &in[1].t, &in[2].t, &in[3].t,
+                           want[0] ? &d[0].t : NULL, want[1] ? &d[1].t : NULL,
+                           want[2] ? &d[2].t : NULL, grads);
+    Py_END_ALLOW_THREADS
+    if (interrupt_guard_disarm(&guard, st) < 0) goto done;
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    result = Py_BuildValue("(OOO)", r[0] ? r[0] : Py_None, r[1] ? r[1] : Py_None,
+                           r[2] ? r[2] : Py_None);
+done:
+    for (int i = 0; i < 4; i++) view_release(&in[i]);
+    for (int i = 0; i < 3; i++) {
+        view_release(&d[i]);
+        Py_XDECREF(r[i]);
+    }
+    return result;
+}
+
 static PyMethodDef mha_methods[] = {
     {"param_layout", (PyCFunction)mha_param_layout, METH_NOARGS,
      "[(name, shape, element offset)] of the parameters, in state_dict() order"},
@@ -761,6 +887,10 @@ static PyMethodDef mha_methods[] = {
      "the configuration, with head_dim, kdim and vdim resolved"},
     {"forward", (PyCFunction)(void (*)(void))mha_forward, METH_VARARGS | METH_KEYWORDS,
      mha_forward_doc},
+    {"forward_train", (PyCFunction)(void (*)(void))mha_forward_train,
+     METH_VARARGS | METH_KEYWORDS, mha_forward_train_doc},
+    {"backward", (PyCFunction)(void (*)(void))mha_backward, METH_VARARGS | METH_KEYWORDS,
+     mha_backward_doc},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject MHAType = {
@@ -888,10 +1018,19 @@ static struct PyModuleDef module_def = {
     module_methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__attn(void) {
-    if (PyType_Ready(&MHAType) < 0 || interrupt_guard_init() < 0) return NULL;
+    if (PyType_Ready(&MHAType) < 0 || PyType_Ready(&SavedType) < 0 ||
+        interrupt_guard_init() < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
     Py_INCREF(&MHAType);
+    Py_INCREF(&SavedType);
+    if (PyModule_AddObject(m, "Saved", (PyObject *)&SavedType) < 0) {
+        Py_DECREF(&SavedType);
+        Py_DECREF(&MHAType);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddObject(m, "MHA", (PyObject *)&MHAType) < 0 ||
         PyModule_AddStringConstant(m, "__version__", attn_version()) < 0) {
         Py_DECREF(&MHAType);

@@ -134,10 +134,12 @@ static bool blas_buffer_possible(void) {
 
 typedef struct gemm_call {
     attn_dtype dtype;
+    bool trans_a, trans_b; /* A stored k x m / B stored n x k */
     int64_t m, n, k, lda, ldb, ldc;
     const char *a, *b;
     char *c;
     const char *bias; /* n values, or NULL */
+    double beta;      /* C = op(A)·op(B) + beta·C (with a bias: onto the bias) */
 } gemm_call;
 
 /* One tile: a single-threaded BLAS call on rows [r0, r0+mr), columns
@@ -146,11 +148,15 @@ typedef struct gemm_call {
 static attn_status run_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t c0, int64_t nc) {
     if (!blas_buffer_possible()) return ATTN_ERR_NOMEM;
     const size_t es = attn_dtype_size(g->dtype);
-    const void *a = g->a + (size_t)(r0 * g->lda) * es, *b = g->b + (size_t)(c0 * g->ldb) * es;
+    /* Row r0 of op(A) is column r0 of a transposed A; column c0 of op(B) is
+     * row c0 of a transposed B. */
+    const void *a = g->a + (size_t)(g->trans_a ? r0 : r0 * g->lda) * es;
+    const void *b = g->b + (size_t)(g->trans_b ? c0 * g->ldb : c0) * es;
     void *c = g->c + (size_t)(r0 * g->ldc + c0) * es;
     /* BLAS checks lda >= k and ldc >= n even for one row, whose stride is
      * never used (and may not even fit an int). */
-    const int lda = (int)(mr == 1 ? g->k : g->lda), ldc = (int)(mr == 1 ? nc : g->ldc);
+    const bool one_row = mr == 1 && !g->trans_a;
+    const int lda = (int)(one_row ? g->k : g->lda), ldc = (int)(mr == 1 ? nc : g->ldc);
     /* The bias is written into the tile, then the product accumulated onto
      * it: first touch of C happens here, in parallel and between cancel
      * checks, rather than in one long serial pass before the GEMM. */
@@ -158,22 +164,40 @@ static attn_status run_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t 
         for (int64_t r = 0; r < mr; r++)
             memcpy((char *)c + (size_t)(r * g->ldc) * es, g->bias + (size_t)c0 * es,
                    (size_t)nc * es);
-    const bool acc = g->bias != NULL;
+    const double beta = g->bias != NULL ? 1.0 : g->beta;
+    const enum CBLAS_TRANSPOSE ta = g->trans_a ? CblasTrans : CblasNoTrans,
+                               tb = g->trans_b ? CblasTrans : CblasNoTrans;
     if (g->dtype == ATTN_DTYPE_F32)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)mr, (int)nc, (int)g->k, 1.0f,
-                    a, lda, b, (int)g->ldb, acc ? 1.0f : 0.0f, c, ldc);
+        cblas_sgemm(CblasRowMajor, ta, tb, (int)mr, (int)nc, (int)g->k, 1.0f, a, lda, b,
+                    (int)g->ldb, (float)beta, c, ldc);
     else
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)mr, (int)nc, (int)g->k, 1.0,
-                    a, lda, b, (int)g->ldb, acc ? 1.0 : 0.0, c, ldc);
+        cblas_dgemm(CblasRowMajor, ta, tb, (int)mr, (int)nc, (int)g->k, 1.0, a, lda, b,
+                    (int)g->ldb, beta, c, ldc);
     blas_buffer_mapped = true;
     return ATTN_OK;
 }
 
+static attn_status run_tiles(const gemm_call *g, const volatile int *cancel);
+
 attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
                            int64_t lda, const void *b, int64_t ldb, const void *bias, void *c,
                            int64_t ldc, const volatile int *cancel) {
-    const gemm_call g = {dtype, m, n, k, lda, ldb, ldc, a, b, c, bias};
-    const gemm_tiles t = plan_tiles(m, n, k);
+    const gemm_call g = {dtype, false, true, m, n, k, lda, ldb, ldc, a, b, c, bias, 0.0};
+    return run_tiles(&g, cancel);
+}
+
+attn_status attn__gemm(attn_dtype dtype, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                       int64_t k, const void *a, int64_t lda, const void *b, int64_t ldb,
+                       double beta, void *c, int64_t ldc, const volatile int *cancel) {
+    const gemm_call g = {dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, a, b, c, NULL, beta};
+    return run_tiles(&g, cancel);
+}
+
+/* Every tile of C on attn's threads, one single-threaded BLAS call each. */
+static attn_status run_tiles(const gemm_call *gp, const volatile int *cancel) {
+    const gemm_call g = *gp;
+    const int64_t m = g.m, n = g.n;
+    const gemm_tiles t = plan_tiles(m, n, g.k);
     const int64_t ntiles = t.nrow * t.ncol;
     const int threads = ntiles > 1 ? attn__threads() : 1;
     int status = ATTN_OK; /* the first failure of any tile */

@@ -27,6 +27,17 @@ attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, co
                            int64_t lda, const void *b, int64_t ldb, const void *bias, void *c,
                            int64_t ldc, const volatile int *cancel);
 
+/* C = op(A) · op(B) + beta · C, tiled like attn__gemm_abt (by the shape of
+ * C alone, so the bits do not depend on the thread count). op(A) is m x k:
+ * A itself (m x k, row stride lda) or, with trans_a, the transpose of a
+ * stored k x m A; op(B) is k x n: B (k x n, ldb) or, with trans_b, the
+ * transpose of a stored n x k B. beta is 0 (C overwritten) or 1 (added to);
+ * a weight gradient summed over blocks of rows is one call per block, in a
+ * fixed order. */
+attn_status attn__gemm(attn_dtype dtype, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                       int64_t k, const void *a, int64_t lda, const void *b, int64_t ldb,
+                       double beta, void *c, int64_t ldc, const volatile int *cancel);
+
 /* The OpenBLAS kernel set ("core") to switch to when the one it chose at
  * load, `current`, is weaker than what the CPU and OS run (an OpenBLAS older
  * than the CPU): "SkylakeX" or "Haswell"; NULL to keep it. Pure, for tests. */

@@ -21,6 +21,10 @@
 #include "../sdpa/sdpa.h"
 #include "mha.h"
 
+typedef attn__mha_shapes mha_shapes;
+typedef attn__mha_work mha_work;
+typedef attn__mha_heads mha_heads;
+
 /* attn_mha_forward_params as 0.2.0 had it: the smallest struct_size accepted. */
 #define FORWARD_PARAMS_FIRST_SIZE ATTN__SIZE_THROUGH(attn_mha_forward_params, batch_first)
 
@@ -33,14 +37,6 @@ void attn_mha_forward_params_init(attn_mha_forward_params *p) {
 }
 
 /* ---- the call: its parameters and shapes ---- */
-
-/* The shapes of one forward call, all in (batch, time, features) order. */
-typedef struct mha_shapes {
-    bool batched;
-    bool batch_first;       /* this call's: params.batch_first, else the config's */
-    int64_t N, L, S, S_ext; /* S_ext = S + add_bias_kv + add_zero_attn */
-    attn_tensor query, key, value; /* rank-3 (N, T, F) views */
-} mha_shapes;
 
 /* Reads the caller's params (NULL: the defaults) over the defaults and checks
  * the fields that are not tensors. */
@@ -64,7 +60,7 @@ static attn_status read_params(const attn_mha_forward_params *user, attn_mha_for
 
 /* A rank-3 (N, T, F) view of a batched (T, N, F)/(N, T, F) or unbatched
  * (T, F) tensor. Unbatched inputs get a broadcast batch of 1. */
-static attn_tensor to_ntf(const attn_tensor *t, bool batched, bool batch_first) {
+attn_tensor attn__mha_to_ntf(const attn_tensor *t, bool batched, bool batch_first) {
     attn_tensor v = *t;
     if (!batched) {
         v.rank = 3;
@@ -125,9 +121,9 @@ static attn_status check_lengths(const mha_shapes *s, bool has_value) {
     return ATTN_OK;
 }
 
-static attn_status resolve_shapes(const attn_mha *m, const attn_mha_forward_params *p,
-                                  const attn_tensor *query, const attn_tensor *key,
-                                  const attn_tensor *value, mha_shapes *s) {
+attn_status attn__mha_resolve_shapes(const attn_mha *m, const attn_mha_forward_params *p,
+                                     const attn_tensor *query, const attn_tensor *key,
+                                     const attn_tensor *value, mha_shapes *s) {
     const attn_mha_config *c = &m->cfg;
     attn_status st = attn__check_tensor(query, "query", 1, ATTN__INPUT);
     if (st != ATTN_OK) return st;
@@ -143,9 +139,9 @@ static attn_status resolve_shapes(const attn_mha *m, const attn_mha_forward_para
         return st;
     s->batched = rank == 3;
     s->batch_first = p->batch_first < 0 ? c->batch_first != 0 : p->batch_first != 0;
-    s->query = to_ntf(query, s->batched, s->batch_first);
-    s->key = to_ntf(key, s->batched, s->batch_first);
-    if (value != NULL) s->value = to_ntf(value, s->batched, s->batch_first);
+    s->query = attn__mha_to_ntf(query, s->batched, s->batch_first);
+    s->key = attn__mha_to_ntf(key, s->batched, s->batch_first);
+    if (value != NULL) s->value = attn__mha_to_ntf(value, s->batched, s->batch_first);
     s->N = s->query.shape[0];
     s->L = s->query.shape[1];
     s->S = s->key.shape[1];
@@ -182,8 +178,9 @@ attn_status attn_mha_out_shapes(const attn_mha *m, const attn_tensor *query,
                               "out_rank/out_shape is NULL");
     attn_mha_forward_params p;
     mha_shapes s;
+    memset(&s, 0, sizeof s);
     attn_status st = read_params(params, &p);
-    if (st == ATTN_OK) st = resolve_shapes(m, &p, query, key, NULL, &s);
+    if (st == ATTN_OK) st = attn__mha_resolve_shapes(m, &p, query, key, NULL, &s);
     if (st != ATTN_OK) return st;
     *out_rank = query->rank;
     memcpy(out_shape, query->shape, sizeof(int64_t) * (size_t)query->rank);
@@ -348,36 +345,12 @@ static bool same_view(const attn_tensor *a, const attn_tensor *b) {
 
 /* ---- the workspace ---- */
 
-/*
- * Projected Q (N, L, D), K and V (N, S_ext, D), the attention output
- * O (N, L, D) and, for averaged weights, all heads' weights
- * (N, H, L, S_ext). The layout follows the query: sequence-major inputs
- * keep sequence-major buffers, so a (L, N, E) input is one GEMM. For
- * self-attention (one tensor as query, key and value) Q, K and V are the
- * three column blocks of one (rows, 3D) product with in_proj_weight, as in
- * torch.
- */
-typedef struct mha_work {
-    bool fused_qkv;         /* Q, K, V interleaved: rows of width 3D          */
-    int64_t qsN, qsT;       /* Q: element strides of n and t (columns: 1)     */
-    int64_t ksN, ksT;       /* K and V alike                                  */
-    int64_t osN, osT;       /* O alike                                        */
-    char *qkv;              /* the block holding Q, K and V                   */
-    char *Q, *K, *V;        /* (N, L, D), (N, S_ext, D), (N, S_ext, D) in qkv */
-    void *O;                /* (N, L, D)                                      */
-    void *W_all;            /* (N, H, L, S_ext) when averaging, else NULL     */
-    attn_tensor am, kpm;    /* the masks over (N, H, L, S) (mask_views)       */
-    attn_tensor am_pad, kpm_pad;        /* ... padded to S_ext (pad_masks)    */
-    const attn_tensor *am_use, *kpm_use; /* what attend reads, or NULL        */
-    void *am_pad_data, *kpm_pad_data;   /* owned by the workspace             */
-    bool causal_in_mask;    /* the causal triangle is folded into am_pad      */
-} mha_work;
-
 /* Chooses the layout of Q, K, V and O (the strides above). */
 static void work_layout(const attn_mha *m, const mha_shapes *s, const attn_tensor *query,
                         const attn_tensor *key, const attn_tensor *value, mha_work *w) {
     const int64_t N = s->N, L = s->L, Sx = s->S_ext, D = m->D;
     const bool seq_major = s->query.strides[0] < s->query.strides[1] && N > 1;
+    w->seq_major = seq_major;
     w->fused_qkv = m->packed && Sx == s->S && same_view(query, key) && same_view(key, value);
     const int64_t width = w->fused_qkv ? 3 * D : D; /* columns per row of Q/K/V */
     w->qsN = seq_major ? width : L * width;
@@ -391,14 +364,16 @@ static void work_layout(const attn_mha *m, const mha_shapes *s, const attn_tenso
 /* Allocates the buffers work_layout laid out; ATTN_ERR_NOMEM (everything
  * freed by work_free) when one fails. */
 static attn_status work_alloc(const attn_mha *m, const mha_shapes *s, bool all_weights,
-                              mha_work *w) {
+                              bool save, mha_work *w) {
     const int64_t N = s->N, L = s->L, Sx = s->S_ext, D = m->D, H = m->cfg.num_heads;
     const size_t es = attn_dtype_size(m->cfg.dtype);
     const int64_t qkv_elems = w->fused_qkv ? N * L * 3 * D : N * L * D + 2 * N * Sx * D;
     w->qkv = attn__alloc((size_t)qkv_elems * es);
     w->O = attn__alloc((size_t)(N * L * D) * es);
     if (all_weights) w->W_all = attn__alloc_array((size_t)(N * H * L), (size_t)Sx * es);
-    if (w->qkv == NULL || w->O == NULL || (all_weights && w->W_all == NULL))
+    if (save) w->lse = attn__alloc_array((size_t)(N * H * L), es);
+    if (w->qkv == NULL || w->O == NULL || (all_weights && w->W_all == NULL) ||
+        (save && w->lse == NULL))
         return ATTN_ERR_NOMEM;
     w->Q = w->qkv;
     if (w->fused_qkv) { /* column blocks of one row */
@@ -411,9 +386,10 @@ static attn_status work_alloc(const attn_mha *m, const mha_shapes *s, bool all_w
     return ATTN_OK;
 }
 
-static void work_free(mha_work *w) {
+void attn__mha_work_free(mha_work *w) {
     attn__free(w->qkv);
     attn__free(w->O);
+    attn__free(w->lse);
     attn__free(w->W_all);
     attn__free(w->am_pad_data);
     attn__free(w->kpm_pad_data);
@@ -580,13 +556,6 @@ static attn_status pad_masks(const mha_shapes *s, bool is_causal, mha_work *w) {
 
 /* ---- steps 2 and 3: split heads, attend ---- */
 
-/* Every head of Q, K, V, O as a strided view, and where the weights go. */
-typedef struct mha_heads {
-    attn_tensor q, k, v, o; /* (N, H, L, hd), (N, H, S_ext, hd) x 2, (N, H, L, hd) */
-    attn_tensor w;          /* (N, H, L, S_ext)                                    */
-    attn_tensor *weights;   /* &w, or NULL for need_weights=False                  */
-} mha_heads;
-
 /* A (N, H, T, hd) view of a (N, T, D) buffer with strides (sN, sT, 1):
  * head h is columns h*hd .. h*hd + hd - 1. */
 static void head_view(attn_tensor *t, void *data, attn_dtype dt, const int64_t shape[4],
@@ -621,8 +590,8 @@ static void head_weights(const mha_shapes *s, const mha_work *w, attn_dtype dt, 
     h->weights = &h->w;
 }
 
-static void split_heads(const attn_mha *m, const mha_shapes *s, const mha_work *w,
-                        const attn_tensor *weights, mha_heads *h) {
+void attn__mha_split_heads(const attn_mha *m, const mha_shapes *s, const mha_work *w,
+                           const attn_tensor *weights, mha_heads *h) {
     const attn_dtype dt = m->cfg.dtype;
     const int64_t H = m->cfg.num_heads, hd = m->cfg.head_dim;
     const int64_t qshape[4] = {s->N, H, s->L, hd}, kshape[4] = {s->N, H, s->S_ext, hd};
@@ -631,32 +600,44 @@ static void split_heads(const attn_mha *m, const mha_shapes *s, const mha_work *
     head_view(&h->v, w->V, dt, kshape, w->ksN, w->ksT);
     head_view(&h->o, w->O, dt, qshape, w->osN, w->osT);
     head_weights(s, w, dt, H, weights, h);
+    if (w->lse != NULL) {
+        const int64_t lshape[3] = {s->N, H, s->L};
+        attn_tensor_init(&h->lse, w->lse, dt, 3, lshape);
+    }
 }
 
-/* O_h = softmax(Q_h K_hᵀ / sqrt(hd) + masks) V_h for every (n, h), on the
- * SDPA problem path. torch MHA's bool masks say true = masked out. */
+/* The problem request of O_h = softmax(Q_h K_hᵀ / sqrt(hd) + masks) V_h for
+ * every (n, h); the backward builds the same one. torch MHA's bool masks say
+ * true = masked out. */
+void attn__mha_attend_request(const attn_mha *m, const attn_mha_forward_params *p,
+                              const mha_work *w, mha_heads *h, attn__problem_request *r) {
+    memset(r, 0, sizeof *r);
+    r->q = &h->q;
+    r->k = &h->k;
+    r->v = &h->v;
+    r->nmask = 2;
+    r->mask[0] = w->am_use;
+    r->mask_name[0] = "attn_mask";
+    r->mask[1] = w->kpm_use;
+    r->mask_name[1] = "key_padding_mask";
+    r->mask_bool_keep[0] = r->mask_bool_keep[1] = 0;
+    r->causal = p->is_causal && !w->causal_in_mask ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
+    r->has_scale = 1;
+    r->scale = 1.0 / sqrt((double)m->cfg.head_dim);
+    const double p_drop = p->has_dropout ? p->dropout : m->cfg.dropout;
+    r->dropout_p = p->training ? p_drop : 0.0;
+    r->seed = p->seed;
+    r->rng_offset = p->rng_offset;
+    r->out = &h->o;
+    r->weights = h->weights;
+    r->lse = w->lse != NULL ? &h->lse : NULL;
+}
+
+/* Runs every head's attention on the SDPA problem path. */
 static attn_status attend(const attn_mha *m, const attn_mha_forward_params *p,
                           const mha_work *w, mha_heads *h) {
     attn__problem_request r;
-    memset(&r, 0, sizeof r);
-    r.q = &h->q;
-    r.k = &h->k;
-    r.v = &h->v;
-    r.nmask = 2;
-    r.mask[0] = w->am_use;
-    r.mask_name[0] = "attn_mask";
-    r.mask[1] = w->kpm_use;
-    r.mask_name[1] = "key_padding_mask";
-    r.mask_bool_keep[0] = r.mask_bool_keep[1] = 0;
-    r.causal = p->is_causal && !w->causal_in_mask ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
-    r.has_scale = 1;
-    r.scale = 1.0 / sqrt((double)m->cfg.head_dim);
-    const double p_drop = p->has_dropout ? p->dropout : m->cfg.dropout;
-    r.dropout_p = p->training ? p_drop : 0.0;
-    r.seed = p->seed;
-    r.rng_offset = p->rng_offset;
-    r.out = &h->o;
-    r.weights = h->weights;
+    attn__mha_attend_request(m, p, w, h, &r);
     attn__problem problem;
     attn_status st = attn__problem_build(&problem, &r);
     if (st == ATTN_OK) st = attn__sdpa_execute(&problem);
@@ -681,7 +662,7 @@ static attn_status project_out(const attn_mha *m, const mha_shapes *s, const att
                                const attn_tensor *out, const volatile int *cancel) {
     const attn_dtype dt = m->cfg.dtype;
     const int64_t N = s->N, L = s->L, E = m->cfg.embed_dim;
-    const attn_tensor outv = to_ntf(out, s->batched, s->batch_first);
+    const attn_tensor outv = attn__mha_to_ntf(out, s->batched, s->batch_first);
     const void *Wo = attn__mha_param_data(m, "out_proj.weight"); /* (E, D) */
     const void *bo = attn__mha_param_data(m, "out_proj.bias");   /* (E), or NULL */
     bool direct = outv.strides[2] == 1 && outv.strides[0] >= 0 && outv.strides[1] >= 0 &&
@@ -727,7 +708,7 @@ static attn_status check_call(const attn_mha *m, const attn_tensor *query,
                               attn_tensor *weights, attn_mha_forward_params *p, mha_shapes *s,
                               mha_work *w) {
     attn_status st = read_params(user, p);
-    if (st == ATTN_OK) st = resolve_shapes(m, p, query, key, value, s);
+    if (st == ATTN_OK) st = attn__mha_resolve_shapes(m, p, query, key, value, s);
     if (st == ATTN_OK)
         st = check_outputs(m, s, p->average_attn_weights != 0, query, out, weights);
     if (st == ATTN_OK) st = mask_views(m, s, p, &w->am, &w->kpm);
@@ -737,27 +718,75 @@ static attn_status check_call(const attn_mha *m, const attn_tensor *query,
     return st;
 }
 
-attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const attn_tensor *key,
-                             const attn_tensor *value, const attn_mha_forward_params *params,
-                             attn_tensor *out, attn_tensor *weights) {
-    attn__clear_error();
-    if (m == NULL) return attn__fail_arg(ATTN_ERR_NULL, "mha", "mha is NULL");
+/* The masks the attention read, as owned dense copies in the work (padded
+ * ones already are): a saved call holds no pointer to caller memory. */
+static attn_status own_masks(mha_work *w) {
+    attn_tensor *views[2] = {&w->am, &w->kpm}, *copies[2] = {&w->am_pad, &w->kpm_pad};
+    const attn_tensor **uses[2] = {&w->am_use, &w->kpm_use};
+    void **datas[2] = {&w->am_pad_data, &w->kpm_pad_data};
+    for (int i = 0; i < 2; i++) {
+        if (*uses[i] != views[i]) continue; /* absent, or a padded copy already */
+        const attn_tensor *v = views[i];
+        void *data = attn__alloc_array((size_t)attn_tensor_numel(v), attn_dtype_size(v->dtype));
+        if (data == NULL) return ATTN_ERR_NOMEM;
+        attn__mha_copy_strided(v, data, v->dtype);
+        attn_tensor_init(copies[i], data, v->dtype, v->rank, v->shape);
+        *datas[i] = data;
+        *uses[i] = copies[i];
+    }
+    return ATTN_OK;
+}
+
+/* Moves the work into a new saved context (*saved), with what the backward
+ * needs to rebuild this call: its options, shapes, and the caller's shapes. */
+static attn_status save_call(const attn_mha *m, const attn_mha_forward_params *p,
+                             const mha_shapes *s, const attn_tensor *const in[3], mha_work *w,
+                             attn_mha_saved **saved) {
+    attn_status st = own_masks(w);
+    attn_mha_saved *c = st == ATTN_OK ? attn__alloc(sizeof *c) : NULL;
+    if (c == NULL) return ATTN_ERR_NOMEM;
+    memset(c, 0, sizeof *c);
+    c->cfg = m->cfg;
+    c->p = *p;
+    c->p.attn_mask = c->p.key_padding_mask = NULL;
+    c->s = *s;
+    memset(&c->s.query, 0, 3 * sizeof c->s.query); /* views of caller memory */
+    c->rank = in[0]->rank;
+    for (int i = 0; i < 3; i++)
+        memcpy(c->shape[i], in[i]->shape, sizeof(int64_t) * (size_t)c->rank);
+    c->has_am = w->am_use != NULL;
+    c->has_kpm = w->kpm_use != NULL;
+    attn__free(w->W_all); /* the averaged weights are the caller's now */
+    w->W_all = NULL;
+    c->work = *w;
+    c->work.am_use = c->work.kpm_use = NULL; /* pointed into w: rebuilt from has_* */
+    memset(w, 0, sizeof *w);
+    *saved = c;
+    return ATTN_OK;
+}
+
+/* The forward pass; with `saved`, also the context of a backward. */
+static attn_status forward_run(const attn_mha *m, const attn_tensor *query,
+                               const attn_tensor *key, const attn_tensor *value,
+                               const attn_mha_forward_params *params, attn_tensor *out,
+                               attn_tensor *weights, attn_mha_saved **saved) {
     const volatile int *cancel = attn__cancel_flag();
     attn_mha_forward_params p;
     mha_shapes s;
+    memset(&s, 0, sizeof s);
     mha_work w;
     memset(&w, 0, sizeof w);
     attn_status st = check_call(m, query, key, value, params, out, weights, &p, &s, &w);
     if (st != ATTN_OK) return st;
     const bool average = weights != NULL && p.average_attn_weights != 0;
     work_layout(m, &s, query, key, value, &w);
-    st = work_alloc(m, &s, average, &w);
+    st = work_alloc(m, &s, average, saved != NULL, &w);
     if (st == ATTN_OK) st = project_in(m, &s, &w, cancel);
     if (st == ATTN_OK) append_kv_rows(m, &s, &w);
     if (st == ATTN_OK) st = pad_masks(&s, p.is_causal != 0, &w);
     mha_heads h;
     if (st == ATTN_OK) {
-        split_heads(m, &s, &w, weights, &h);
+        attn__mha_split_heads(m, &s, &w, weights, &h);
         st = attend(m, &p, &w, &h);
     }
     if (st == ATTN_OK) {
@@ -767,6 +796,35 @@ attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const 
     if (st == ATTN_OK && average)
         average_heads(m->cfg.dtype, w.W_all, s.N, m->cfg.num_heads, s.L, s.S_ext, weights,
                       s.batched);
-    work_free(&w);
+    if (st == ATTN_OK && saved != NULL) {
+        const attn_tensor *const in[3] = {query, key, value};
+        st = save_call(m, &p, &s, in, &w, saved);
+    }
+    attn__mha_work_free(&w);
     return st;
+}
+
+attn_status attn_mha_forward(const attn_mha *m, const attn_tensor *query, const attn_tensor *key,
+                             const attn_tensor *value, const attn_mha_forward_params *params,
+                             attn_tensor *out, attn_tensor *weights) {
+    attn__clear_error();
+    if (m == NULL) return attn__fail_arg(ATTN_ERR_NULL, "mha", "mha is NULL");
+    return forward_run(m, query, key, value, params, out, weights, NULL);
+}
+
+attn_status attn_mha_forward_train(const attn_mha *m, const attn_tensor *query,
+                                   const attn_tensor *key, const attn_tensor *value,
+                                   const attn_mha_forward_params *params, attn_tensor *out,
+                                   attn_tensor *weights, attn_mha_saved **saved) {
+    attn__clear_error();
+    if (saved == NULL) return attn__fail_arg(ATTN_ERR_NULL, "saved", "saved is NULL");
+    *saved = NULL;
+    if (m == NULL) return attn__fail_arg(ATTN_ERR_NULL, "mha", "mha is NULL");
+    return forward_run(m, query, key, value, params, out, weights, saved);
+}
+
+void attn_mha_saved_destroy(attn_mha_saved *saved) {
+    if (saved == NULL) return;
+    attn__mha_work_free(&saved->work);
+    attn__free(saved);
 }

@@ -306,3 +306,10 @@ attn_status attn_mha_set_param(attn_mha *m, const char *name, const attn_tensor 
     return ATTN_OK;
 }
 
+
+bool attn__mha_same_shape(const attn_mha_config *a, const attn_mha_config *b) {
+    return a->embed_dim == b->embed_dim && a->num_heads == b->num_heads &&
+           a->head_dim == b->head_dim && a->kdim == b->kdim && a->vdim == b->vdim &&
+           (a->bias != 0) == (b->bias != 0) && (a->add_bias_kv != 0) == (b->add_bias_kv != 0) &&
+           (a->add_zero_attn != 0) == (b->add_zero_attn != 0) && a->dtype == b->dtype;
+}

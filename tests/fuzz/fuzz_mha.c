@@ -10,6 +10,14 @@
  * attn_mha_forward fails when attn_mha_out_shapes rejects query/key; no library allocation outlives a call except the
  * module's own (two blocks), and destroy frees them; finite, moderate inputs
  * give a finite output and weights in [0, 1/(1-p)].
+ *
+ * After a forward that succeeded, the same call goes through
+ * attn_mha_forward_train and attn_mha_backward with fuzzed gradient views
+ * (each maybe absent, any layout, sometimes mis-shaped) and a grads module
+ * of the same, another, or no configuration (or mha itself): status and
+ * message agree, the saved context's blocks are the only ones that
+ * outlive forward_train and its destroy frees them, and tame inputs give
+ * finite gradients.
  */
 #include "fuzz_util.h"
 
@@ -99,6 +107,57 @@ static void fuzz_params(fz *f, attn_mha *m, attn_dtype dt, fz_values *vals) {
         fz_check_status(st, "attn_mha_set_param");
     }
     fz_tensor_free(&src);
+}
+
+/* forward_train + backward of a call the forward accepted. */
+static void fuzz_backward(fz *f, attn_mha *m, const attn_mha_config *c, const fz_tensor *in[3],
+                          const attn_mha_forward_params *fpp, fz_tensor *out, fz_values *vals,
+                          long module_blocks) {
+    attn_mha_saved *saved = NULL;
+    attn_status st = attn_mha_forward_train(m, &in[0]->t, &in[1]->t, &in[2]->t, fpp, &out->t,
+                                            NULL, &saved);
+    fz_check_status(st, "attn_mha_forward_train");
+    FZ_ASSERT((st == ATTN_OK) == (saved != NULL), "saved and status disagree");
+    if (st != ATTN_OK) return;
+    /* the context's blocks (buffers, mask copies, itself) outlive the call */
+    FZ_ASSERT(fz_live_blocks() > module_blocks, "forward_train kept nothing");
+    fz_tensor dout, d[3];
+    memset(d, 0, sizeof d);
+    int64_t shape[ATTN_MAX_RANK];
+    memcpy(shape, out->t.shape, sizeof shape);
+    make(f, &dout, fz_one_in(f, 16) ? ATTN_DTYPE_F32 : c->dtype, out->t.rank, shape, false, vals);
+    attn_tensor *dp[3] = {NULL, NULL, NULL};
+    for (int i = 0; i < 3; i++) {
+        if (fz_one_in(f, 3)) continue;
+        memcpy(shape, in[i]->t.shape, sizeof shape);
+        make(f, &d[i], c->dtype, in[i]->t.rank, shape, true, vals);
+        dp[i] = &d[i].t;
+    }
+    attn_mha *g = NULL;
+    attn_mha_config gc = *c;
+    if (fz_one_in(f, 8)) gc.num_heads = c->num_heads == 1 ? 2 : 1;
+    gc.head_dim = c->head_dim;
+    const int which = (int)fz_range(f, 0, 7); /* 0: none, 1: mha itself, else a module */
+    if (which >= 2 && attn_mha_create(&gc, &g) != ATTN_OK) g = NULL;
+    const long before = fz_live_blocks();
+    bool backed = dout.backed;
+    for (int i = 0; i < 3; i++) backed = backed && (dp[i] == NULL || d[i].backed);
+    if (backed) {
+        st = attn_mha_backward(m, saved, &in[0]->t, &in[1]->t, &in[2]->t, &dout.t, dp[0], dp[1],
+                               dp[2], which == 1 ? m : g);
+        fz_check_status(st, "attn_mha_backward");
+        FZ_ASSERT(fz_live_blocks() == before, "attn_mha_backward leaked");
+        if (st == ATTN_OK && vals->tame)
+            for (int i = 0; i < 3; i++)
+                FZ_ASSERT(dp[i] == NULL || fz_all_finite(dp[i], false),
+                          "tame inputs gave a non-finite gradient");
+    }
+    attn_mha_destroy(g);
+    attn_mha_saved_destroy(saved);
+    FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_saved_destroy left %ld blocks",
+              fz_live_blocks() - module_blocks);
+    fz_tensor_free(&dout);
+    for (int i = 0; i < 3; i++) fz_tensor_free(&d[i]);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -287,6 +346,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             double wmax = p < 1.0 ? (1.0 / (1.0 - p)) * (1 + 1e-6) : 0.0;
             if (need_weights)
                 FZ_ASSERT(values_in(&weights.t, 0.0, wmax), "a weight is outside [0, %g]", wmax);
+        }
+        if (st == ATTN_OK) {
+            const fz_tensor *in[3] = {&query, &key, &value};
+            fuzz_backward(&f, m, &c, in, fpp, &out, &vals, module_blocks);
         }
     }
     if (!run) {

@@ -32,3 +32,19 @@ def test_side_by_side_example_agrees():
     exec(beyond_code, ns)
     assert ns["w"].shape == (2, 8, 128, 256) and ns["lse"].shape == (2, 8, 128)
     assert ns["m"].head_dim == 32 and ns["m"].q_proj_weight is None
+
+
+def test_attn_nn_example_trains():
+    """The attn.nn.MultiheadAttention example runs: a training step moves the
+    parameters, and its eval output is torch's module's (same weights)."""
+    (code,) = [b for b in python_blocks() if "attn.nn.MultiheadAttention(" in b]
+    ns = {}
+    exec(code, ns)
+    mha, ref, x, pad = ns["mha"], ns["reference"], ns["x"], ns["pad"]
+    assert x.grad is not None and ns["w"].shape == (4, 10, 10)
+    assert not torch.equal(mha.in_proj_weight, ref.in_proj_weight)  # opt.step() moved it
+    ref.load_state_dict(mha.state_dict())
+    ref.eval()
+    with torch.no_grad():
+        y_ref, _ = ref(x, x, x, key_padding_mask=pad)
+    torch.testing.assert_close(ns["y"], y_ref, rtol=1e-5, atol=1e-6)

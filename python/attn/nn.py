@@ -1,0 +1,345 @@
+"""attn.nn — torch.nn modules that run on attn, forward and backward.
+
+    import attn.nn
+    mha = attn.nn.MultiheadAttention(512, 8, dropout=0.1, batch_first=True)
+    mha.load_state_dict(torch_mha.state_dict())      # the same keys as torch's
+    out, w = mha(x, x, x, key_padding_mask=pad)
+    out.sum().backward()                             # gradients from attn's C backward
+
+MultiheadAttention is a drop-in for torch.nn.MultiheadAttention (same
+constructor, parameters, state_dict keys and forward signature) whose forward
+and backward run in libattn (attn_mha_forward_train / attn_mha_backward)
+through one torch.autograd.Function. _patched_mha_forward runs a *torch*
+nn.MultiheadAttention on attn, for attn.patch_torch().
+
+This module needs PyTorch; `import attn` does not.
+"""
+
+import threading
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - exercised without torch only
+    raise ImportError(
+        "attn.nn needs PyTorch (pip install torch); the rest of attn (attn.MultiheadAttention, "
+        "attn.scaled_dot_product_attention) works without it"
+    ) from e
+
+from . import _attn
+from ._arrays import library_error
+
+__all__ = ["MultiheadAttention"]
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+# ---- the C modules behind a torch module ----
+
+
+class _CModules:
+    """The attn_mha a torch module's calls run on (`run`, into which the torch
+    parameters are copied at every call: a version counter would miss writes
+    through .data, which torch code does) and one receiving gradients
+    (`grads`), for one configuration. One lock: a copy never races a call
+    reading the parameters, and the grads module is read out before the
+    next backward writes it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.key = None
+        self.run = self.grads = None
+
+    def __reduce__(self):
+        # deepcopy / pickle of a module: the copy starts with a cache of its own
+        return (_CModules, ())
+
+    def get(self, spec, params):
+        """The run module for `spec` holding `params` (torch tensors in
+        attn_mha_param_at order). Caller holds the lock."""
+        if self.key != spec:
+            self.run = _attn.MHA(**spec)
+            self.grads, self.key = None, spec
+            self.layout = self.run.param_layout()
+        flat = np.frombuffer(self.run, dtype=spec["dtype"])
+        for (name, shape, offset), p in zip(self.layout, params):
+            flat[offset:offset + p.numel()] = p.detach().reshape(-1).numpy()
+        return self.run
+
+    def grad_module(self):
+        if self.grads is None:
+            self.grads = _attn.MHA(**self.key)
+        return self.grads
+
+
+def _cmodules(module):
+    c = module.__dict__.get("_attn_c_modules")
+    if c is None:
+        c = _CModules()
+        object.__setattr__(module, "_attn_c_modules", c)  # not a torch attribute
+    return c
+
+
+def _spec(m, dtype):
+    """The _attn.MHA configuration of a torch-like MHA module."""
+    return dict(
+        embed_dim=m.embed_dim, num_heads=m.num_heads, kdim=m.kdim, vdim=m.vdim,
+        bias=m.in_proj_bias is not None, add_bias_kv=m.bias_k is not None,
+        add_zero_attn=bool(m.add_zero_attn), dtype=_DTYPES[dtype],
+    )
+
+
+def _param_names(m):
+    """attn_mha_param_at order (torch's state_dict order)."""
+    names = ["in_proj_weight"] if m._qkv_same_embed_dim else [
+        "q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    if m.in_proj_bias is not None:
+        names.append("in_proj_bias")
+    if m.bias_k is not None:
+        names += ["bias_k", "bias_v"]
+    names.append("out_proj.weight")
+    if m.out_proj.bias is not None:
+        names.append("out_proj.bias")
+    return names
+
+
+def _param(m, name):
+    return m.out_proj.weight if name == "out_proj.weight" else (
+        m.out_proj.bias if name == "out_proj.bias" else getattr(m, name))
+
+
+def _np(x):
+    return None if x is None else x.detach().numpy()
+
+
+# ---- the autograd Function ----
+
+
+class _MHAFunction(torch.autograd.Function):
+    """out, weights = attn_mha_forward_train(...); backward: attn_mha_backward.
+    The weights are not differentiated (attn's backward flows through out):
+    a backward that needs their gradient raises."""
+
+    @staticmethod
+    def forward(ctx, call, query, key, value, *params):
+        cm, spec, kw = call["cmodules"], call["spec"], call["kwargs"]
+        with cm.lock:
+            run = cm.get(spec, params)
+            try:
+                out, w, saved = run.forward_train(
+                    _np(query), _np(key), _np(value), empty=np.empty, **kw)
+            except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+                raise library_error(e) from None
+        ctx.call, ctx.saved = call, saved
+        ctx.save_for_backward(query, key, value, *params)
+        ctx.set_materialize_grads(False)
+        out_t = torch.from_numpy(out)
+        if w is None:
+            return out_t, None
+        w_t = torch.from_numpy(w)
+        return out_t, w_t
+
+    @staticmethod
+    def backward(ctx, dout, dweights):
+        if dweights is not None and bool(torch.any(dweights != 0)):
+            raise NotImplementedError(
+                "attn.nn.MultiheadAttention does not differentiate the attention weights it "
+                "returns (its backward flows through the output); use the output, or "
+                "torch.nn.MultiheadAttention for gradients through the weights")
+        query, key, value, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        want_params = any(need[4:])
+        if dout is None or not (any(need[1:4]) or want_params):
+            return (None,) * len(need)
+        cm = ctx.call["cmodules"]
+        with cm.lock:
+            # the parameters as they are now, as torch's backward reads its
+            # saved parameters (another call may have copied others since)
+            run = cm.get(ctx.call["spec"], params)
+            grads = cm.grad_module() if want_params else None
+            try:
+                dq, dk, dv = run.backward(
+                    ctx.saved, _np(query), _np(key), _np(value), _np(dout), empty=np.empty,
+                    need_dquery=need[1], need_dkey=need[2], need_dvalue=need[3], grads=grads)
+            except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+                raise library_error(e) from None
+            dparams = [None] * len(params)
+            if want_params:
+                flat = np.frombuffer(grads, dtype=ctx.call["spec"]["dtype"])
+                for i, ((name, shape, offset), p) in enumerate(zip(cm.layout, params)):
+                    if need[4 + i]:
+                        n = int(np.prod(shape))
+                        dparams[i] = torch.from_numpy(flat[offset:offset + n].copy()).view(
+                            p.shape)
+        t = [None if x is None else torch.from_numpy(x) for x in (dq, dk, dv)]
+        return (None, *t, *dparams)
+
+
+# ---- the forward, for any torch-like MHA module ----
+
+
+def _unsupported(m, query, key, value, key_padding_mask, attn_mask):
+    """Why attn cannot run this call (None when it can)."""
+    tensors = [query, key, value] + [p for p in (key_padding_mask, attn_mask) if p is not None]
+    params = [_param(m, n) for n in _param_names(m)]
+    for x in tensors + params:
+        if not isinstance(x, torch.Tensor) or x.is_nested or x.device.type != "cpu":
+            return "a CPU tensor"
+    dtype = query.dtype
+    if dtype not in _DTYPES:
+        return f"float32 or float64 (not {dtype})"
+    if any(x.dtype != dtype for x in [key, value] + params):
+        return "inputs and parameters of one dtype"
+    if any(x.is_sparse or x.layout != torch.strided for x in tensors + params):
+        return "dense tensors"
+    if m.embed_dim != m.num_heads * m.head_dim:
+        return "num_heads dividing embed_dim"
+    if (m.in_proj_bias is None) != (m.out_proj.bias is None):
+        return "in_proj_bias and out_proj.bias both present or both absent"
+    return None
+
+
+def _mha_call(m, query, key, value, key_padding_mask, need_weights, attn_mask,
+              average_attn_weights, is_causal):
+    """Runs torch-like MHA module m on attn: (out, weights or None)."""
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+            "module method `generate_square_subsequent_mask` to create this mask.")
+    if is_causal and key_padding_mask is None and not need_weights:
+        # torch's SDPA path: the hint replaces the mask. (With add_bias_kv /
+        # add_zero_attn torch then hides the appended keys from early
+        # queries, unlike its mask path; attn keeps them visible on both.)
+        attn_mask, causal = None, True
+    else:
+        causal = False  # torch uses attn_mask, which the hint says is causal
+    for x, name in ((key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask")):
+        if x is not None and x.dtype != torch.bool and not x.is_floating_point():
+            raise AssertionError(f"only bool and floating types of {name} are supported")
+    training = bool(m.training) and float(m.dropout) > 0.0
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()) if training else 0
+    names = _param_names(m)
+    params = [_param(m, n) for n in names]
+    call = {
+        "cmodules": _cmodules(m),
+        "spec": _spec(m, query.dtype),
+        "kwargs": dict(
+            key_padding_mask=_np(key_padding_mask), attn_mask=_np(attn_mask),
+            need_weights=bool(need_weights), average_attn_weights=bool(average_attn_weights),
+            is_causal=causal, training=training, dropout=float(m.dropout), seed=seed,
+            rng_offset=0, batch_first=int(bool(m.batch_first))),
+    }
+    out, w = _MHAFunction.apply(call, query, key, value, *params)
+    return out, w
+
+
+# ---- the module ----
+
+
+class MultiheadAttention(torch.nn.Module):
+    """torch.nn.MultiheadAttention on attn: the same constructor, parameters,
+    state_dict keys and forward; forward and backward run in libattn.
+
+    forward(query, key, value, key_padding_mask=None, need_weights=True,
+    attn_mask=None, average_attn_weights=True, is_causal=False) returns
+    (attn_output, attn_output_weights or None) as torch tensors, reading
+    self.batch_first, self.dropout and self.training at every call. Inputs
+    are CPU float32/float64 tensors of the parameters' dtype. Gradients flow
+    to query, key, value and every parameter; not through the returned
+    weights. Dropout draws its seed from torch's default generator, so
+    torch.manual_seed makes a run reproducible. Rows whose keys are all
+    masked give 0 where torch gives NaN.
+    """
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None) -> None:
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
+                f"and num_heads={num_heads} instead")
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self.head_dim * num_heads != embed_dim:
+            raise AssertionError("embed_dim must be divisible by num_heads")
+        P = torch.nn.Parameter
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = P(torch.empty((3 * embed_dim, embed_dim), **factory))
+            for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(n, None)
+        else:
+            self.q_proj_weight = P(torch.empty((embed_dim, embed_dim), **factory))
+            self.k_proj_weight = P(torch.empty((embed_dim, self.kdim), **factory))
+            self.v_proj_weight = P(torch.empty((embed_dim, self.vdim), **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = P(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = torch.nn.modules.linear.NonDynamicallyQuantizableLinear(
+            embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = P(torch.empty((1, 1, embed_dim), **factory))
+            self.bias_v = P(torch.empty((1, 1, embed_dim), **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        """torch's initialisation: Xavier-uniform projections, zero biases,
+        Xavier-normal bias_k/bias_v."""
+        init = torch.nn.init
+        if self._qkv_same_embed_dim:
+            init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            init.constant_(self.in_proj_bias, 0.0)
+            init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            init.xavier_normal_(self.bias_k)
+            init.xavier_normal_(self.bias_v)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False):
+        why = _unsupported(self, query, key, value, key_padding_mask, attn_mask)
+        if why is not None:
+            raise TypeError(f"attn.nn.MultiheadAttention runs on {why}")
+        return _mha_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                         average_attn_weights, is_causal)
+
+
+def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                         attn_mask=None, average_attn_weights=True, is_causal=False):
+    """torch.nn.MultiheadAttention.forward's signature, for patching torch: runs
+    the torch module `self` on attn (its parameters used directly, gradients
+    flowing to them) for CPU float32/float64 inputs; anything else goes to
+    torch.nn.MultiheadAttention._attn_original_forward when present, else to
+    torch's own forward."""
+    if _unsupported(self, query, key, value, key_padding_mask, attn_mask) is None:
+        return _mha_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                         average_attn_weights, is_causal)
+    cls = torch.nn.MultiheadAttention
+    original = getattr(cls, "_attn_original_forward", None)
+    if original is None:
+        original = cls.forward
+    if original is _patched_mha_forward:
+        raise RuntimeError(
+            "torch.nn.MultiheadAttention.forward is attn's patch and "
+            "_attn_original_forward is missing: no torch forward to fall back to")
+    return original(self, query, key, value, key_padding_mask=key_padding_mask,
+                    need_weights=need_weights, attn_mask=attn_mask,
+                    average_attn_weights=average_attn_weights, is_causal=is_causal)
