@@ -23,7 +23,7 @@ def test_side_by_side_example_agrees():
         t_out, t_y, t_w = ns["out"], *ns["mha"](ns["x"], ns["x"], ns["x"],
                                                   key_padding_mask=ns["pad"])
     exec(attn_code, ns)
-    assert isinstance(ns["out"], np.ndarray) and ns["out"].shape == (2, 8, 128, 32)
+    assert isinstance(ns["out"], torch.Tensor) and ns["out"].shape == (2, 8, 128, 32)
     assert ns["y"].shape == (4, 100, 512) and ns["w"].shape == (4, 100, 100)
     # float32: both within float32 rounding of the exact result.
     np.testing.assert_allclose(ns["out"], t_out.numpy(), rtol=1e-4, atol=1e-5)
