@@ -24,9 +24,12 @@ _CAUSAL = {"top-left": 1, "bottom-right": 2}
 def _causal_bias(mask):
     """(alignment, L, S) of a torch CausalBias, or None. Its storage is an
     uninitialised placeholder: what it means is only in these fields."""
-    bias = sys.modules.get("torch.nn.attention.bias")
-    if bias is None or not isinstance(mask, bias.CausalBias):
+    # By its class, not by looking torch up: under torch.compile a lookup
+    # in sys.modules becomes a guard on a module the trace itself may import.
+    cls = type(mask)
+    if cls.__name__ != "CausalBias" or cls.__module__ != "torch.nn.attention.bias":
         return None
+    bias = sys.modules[cls.__module__]
     upper = mask.variant == bias.CausalVariant.UPPER_LEFT
     return "top-left" if upper else "bottom-right", mask.seq_len_q, mask.seq_len_kv
 

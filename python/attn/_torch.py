@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 import torch
+import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
 
 from . import _attn
 from ._arrays import library_error

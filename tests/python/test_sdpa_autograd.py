@@ -262,3 +262,21 @@ def test_import_attn_without_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd="/")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_torch_compile_as_the_first_call_of_a_process():
+    """A compiled call before any eager one (nothing of attn's torch side or
+    torch.nn.attention.bias loaded yet) traces in one graph; dynamo used to
+    fail on a guard over sys.modules the trace itself changed."""
+    code = textwrap.dedent("""
+        import torch, attn
+        q = torch.randn(2, 4, 8, requires_grad=True)
+        m = torch.zeros(4, 4, requires_grad=True)
+        f = torch.compile(lambda q, m: attn.scaled_dot_product_attention(
+            q, q, q, m, is_causal=True).sum(), fullgraph=True, backend="aot_eager")
+        f(q, m).backward()
+        assert m.grad.shape == (4, 4) and q.grad.abs().sum() > 0
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
