@@ -100,12 +100,14 @@ def _torch_numpy(x, name, kind, copying):
                         f"{_expected(kind)}") from e
 
 
-def as_array(x, name, kind):
-    """A NumPy view of `x` (no copy), with its dtype checked for `kind`."""
+def as_array(x, name, kind, grad_ok=False):
+    """A NumPy view of `x` (no copy), with its dtype checked for `kind`.
+    `grad_ok`: the caller records the call for autograd itself, so a tensor
+    that requires grad is fine."""
     if isinstance(x, np.ndarray):
         a = x
     elif _is_torch_tensor(x):
-        a = _torch_numpy(x, name, kind, copying=kind == PARAM)
+        a = _torch_numpy(x, name, kind, copying=grad_ok or kind == PARAM)
     else:
         if x is None:
             raise TypeError(f"{name} must be an array, not None")

@@ -1,5 +1,5 @@
 """attn.scaled_dot_product_attention: torch.nn.functional's signature over
-libattn's attn_sdpa()."""
+libattn's attn_sdpa(); torch tensors go through attn/_torch.py."""
 
 import sys
 
@@ -8,6 +8,7 @@ import numpy as np
 from . import _attn
 from ._arrays import (
     FLOAT,
+    _is_torch_tensor,
     MASK,
     as_array,
     check_bool,
@@ -23,9 +24,12 @@ _CAUSAL = {"top-left": 1, "bottom-right": 2}
 def _causal_bias(mask):
     """(alignment, L, S) of a torch CausalBias, or None. Its storage is an
     uninitialised placeholder: what it means is only in these fields."""
-    bias = sys.modules.get("torch.nn.attention.bias")
-    if bias is None or not isinstance(mask, bias.CausalBias):
+    # By its class, not by looking torch up: under torch.compile a lookup
+    # in sys.modules becomes a guard on a module the trace itself may import.
+    cls = type(mask)
+    if cls.__name__ != "CausalBias" or cls.__module__ != "torch.nn.attention.bias":
         return None
+    bias = sys.modules[cls.__module__]
     upper = mask.variant == bias.CausalVariant.UPPER_LEFT
     return "top-left" if upper else "bottom-right", mask.seq_len_q, mask.seq_len_kv
 
@@ -83,6 +87,14 @@ def scaled_dot_product_attention(
 
     A row whose keys are all masked out gives 0 (PyTorch >= 2.5 does too).
 
+    Torch tensors in (any of query, key, value, attn_mask) give torch tensors
+    out, through the custom operator ``attn::sdpa``: when one that requires
+    grad takes part in grad mode (a float attn_mask included), the result
+    has a grad_fn and gradients flow back to it (attn_sdpa_backward); the
+    call also traces under torch.compile. Without an explicit ``seed``, the
+    dropout seed of a torch call is drawn from torch's default generator,
+    so ``torch.manual_seed`` repeats it. weights and lse carry no gradient.
+
     Returns ``out`` (..., Hq, L, Ev) as a NumPy array, or a tuple
     ``(out, weights, lse)`` holding whichever extras were asked for:
     ``return_weights`` gives the attention weights (..., Hq, L, S) after
@@ -90,9 +102,57 @@ def scaled_dot_product_attention(
     log-sum-exp of each row's scores (..., Hq, L), before dropout (-inf for a
     fully masked row).
     """
-    q = as_array(query, "query", FLOAT)
-    k = as_array(key, "key", FLOAT)
-    v = as_array(value, "value", FLOAT)
+    # A CausalBias stands for an option, not for data: it alone does not make
+    # the call a torch call.
+    mask_data = attn_mask if _causal_bias(attn_mask) is None else None
+    if any(_is_torch_tensor(x) for x in (query, key, value, mask_data)):
+        from . import _torch  # torch is loaded: a torch tensor exists
+
+        if _torch.compiling():  # FakeTensors: nothing to read or check yet
+            return _torch.traced(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                 enable_gqa, causal_alignment, seed, return_weights, return_lse)
+        a = _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       causal_alignment, seed, return_weights, return_lse, grad_ok=True)
+        return _torch.run(a, query, key, value, attn_mask)
+    a = _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                   causal_alignment, seed, return_weights, return_lse)
+    if a.seed is None:
+        a.seed = random_seed() if a.dropout_p > 0.0 else 0
+    try:
+        out, weights, lse = _attn.sdpa(
+            a.q, a.k, a.v, empty=np.empty, attn_mask=a.mask, causal=a.causal, scale=a.scale,
+            enable_gqa=a.gqa, dropout_p=a.dropout_p, seed=a.seed, want_weights=a.want_w,
+            want_lse=a.want_lse,
+        )
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        raise library_error(e) from None
+    return results(a, out, weights, lse)
+
+
+def results(a, out, weights, lse):
+    """What scaled_dot_product_attention returns: out, or a tuple with the
+    extras asked for."""
+    if not (a.want_w or a.want_lse):
+        return out
+    return (out,) + ((weights,) if a.want_w else ()) + ((lse,) if a.want_lse else ())
+
+
+class _Args:
+    """The checked arguments of one call."""
+
+    __slots__ = ("q", "k", "v", "mask", "causal", "scale", "gqa", "dropout_p", "seed",
+                 "want_w", "want_lse")
+
+
+def _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+               causal_alignment, seed, return_weights, return_lse, grad_ok=False):
+    """Checks every argument; the arrays become NumPy views (no copies), the
+    causal options attn_causal's code. `grad_ok`: tensors that require grad
+    are fine (the caller records the call for autograd)."""
+    a = _Args()
+    q = as_array(query, "query", FLOAT, grad_ok)
+    k = as_array(key, "key", FLOAT, grad_ok)
+    v = as_array(value, "value", FLOAT, grad_ok)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(
             f"query, key and value must share one dtype; got {q.dtype}, {k.dtype} "
@@ -109,26 +169,15 @@ def scaled_dot_product_attention(
         causal_alignment = _check_causal_bias(bias, causal, q, k)
         causal = True
     elif attn_mask is not None:
-        mask = as_array(attn_mask, "attn_mask", MASK)
+        mask = as_array(attn_mask, "attn_mask", MASK, grad_ok)
         if mask.ndim == 0:  # a scalar broadcasts like any size-1 array
             mask = mask.reshape(1)
-    p = check_probability(dropout_p, "dropout_p")
-    s = check_scale(scale)
-    gqa = check_bool(enable_gqa, "enable_gqa")
-    seed = check_seed(seed)
-    want_w = check_bool(return_weights, "return_weights")
-    want_lse = check_bool(return_lse, "return_lse")
-    if seed is None:
-        seed = random_seed() if p > 0.0 else 0
-
-    try:
-        out, weights, lse = _attn.sdpa(
-            q, k, v, empty=np.empty, attn_mask=mask,
-            causal=_CAUSAL[causal_alignment] if causal else 0, scale=s, enable_gqa=gqa,
-            dropout_p=p, seed=seed, want_weights=want_w, want_lse=want_lse,
-        )
-    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        raise library_error(e) from None
-    if not (want_w or want_lse):
-        return out
-    return (out,) + ((weights,) if want_w else ()) + ((lse,) if want_lse else ())
+    a.q, a.k, a.v, a.mask = q, k, v, mask
+    a.causal = _CAUSAL[causal_alignment] if causal else 0
+    a.dropout_p = check_probability(dropout_p, "dropout_p")
+    a.scale = check_scale(scale)
+    a.gqa = check_bool(enable_gqa, "enable_gqa")
+    a.seed = check_seed(seed)
+    a.want_w = check_bool(return_weights, "return_weights")
+    a.want_lse = check_bool(return_lse, "return_lse")
+    return a

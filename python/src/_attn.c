@@ -428,34 +428,44 @@ PyDoc_STRVAR(sdpa_doc,
 /* What the library's messages call attn_sdpa's operands: Python's names. */
 static const char *const SDPA_ARG_NAMES[6] = {"query", "key", "value", "out", "weights", "lse"};
 
+/* The forward's options, parsed once for both entry points. */
+typedef struct sdpa_options {
+    PyObject *mask, *scale;
+    int causal, gqa;
+    double dropout_p;
+    uint64_t seed, rng_offset;
+} sdpa_options;
+
+static int sdpa_params_from(const sdpa_options *o, attn_sdpa_params *p) {
+    attn_sdpa_params_init(p);
+    p->causal = (attn_causal)o->causal;
+    p->enable_gqa = o->gqa;
+    p->dropout_p = o->dropout_p;
+    p->seed = o->seed;
+    p->rng_offset = o->rng_offset;
+    p->arg_names = SDPA_ARG_NAMES;
+    if (o->scale == Py_None) return 0;
+    p->has_scale = 1;
+    p->scale = PyFloat_AsDouble(o->scale);
+    return p->scale == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
     static char *kwlist[] = {"query", "key", "value", "empty", "attn_mask", "causal", "scale",
                              "enable_gqa", "dropout_p", "seed", "rng_offset", "want_weights",
                              "want_lse", NULL};
-    PyObject *oq, *ok, *ov, *empty = NULL, *omask = Py_None, *oscale = Py_None;
-    int causal = 0, gqa = 0, want_w = 0, want_lse = 0;
-    double dropout_p = 0.0;
-    uint64_t seed = 0, rng_offset = 0;
+    PyObject *oq, *ok, *ov, *empty = NULL;
+    sdpa_options o = {Py_None, Py_None, 0, 0, 0.0, 0, 0};
+    int want_w = 0, want_lse = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOiOpdO&O&pp:sdpa", kwlist, &oq, &ok,
-                                     &ov, &empty, &omask, &causal, &oscale, &gqa, &dropout_p,
-                                     convert_u64, &seed, convert_u64, &rng_offset, &want_w,
-                                     &want_lse) ||
+                                     &ov, &empty, &o.mask, &o.causal, &o.scale, &o.gqa,
+                                     &o.dropout_p, convert_u64, &o.seed, convert_u64,
+                                     &o.rng_offset, &want_w, &want_lse) ||
         require_empty(empty, "sdpa") < 0)
         return NULL;
     attn_sdpa_params p;
-    attn_sdpa_params_init(&p);
-    p.causal = (attn_causal)causal;
-    p.enable_gqa = gqa;
-    p.dropout_p = dropout_p;
-    p.seed = seed;
-    p.rng_offset = rng_offset;
-    p.arg_names = SDPA_ARG_NAMES;
-    if (oscale != Py_None) {
-        p.has_scale = 1;
-        p.scale = PyFloat_AsDouble(oscale);
-        if (p.scale == -1.0 && PyErr_Occurred()) return NULL;
-    }
+    if (sdpa_params_from(&o, &p) < 0) return NULL;
 
     buffer_view q, k, v, mask, out, w, lse;
     int has_mask = 0;
@@ -473,7 +483,7 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
         view_release(&k);
         return NULL;
     }
-    if (view_get_optional(omask, "attn_mask", &mask, &has_mask) < 0) goto done;
+    if (view_get_optional(o.mask, "attn_mask", &mask, &has_mask) < 0) goto done;
     if (has_mask) p.attn_mask = &mask.t;
 
     /* Validate everything and learn the shapes before allocating. */
@@ -520,6 +530,143 @@ done:
     Py_XDECREF(r_out);
     Py_XDECREF(r_w);
     Py_XDECREF(r_lse);
+    return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* sdpa_backward                                                             */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(sdpa_backward_doc,
+             "sdpa_backward(dout, query, key, value, out, lse, *, empty, attn_mask=None,\n"
+             "     causal=0, scale=None, enable_gqa=False, dropout_p=0.0, seed=0,\n"
+             "     rng_offset=0, want_dq=True, want_dk=True, want_dv=True, want_dmask=False)\n"
+             "     -> (dq, dk, dv, dmask)\n\n"
+             "attn_sdpa_backward() on buffers: the gradients of sdpa(query, key, value,\n"
+             "...) given dout, and that call's out and lse (the same options, so that\n"
+             "dropout replays its keep mask). Each gradient is shaped like its input\n"
+             "(dmask like attn_mask, which must then be float) and is None unless asked\n"
+             "for. Errors as sdpa's; the gradients and dout keep the C names.");
+
+/* The backward's operands: inputs first, then the gradients it writes. */
+enum { BW_DOUT, BW_Q, BW_K, BW_V, BW_OUT, BW_LSE, BW_MASK, BW_NIN };
+enum { BW_DQ, BW_DK, BW_DV, BW_DMASK, BW_NGRAD };
+
+typedef struct backward_call {
+    buffer_view in[BW_NIN];
+    buffer_view grad[BW_NGRAD];
+    PyObject *result[BW_NGRAD];
+    int want[BW_NGRAD];
+    int has_mask;
+} backward_call;
+
+static void backward_call_release(backward_call *c) {
+    for (int i = 0; i < BW_NIN; i++) view_release(&c->in[i]);
+    for (int g = 0; g < BW_NGRAD; g++) {
+        view_release(&c->grad[g]);
+        Py_CLEAR(c->result[g]);
+    }
+}
+
+/* Views of every input; -1 with an exception set (nothing else held). */
+static int backward_inputs(backward_call *c, PyObject *const objs[BW_NIN]) {
+    static const char *const names[BW_NIN] = {"dout", "query", "key", "value",
+                                              "out", "lse", "attn_mask"};
+    for (int i = 0; i < BW_MASK; i++)
+        if (view_get(objs[i], names[i], 0, &c->in[i]) < 0) return -1;
+    return view_get_optional(objs[BW_MASK], names[BW_MASK], &c->in[BW_MASK], &c->has_mask);
+}
+
+/* Each wanted gradient, allocated like the input it belongs to. dmask is
+ * only allocated for a float mask: for anything else the library's own
+ * check says why there is no such gradient. */
+static int backward_outputs(backward_call *c, PyObject *empty) {
+    static const char *const names[BW_NGRAD] = {"dq", "dk", "dv", "dmask"};
+    static const int input_of[BW_NGRAD] = {BW_Q, BW_K, BW_V, BW_MASK};
+    for (int g = 0; g < BW_NGRAD; g++) {
+        const attn_tensor *like = &c->in[input_of[g]].t;
+        if (!c->want[g] || (g == BW_DMASK && (!c->has_mask || like->dtype == ATTN_DTYPE_BOOL)))
+            continue;
+        c->result[g] = new_output(empty, like->rank, like->shape, like->dtype, names[g],
+                                  &c->grad[g]);
+        if (c->result[g] == NULL) return -1;
+    }
+    return 0;
+}
+
+/* The library call, GIL released and Ctrl-C honoured as in sdpa. */
+static attn_status backward_run(backward_call *c, const attn_sdpa_params *p) {
+    attn_tensor *g[BW_NGRAD];
+    for (int i = 0; i < BW_NGRAD; i++) g[i] = c->result[i] != NULL ? &c->grad[i].t : NULL;
+    /* A wanted dmask without a float mask to allocate it from: pass a
+     * one-element placeholder so the library refuses it with its own
+     * message (it names the mask's dtype, or says there is none). */
+    double scratch = 0.0;
+    const int64_t one = 1;
+    attn_tensor none;
+    attn_tensor_init(&none, &scratch, ATTN_DTYPE_F64, 1, &one);
+    if (c->want[BW_DMASK] && g[BW_DMASK] == NULL) g[BW_DMASK] = &none;
+    attn_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_sdpa_backward(&c->in[BW_DOUT].t, &c->in[BW_Q].t, &c->in[BW_K].t, &c->in[BW_V].t,
+                            &c->in[BW_OUT].t, &c->in[BW_LSE].t, p, g[BW_DQ], g[BW_DK],
+                            g[BW_DV], g[BW_DMASK]);
+    Py_END_ALLOW_THREADS
+    return st;
+}
+
+static PyObject *py_sdpa_backward(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"dout", "query", "key", "value", "out", "lse", "empty",
+                             "attn_mask", "causal", "scale", "enable_gqa", "dropout_p",
+                             "seed", "rng_offset", "want_dq", "want_dk", "want_dv",
+                             "want_dmask", NULL};
+    PyObject *objs[BW_NIN], *empty = NULL;
+    sdpa_options o = {Py_None, Py_None, 0, 0, 0.0, 0, 0};
+    backward_call c;
+    memset(&c, 0, sizeof c);
+    c.want[BW_DQ] = c.want[BW_DK] = c.want[BW_DV] = 1;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOOOO|$OOiOpdO&O&pppp:sdpa_backward", kwlist, &objs[BW_DOUT],
+            &objs[BW_Q], &objs[BW_K], &objs[BW_V], &objs[BW_OUT], &objs[BW_LSE], &empty,
+            &o.mask, &o.causal, &o.scale, &o.gqa, &o.dropout_p, convert_u64, &o.seed,
+            convert_u64, &o.rng_offset, &c.want[BW_DQ], &c.want[BW_DK], &c.want[BW_DV],
+            &c.want[BW_DMASK]) ||
+        require_empty(empty, "sdpa_backward") < 0)
+        return NULL;
+    objs[BW_MASK] = o.mask;
+    attn_sdpa_params p;
+    if (sdpa_params_from(&o, &p) < 0) return NULL;
+    PyObject *result = NULL;
+    if (backward_inputs(&c, objs) < 0) goto done;
+    if (c.has_mask) p.attn_mask = &c.in[BW_MASK].t;
+    /* The forward's own validation first, so a bad query or option is
+     * reported before any gradient is allocated. */
+    int rank;
+    int64_t shape[ATTN_MAX_RANK];
+    attn_status st = attn_sdpa_out_shape(&c.in[BW_Q].t, &c.in[BW_K].t, &c.in[BW_V].t, &p,
+                                         &rank, shape);
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    if (backward_outputs(&c, empty) < 0) goto done;
+    interrupt_guard guard;
+    interrupt_guard_arm(&guard);
+    st = backward_run(&c, &p);
+    if (interrupt_guard_disarm(&guard, st) < 0) goto done;
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    result = PyTuple_New(BW_NGRAD);
+    for (int g = 0; result != NULL && g < BW_NGRAD; g++) {
+        PyObject *r = c.result[g] != NULL ? c.result[g] : Py_None;
+        Py_INCREF(r);
+        PyTuple_SET_ITEM(result, g, r);
+    }
+done:
+    backward_call_release(&c);
     return result;
 }
 
@@ -1000,6 +1147,8 @@ static PyObject *py_copies(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef module_methods[] = {
     {"sdpa", (PyCFunction)(void (*)(void))py_sdpa, METH_VARARGS | METH_KEYWORDS, sdpa_doc},
+    {"sdpa_backward", (PyCFunction)(void (*)(void))py_sdpa_backward,
+     METH_VARARGS | METH_KEYWORDS, sdpa_backward_doc},
     {"version", py_version, METH_NOARGS, "the linked library's version string"},
     {"set_num_threads", py_set_num_threads, METH_O, "attn_set_num_threads(n); 0 = default"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},

@@ -4,6 +4,7 @@ The random cases are drawn from one seed: ATTN_TEST_SEED (default below).
 The summary at the end of a run repeats the seed and the accuracy observed.
 """
 
+import sys
 import warnings
 
 import pytest
@@ -31,6 +32,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"attn conformance: seed {conformance.SEED} (ATTN_TEST_SEED={conformance.SEED} "
         f"repeats this run); torch {conformance.torch_version()}"
     )
+    backward = sys.modules.get("test_sdpa_backward")
+    if backward is not None and backward.GRAD_STATS["checks"]:
+        g = backward.GRAD_STATS
+        tr.write_line(
+            f"  sdpa backward: {g['checks']} gradients checked, at most "
+            f"{100 * g['worst_usage']:.0f}% of the bar used; {g['known_lse_rounding']} float32 "
+            f"large-logit cases xfail (the float32 lse the backward reads; see "
+            f"test_sdpa_backward.py)"
+        )
     for kind in ("sdpa", "mha"):
         s = stats[kind]
         if s["cases"] == 0:

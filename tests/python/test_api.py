@@ -166,17 +166,26 @@ def test_returns(rng):
     np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-13, atol=1e-14)
 
 
-def test_torch_tensors_in_numpy_out(rng):
+def test_torch_tensors_in_torch_tensors_out(rng):
     q = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 3, 4, 7, dtype=torch.float64).transpose(-1, -2)  # non-contiguous
     v = torch.randn(3, 7, 1, dtype=torch.float64).expand(3, 7, 6)  # zero stride
     mask = torch.rand(5, 7) < 0.8
     mask[:, 0] = True
-    with torch.no_grad():  # q requires grad; attn has no backward (test_hostile.py)
-        out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    assert isinstance(out, np.ndarray) and out.shape == (2, 3, 5, 6)
+    with torch.no_grad():  # not recorded for autograd (test_sdpa_autograd.py)
+        out, w, lse = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                        return_weights=True, return_lse=True)
+    for x, shape in ((out, (2, 3, 5, 6)), (w, (2, 3, 5, 7)), (lse, (2, 3, 5))):
+        assert type(x) is torch.Tensor and x.shape == shape and x.dtype == torch.float64
+        assert x.is_contiguous() and x.grad_fn is None and not x.requires_grad
     ref = F.scaled_dot_product_attention(q.detach(), k, v.contiguous(), attn_mask=mask)
-    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-12, atol=1e-14)
+    # One torch tensor among NumPy arrays is enough; NumPy alone gives NumPy.
+    mixed = attn.scaled_dot_product_attention(q.detach().numpy(), k.numpy(), v.numpy(), mask)
+    np_only = attn.scaled_dot_product_attention(q.detach().numpy(), k.numpy(), v.numpy(),
+                                                mask.numpy())
+    assert type(mixed) is torch.Tensor and type(np_only) is np.ndarray
+    assert np.array_equal(mixed.numpy(), out.numpy()) and np.array_equal(np_only, out.numpy())
     m = attn.MultiheadAttention(6, 2, dtype=torch.float64)
     y, w = m(torch.randn(4, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64),
              torch.randn(5, 6, dtype=torch.float64))

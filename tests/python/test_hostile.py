@@ -262,19 +262,22 @@ def test_mha_changed_attributes_survive_copy_and_pickle(rng):
 
 # ---- 3. tensors that require grad ----
 
-def test_sdpa_refuses_tensors_requiring_grad(rng):
+def test_sdpa_records_tensors_requiring_grad(rng):
+    """SDPA used to refuse tensors requiring grad (no backward); it now records
+    the call for autograd (test_sdpa_autograd.py), and only then."""
     q = torch.from_numpy(rng.standard_normal((2, 5, 8))).requires_grad_()
     k = torch.from_numpy(rng.standard_normal((2, 5, 8)))
     mask = torch.zeros(5, 5, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="query requires grad.*no backward.*torch.no_grad"):
-        attn.scaled_dot_product_attention(q, k, k)
-    with pytest.raises(RuntimeError, match="attn_mask requires grad.*detach"):
-        attn.scaled_dot_product_attention(k, k, k, mask)
     ref = attn.scaled_dot_product_attention(q.detach(), k, k, mask.detach())
-    with torch.no_grad():
-        assert np.array_equal(attn.scaled_dot_product_attention(q, k, k, mask), ref)
-    with torch.inference_mode():
-        assert np.array_equal(attn.scaled_dot_product_attention(q, k, k, mask), ref)
+    assert ref.grad_fn is None and not ref.requires_grad
+    for args in ((q, k, k), (k, k, k, mask)):
+        out = attn.scaled_dot_product_attention(*args)
+        assert out.requires_grad and out.grad_fn.name().startswith("GeneratedBackwardFor_attn")
+    assert torch.equal(attn.scaled_dot_product_attention(q, k, k, mask).detach(), ref)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out = attn.scaled_dot_product_attention(q, k, k, mask)
+        assert out.grad_fn is None and not out.requires_grad and torch.equal(out, ref)
 
 
 def test_mha_refuses_inputs_requiring_grad(rng):

@@ -261,6 +261,11 @@ def run_attn(c):
     )
     if not isinstance(res, tuple):
         res = (res,)
+    # torch tensors in, torch tensors out; NumPy in, NumPy out
+    kind = torch.Tensor if c["use_torch"] else np.ndarray
+    assert all(type(x) is kind for x in res), [type(x) for x in res]
+    if c["use_torch"]:
+        res = tuple(x.numpy() for x in res)
     out = res[0]
     rest = list(res[1:])
     weights = rest.pop(0) if c["want_w"] else None
