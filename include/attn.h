@@ -290,7 +290,10 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
  * gradient; NaN in a term that takes part gives NaN where it flows.
  * Accumulation: the reference path (ATTN_ISA_REF) in float64; the fused
  * paths in the compute type, in an order fixed by the shape, so gradients
- * are bitwise identical for any thread count. Extra memory: two vectors of
+ * are bitwise identical for any thread count. As in the forward, float32
+ * scores of magnitude >= 256 are too coarse: a float32 call where some
+ * |lse| reaches 256 runs on the float64 reference, as does one whose fused
+ * gradients come out non-finite. Extra memory: two vectors of
  * L per head and dq's size in the compute type (its partial sum), or, when
  * there are few heads to share among threads, one partial dq per key chunk,
  * as many as fit in 32 MiB; plus float64 sums where a gradient reduces

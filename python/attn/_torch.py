@@ -62,7 +62,8 @@ def sdpa_op(
     try:
         out, w, lse = _attn.sdpa(
             _array(query), _array(key), _array(value), empty=np.empty, want_weights=want_weights,
-            want_lse=True, **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed),
+            want_lse=True, lse_for_backward=True,  # weights recomputed from it sum to 1
+            **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed),
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None

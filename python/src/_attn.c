@@ -417,13 +417,14 @@ static int convert_u64(PyObject *obj, void *out) {
 PyDoc_STRVAR(sdpa_doc,
              "sdpa(query, key, value, *, empty, attn_mask=None, causal=0, scale=None,\n"
              "     enable_gqa=False, dropout_p=0.0, seed=0, rng_offset=0, want_weights=False,\n"
-             "     want_lse=False) -> (out, weights, lse)\n\n"
+             "     want_lse=False, lse_for_backward=False) -> (out, weights, lse)\n\n"
              "attn_sdpa() on buffers. causal: 0 none, 1 top-left, 2 bottom-right;\n"
              "scale: None or a float; empty(shape, dtype_name) allocates the outputs.\n"
              "weights and lse are None unless asked for. A library failure's exception\n"
              "has status, status_name and arg; arg and the message name the operands\n"
              "as Python does (query, key, value), the parameters as attn.h does\n"
-             "(params.dropout_p, ...).");
+             "(params.dropout_p, ...). lse_for_backward: the lse of the kernels' own\n"
+             "scores (attn_sdpa_params.lse_for_backward), for sdpa_backward.");
 
 /* What the library's messages call attn_sdpa's operands: Python's names. */
 static const char *const SDPA_ARG_NAMES[6] = {"query", "key", "value", "out", "weights", "lse"};
@@ -454,18 +455,19 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
     static char *kwlist[] = {"query", "key", "value", "empty", "attn_mask", "causal", "scale",
                              "enable_gqa", "dropout_p", "seed", "rng_offset", "want_weights",
-                             "want_lse", NULL};
+                             "want_lse", "lse_for_backward", NULL};
     PyObject *oq, *ok, *ov, *empty = NULL;
     sdpa_options o = {Py_None, Py_None, 0, 0, 0.0, 0, 0};
-    int want_w = 0, want_lse = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOiOpdO&O&pp:sdpa", kwlist, &oq, &ok,
+    int want_w = 0, want_lse = 0, lse_for_backward = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOiOpdO&O&ppp:sdpa", kwlist, &oq, &ok,
                                      &ov, &empty, &o.mask, &o.causal, &o.scale, &o.gqa,
                                      &o.dropout_p, convert_u64, &o.seed, convert_u64,
-                                     &o.rng_offset, &want_w, &want_lse) ||
+                                     &o.rng_offset, &want_w, &want_lse, &lse_for_backward) ||
         require_empty(empty, "sdpa") < 0)
         return NULL;
     attn_sdpa_params p;
     if (sdpa_params_from(&o, &p) < 0) return NULL;
+    p.lse_for_backward = lse_for_backward;
 
     buffer_view q, k, v, mask, out, w, lse;
     int has_mask = 0;
