@@ -231,7 +231,8 @@ typedef struct attn_sdpa_params {
      * the scores as the fused kernels round them, so that the weights
      * attn_sdpa_backward recomputes from it sum to 1 (their gradients come
      * out about half as far from the exact ones as with the exact lse). 0,
-     * the default: lse exact to float64, rounded once. */
+     * the default: lse exact to float64, rounded once. Float32 only (float64
+     * calls always give the exact lse, which serves the backward there). */
     int lse_for_backward;
 } attn_sdpa_params;
 

@@ -1,6 +1,7 @@
 """attn.patch_torch(): torch's own attention entry points routed through attn
 for the calls attn computes, torch's functions for everything else."""
 
+import functools
 import importlib
 
 _FLOATS = ("torch.float32", "torch.float64")
@@ -107,8 +108,34 @@ def _patch_mha(patch, torch):
         return
     mha = torch.nn.MultiheadAttention
     if "_attn_original_forward" not in vars(mha):  # an outer patch keeps torch's own there
-        patch._set(mha, "_attn_original_forward", vars(mha)["forward"])
-    patch._set(mha, "forward", forward)
+        patch._set(mha, "_attn_original_forward", _counted_fallback(patch, vars(mha)["forward"]))
+    patch._set(mha, "forward", _counted_mha(patch, forward))
+
+
+def _counted_fallback(patch, original):
+    """torch's own forward, counted in patch.fell_back (by the patch that
+    stored it, the outermost)."""
+
+    @functools.wraps(original)
+    def fallback(self, *args, **kwargs):
+        patch.fell_back += 1
+        return original(self, *args, **kwargs)
+
+    return fallback
+
+
+def _counted_mha(patch, forward):
+    """attn's forward, counted in patch.routed unless it fell back."""
+
+    @functools.wraps(forward)
+    def routed_forward(self, *args, **kwargs):
+        before = patch.fell_back
+        result = forward(self, *args, **kwargs)
+        if patch.fell_back == before:
+            patch.routed += 1
+        return result
+
+    return routed_forward
 
 
 def patch_torch():

@@ -631,7 +631,7 @@ void attn__mha_attend_request(const attn_mha *m, const attn_mha_forward_params *
     r->out = &h->o;
     r->weights = h->weights;
     r->lse = w->lse != NULL ? &h->lse : NULL;
-    r->lse_for_backward = true; /* only forward_train asks for it, for the backward */
+    r->lse_for_backward = false;
 }
 
 /* Runs every head's attention on the SDPA problem path. */

@@ -93,6 +93,10 @@ typedef struct attn__problem {
      * by); the split decode path's internal chunk lse only when the whole
      * call's is asked for (tracking costs a pass over every score tile). */
     bool lse_exact;
+    /* lse for a backward pass (attn_sdpa_params.lse_for_backward): the
+     * forward then scores in the layout the backward does (queries in
+     * lanes, float32 products), so both see the same rounded scores. */
+    bool lse_for_backward;
 
     /* Where this problem sits in the whole one (a slice: a key chunk, a ring
      * step). Query row i is position q_pos0 + i of L_total, key j position

@@ -305,7 +305,9 @@ static attn_status check_outputs(attn__problem *p, const attn__problem_request *
         if ((st = check_output(r->lse, NAME(r, ATTN__LSE), p->dtype, nb + 1, shape)) != ATTN_OK) return st;
         fill_lse(&p->lse, r->lse, nb);
         p->has_lse = true;
-        p->lse_exact = !r->lse_for_backward;
+        /* float64 scores are exact enough for the exact lse to serve */
+        p->lse_for_backward = r->lse_for_backward && p->dtype == ATTN_DTYPE_F32;
+        p->lse_exact = !p->lse_for_backward;
     }
     return check_overlaps(r);
 }

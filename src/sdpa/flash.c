@@ -83,8 +83,11 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
     /* Keys in columns for few rows (decoding: K read once, in place when it
      * has unit column stride) and for tiny problems, where speed is moot and
      * its float64-accumulated scores keep the result within rounding of the
-     * exact one (float32 scores would dominate the error there). */
-    w.direct = w.nrows <= kern->direct_rows || w.nrows * p->S * p->E <= TINY_WORK;
+     * exact one (float32 scores would dominate the error there). Not for a
+     * backward's lse: that must be the lse of the scores the backward
+     * computes, which are the queries-in-lanes layout's. */
+    w.direct = !p->lse_for_backward &&
+               (w.nrows <= kern->direct_rows || w.nrows * p->S * p->E <= TINY_WORK);
     /* A group of fewer rows than the context's lanes (small heads: MHA with
      * L = 32) gets as few lane steps as it needs, not 48 lanes of which a
      * third idle. */
@@ -206,6 +209,18 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
 
 /* ---- the backward's plan (flash_backward.inc), shared by both precisions ---- */
 
+/* Tiny problems (at most this many multiply-adds of the forward) take the
+ * reference backward: speed is moot there, and float64 keeps their
+ * gradients within rounding of the exact ones, as the forward's
+ * keys-in-columns layout does for its results (a gradient that cancels to
+ * 0, as every dq of a row that sees one key, comes out 0). */
+#define BWD_TINY_WORK ((double)(1 << 16))
+
+static bool bwd_tiny(const attn__problem *p) {
+    return (double)p->nbatch * (double)p->L * (double)p->S * (double)(p->E + p->Ev) <=
+           BWD_TINY_WORK;
+}
+
 enum { BWD_TASKS_MIN = 8 }; /* split keys into chunks while there are fewer tasks */
 #define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, unless one is more */
 
@@ -217,16 +232,16 @@ static int64_t head_sharing(const attn__problem *p, const attn__operand *op) {
     return op->bstride[hd] == 0 ? p->bshape[hd] : op->bdiv[hd];
 }
 
-/* The backward's groups: the heads whose dK and dV are one sum. Not the
- * forward's: K and V read through a zero stride are shared by heads that
- * still have gradients of their own. */
+/* The backward's groups: heads that read one K and one V and whose dK and
+ * dV are one sum. The forward's groups when the gradients agree; K and V
+ * read through a zero stride are shared by heads that still have gradients
+ * of their own, and a gradient may be shared where the other input is not:
+ * then every head is its own group and shared gradients are folded. */
 static int64_t bwd_group_size(const attn__problem *p) {
-    if (!p->has_dk && !p->has_dv) return group_size(p);
-    const int64_t gk = p->has_dk ? head_sharing(p, &p->dk) : -1;
-    const int64_t gv = p->has_dv ? head_sharing(p, &p->dv) : -1;
-    if (gk < 0) return gv;
-    if (gv < 0) return gk;
-    return gk == gv ? gk : 1;
+    const int64_t reads = group_size(p); /* heads that read one K and one V */
+    const int64_t gk = p->has_dk ? head_sharing(p, &p->dk) : reads;
+    const int64_t gv = p->has_dv ? head_sharing(p, &p->dv) : reads;
+    return gk == reads && gv == reads ? reads : 1; /* else each head alone, sums folded */
 }
 
 /* Groups of heads sharing dK and dV, query blocks of `lanes` rows, key blocks of the
@@ -314,11 +329,21 @@ typedef uint64_t bits_d;
 #undef EPSILON
 
 attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *ukernel) {
+    attn__problem tiny;
+    if (problem->lse_for_backward && bwd_tiny(problem)) {
+        /* the backward of a tiny problem runs on the reference: give it the
+         * exact lse and keep the forward's float64-accumulated scores */
+        tiny = *problem;
+        tiny.lse_for_backward = false;
+        tiny.lse_exact = true;
+        problem = &tiny;
+    }
     return compute_dtype(problem) == ATTN_DTYPE_F32 ? flash_run_f(problem, ukernel)
                                                     : flash_run_d(problem, ukernel);
 }
 
 attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__ukernel *ukernel) {
+    if (bwd_tiny(problem)) return attn__sdpa_backward_reference(problem);
     return compute_dtype(problem) == ATTN_DTYPE_F32 ? bwd_run_f(problem, ukernel)
                                                     : bwd_run_d(problem, ukernel);
 }
