@@ -264,7 +264,6 @@ static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, si
     while (w.nchunks < nkb && w.ngroups * w.nchunks < BWD_TASKS_MIN &&
            (!p->has_dq || (w.nchunks + 1) * dq_bytes <= BWD_DQ_BUDGET))
         w.nchunks++;
-    w.chunk = w.BC;
     return w;
 }
 

@@ -4,7 +4,7 @@
  * Through the public hook (attn_set_allocator), each scenario is run with
  * the n-th allocation failing, for n = 1, 2, ... until a run succeeds. Every
  * failed run must return ATTN_ERR_NOMEM with a message and leave no block
- * allocated (the hook counts allocations against releases; LSan checks the
+ * allocated (the hook counts the blocks it has live; LSan checks the
  * rest in the sanitizer tier). The run that finally succeeds must give
  * bit-for-bit the result of a run with the default allocator.
  *
@@ -21,32 +21,7 @@
 #error "ATTN_TEST_DATA must name tests/data"
 #endif
 
-/* ---- the failing allocator ---- */
-
-typedef struct failer {
-    long allocs, releases, live, fail_at, failed;
-    bool persistent;
-} failer;
-
-static failer F;
-
-static void *fail_alloc(void *ctx, size_t size) {
-    failer *f = ctx;
-    f->allocs++;
-    if (f->fail_at > 0 && (f->allocs == f->fail_at || (f->persistent && f->allocs > f->fail_at))) {
-        f->failed++;
-        return NULL;
-    }
-    void *p = malloc(size);
-    if (p) f->live++;
-    return p;
-}
-static void fail_release(void *ctx, void *p) {
-    failer *f = ctx;
-    f->releases++;
-    f->live--;
-    free(p);
-}
+static test_failer F; /* the allocator of the walk in progress (testutil.h) */
 
 /* A scenario runs one API call sequence (creating and destroying whatever it
  * needs) and compares its outputs with `expect` when it succeeds. */
@@ -58,16 +33,12 @@ typedef struct scenario {
 
 /* Walks the failure points; returns how many were walked. */
 static long walk(const scenario *s, bool persistent) {
-    attn_allocator a = {fail_alloc, fail_release, &F};
     /* The default allocator's result is the reference. */
     attn_set_allocator(NULL);
     CHECK_OK(s->run(s->state, false));
     long n;
     for (n = 1; n < 10000; n++) {
-        memset(&F, 0, sizeof F);
-        F.fail_at = n;
-        F.persistent = persistent;
-        attn_set_allocator(&a);
+        failer_install(&F, n, persistent);
         attn_status st = s->run(s->state, true);
         attn_set_allocator(NULL);
         CHECK(F.live == 0, "%s: failing allocation %ld leaks %ld blocks", s->name, n, F.live);

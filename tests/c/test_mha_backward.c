@@ -572,43 +572,17 @@ static void hostile_arguments(void) {
 
 /* ---- allocation failures ---- */
 
-typedef struct failer {
-    long allocs, live, fail_at, failed;
-    bool persistent;
-} failer;
-
-static failer F;
-
-static void *fail_alloc(void *ctx, size_t size) {
-    failer *f = ctx;
-    f->allocs++;
-    if (f->fail_at > 0 && (f->allocs == f->fail_at || (f->persistent && f->allocs > f->fail_at))) {
-        f->failed++;
-        return NULL;
-    }
-    void *p = malloc(size);
-    if (p) f->live++;
-    return p;
-}
-
-static void fail_release(void *ctx, void *p) {
-    ((failer *)ctx)->live--;
-    free(p);
-}
+static test_failer F; /* testutil.h */
 
 /* forward_train + backward under allocation failure n = 1, 2, ... until
  * one run succeeds: each failure is ATTN_ERR_NOMEM with a message, nothing
  * leaks, and the run that succeeds gives the default allocator's bits. */
 static void walk_failures(bw_case *c, const char *label, bool persistent) {
-    attn_allocator a = {fail_alloc, fail_release, &F};
     rng r0 = {3};
     bw_grads want = run_backward(c, &r0);
     long n;
     for (n = 1; n < 10000; n++) {
-        memset(&F, 0, sizeof F);
-        F.fail_at = n;
-        F.persistent = persistent;
-        attn_set_allocator(&a);
+        failer_install(&F, n, persistent);
         attn_mha_saved *sv = NULL;
         attn_mha *g = NULL;
         test_tensor dx[3];

@@ -384,3 +384,30 @@ static int remove_entry(const char *path, const struct stat *st, int flag, struc
 }
 
 void tt_remove_tree(const char *path) { nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+/* ---- a failing allocator ---- */
+
+static void *failer_alloc(void *ctx, size_t size) {
+    test_failer *f = ctx;
+    f->allocs++;
+    if (f->fail_at > 0 && (f->allocs == f->fail_at || (f->persistent && f->allocs > f->fail_at))) {
+        f->failed++;
+        return NULL;
+    }
+    void *p = malloc(size);
+    if (p) f->live++;
+    return p;
+}
+
+static void failer_release(void *ctx, void *p) {
+    ((test_failer *)ctx)->live--;
+    free(p);
+}
+
+void failer_install(test_failer *f, long fail_at, bool persistent) {
+    memset(f, 0, sizeof *f);
+    f->fail_at = fail_at;
+    f->persistent = persistent;
+    const attn_allocator a = {failer_alloc, failer_release, f};
+    attn_set_allocator(&a);
+}

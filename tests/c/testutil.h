@@ -67,6 +67,19 @@ void oracle_free(oracle_sdpa_result *res);
 /* max |a - b| over n elements, treating equal infinities and NaN==NaN as 0. */
 double max_abs_diff(const double *a, const double *b, int64_t n);
 
+/* ---- a failing allocator (attn_set_allocator), SQLite-style ---- */
+
+/* Allocation number fail_at fails, and with `persistent` every later one
+ * too; live counts blocks allocated and not yet released. */
+typedef struct test_failer {
+    long allocs, live, fail_at, failed;
+    bool persistent;
+} test_failer;
+
+/* Resets f to fail allocation number fail_at and installs it; the caller
+ * restores malloc with attn_set_allocator(NULL). */
+void failer_install(test_failer *f, long fail_at, bool persistent);
+
 /* ---- files, for the tests of what is left on disk ---- */
 
 /* The names in dir (without "." and ".."), sorted and joined by single
