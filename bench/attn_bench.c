@@ -267,6 +267,7 @@ static int bwd_setup(bwd_problem *b, const char *load_dir) {
     attn_sdpa_params_init(&b->p);
     b->p.causal = b->causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
     b->p.enable_gqa = b->Hk != b->H;
+    b->p.lse_for_backward = 1; /* as training calls it (the torch operator does) */
     return 0;
 }
 

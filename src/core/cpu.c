@@ -67,6 +67,25 @@ const attn__cpu_features *attn__cpu(void) {
     return &table[i];
 }
 
+/* L2 cache bytes per core: CPUID 0x80000006 ECX[31:16] in KiB, which AMD and
+ * Intel both report; 512 KiB (the smallest of the x86-64 cores we run on)
+ * when it is not there. Read once: CPUID traps to the hypervisor in a VM. */
+int64_t attn__l2_bytes(void) {
+    static atomic_llong cached = 0;
+    long long bytes = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (bytes == 0) {
+        bytes = 512 << 10;
+#ifdef ATTN_X86
+        unsigned a, b, c, d;
+        if (__get_cpuid_max(0x80000000u, NULL) >= 0x80000006u &&
+            __get_cpuid(0x80000006u, &a, &b, &c, &d) && (c >> 16) != 0)
+            bytes = (long long)(c >> 16) << 10;
+#endif
+        atomic_store_explicit(&cached, bytes, memory_order_relaxed);
+    }
+    return bytes;
+}
+
 /* A path is supported when its kernels were compiled in (ATTN_HAVE_*) and
  * the CPU and OS can run them. */
 int attn_isa_supported(attn_isa isa) {

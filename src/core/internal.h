@@ -163,6 +163,8 @@ typedef struct attn__cpu_features {
 
 /* Detected once (CPUID + xgetbv), then cached. */
 const attn__cpu_features *attn__cpu(void);
+/* L2 cache bytes per core (CPUID; 512 KiB when unknown), read once. */
+int64_t attn__l2_bytes(void);
 /* Pure decoding of CPUID/XCR0 words, exposed so the detector can be tested
  * on feature sets this machine does not have. */
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx,

@@ -83,11 +83,11 @@
     }                                                                                            \
     static void generic_softmax_bwd_t_##SFX(REAL *st, REAL *dpt, int64_t ld, int64_t nk,         \
                                             int64_t lanes, REAL c, const REAL *off,              \
-                                            const REAL *D, REAL ds_scale) {                      \
+                                            const REAL *off_lo, const REAL *D, REAL ds_scale) {  \
         for (int64_t j = 0; j < nk; j++) {                                                       \
             REAL *s = st + j * ld, *dp = dpt + j * ld;                                           \
             for (int64_t r = 0; r < lanes; r++) {                                                \
-                const REAL pr = EXP2(s[r] * c - off[r]);                                         \
+                const REAL pr = EXP2((s[r] * c - off[r]) - off_lo[r]);                           \
                 s[r] = pr;                                                                       \
                 dp[r] = pr == 0 ? 0 : ds_scale * pr * (dp[r] - D[r]);                           \
             }                                                                                    \
@@ -103,6 +103,11 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
  * Bool is never a Q, K or V dtype (validation rejects it); it reads as 0 or
  * 1, as attn__load does, so that the slot is defined for every dtype. */
 #define COPY_ROWS(CONVERT)                                                                      \
+    if (cs == 1) { /* the common layout: a loop the compiler vectorizes */                      \
+        for (int64_t i = 0; i < nrows; i++)                                                     \
+            for (int64_t j = 0; j < width; j++) dst[i * ld + j] = CONVERT(i * rs + j);          \
+        return;                                                                                 \
+    }                                                                                           \
     for (int64_t i = 0; i < nrows; i++)                                                         \
         for (int64_t j = 0; j < width; j++) dst[i * ld + j] = CONVERT(i * rs + j * cs)
 #define FROM_F32(at) ((const float *)src)[at]
@@ -113,9 +118,9 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
                                         int64_t cs, int64_t nrows, int64_t width, REAL *dst,    \
                                         int64_t ld) {                                           \
         switch (dtype) {                                                                        \
-        case ATTN_DTYPE_F32: COPY_ROWS(FROM_F32); return;                                       \
-        case ATTN_DTYPE_F64: COPY_ROWS(FROM_F64); return;                                       \
-        case ATTN_DTYPE_BOOL: COPY_ROWS(FROM_BOOL); return;                                     \
+        case ATTN_DTYPE_F32: { COPY_ROWS(FROM_F32); return; }                                   \
+        case ATTN_DTYPE_F64: { COPY_ROWS(FROM_F64); return; }                                   \
+        case ATTN_DTYPE_BOOL: { COPY_ROWS(FROM_BOOL); return; }                                 \
         }                                                                                       \
     }
 
