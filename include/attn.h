@@ -244,7 +244,9 @@ ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
  *   params    NULL for the defaults
  *   out       required, same dtype as q, shape (B..., Hq, L, Ev)
  *   weights   optional (NULL), same dtype, shape (B..., Hq, L, S)
- *   lse       optional (NULL), same dtype, shape (B..., Hq, L)
+ *   lse       optional (NULL), q's dtype or float64, shape (B..., Hq, L); a
+ *             float32 call's lse in float64 is not rounded to float32 (for
+ *             attn_sdpa_backward, whose weights would inherit that rounding)
  * Asking for weights costs an L x S write; without them the fused kernels
  * keep no L x S buffer.
  * Accuracy: the reference path (ATTN_ISA_REF) accumulates in float64 and
@@ -275,12 +277,13 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
  *   dout    (B..., Hq, L, Ev)  like out
  *   out     (B..., Hq, L, Ev)  the forward's output
  *   lse     (B..., Hq, L)      the forward's log-sum-exp (attn_sdpa's lse,
- *                              best with params->lse_for_backward set)
+ *                              best with params->lse_for_backward set and in
+ *                              float64); q's dtype or float64
  *   dq, dk, dv                 shaped like q, k, v, same dtype; each may be
  *                              NULL when that gradient is not wanted
  *   dmask                      optional: shaped like params->attn_mask, which
  *                              must then be a float mask; same dtype as it
- * All float inputs share q's dtype. A gradient sums over everything its
+ * All float inputs but lse share q's dtype. A gradient sums over everything its
  * input was broadcast to: dk and dv over the query heads of a GQA group,
  * dmask over the dimensions where the mask has size 1, any of them over
  * batch dimensions where its input had size 1. Dropout is replayed from

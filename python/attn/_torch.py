@@ -87,7 +87,7 @@ def _sdpa_fake(query, key, value, attn_mask, dropout_p, causal, scale, enable_gq
     b = out_batch_shape(query, key, value, enable_gqa)
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     w = query.new_empty(b + (L, S)) if want_weights else query.new_empty(0)
-    return query.new_empty(b + (L, Ev)), w, query.new_empty(b + (L,))
+    return query.new_empty(b + (L, Ev)), w, query.new_empty(b + (L,), dtype=torch.float64)
 
 
 @torch.library.custom_op("attn::sdpa_backward", mutates_args=())

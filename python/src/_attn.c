@@ -424,7 +424,7 @@ PyDoc_STRVAR(sdpa_doc,
              "has status, status_name and arg; arg and the message name the operands\n"
              "as Python does (query, key, value), the parameters as attn.h does\n"
              "(params.dropout_p, ...). lse_for_backward: the lse of the kernels' own\n"
-             "scores (attn_sdpa_params.lse_for_backward), for sdpa_backward.");
+             "scores (attn_sdpa_params.lse_for_backward), in float64, for sdpa_backward.");
 
 /* What the library's messages call attn_sdpa's operands: Python's names. */
 static const char *const SDPA_ARG_NAMES[6] = {"query", "key", "value", "out", "weights", "lse"};
@@ -507,7 +507,10 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
         if (r_w == NULL) goto done;
     }
     if (want_lse) {
-        r_lse = new_output(empty, rank - 1, shape, dt, "lse", &lse);
+        /* for the backward: float64, whose digits float32 would round off
+         * and every weight the backward recomputes would inherit */
+        const attn_dtype lse_dt = lse_for_backward ? ATTN_DTYPE_F64 : dt;
+        r_lse = new_output(empty, rank - 1, shape, lse_dt, "lse", &lse);
         if (r_lse == NULL) goto done;
     }
     interrupt_guard guard;

@@ -105,11 +105,14 @@ typedef struct attn__ukernel {
                       float *l, float *alpha);
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
-    /* st[j][r] <- P = 2^(st[j][r]·c - off[r]); dpt[j][r] <- ds_scale·P·(dpt[j][r] - D[r]),
+    /* st[j][r] <- P = 2^((st[j][r]·c - off[r]) - off_lo[r]) (off + off_lo: the row's
+     * lse·log2 e to twice the compute type's precision; its rounding would
+     * shift every weight of the row alike); dpt[j][r] <- ds_scale·P·(dpt[j][r] - D[r]),
      * exactly 0 where P is 0 (a hidden key's dP may be anything); for j < nk,
      * r < lanes (a multiple of lane_step), both tiles with leading dimension ld. */
     void (*softmax_bwd_t_f)(float *st, float *dpt, int64_t ld, int64_t nk, int64_t lanes, float c,
-                            const float *off, const float *D, float ds_scale);
+                            const float *off, const float *off_lo, const float *D,
+                            float ds_scale);
 
     /* ---- micro-kernels, float64: the same contracts ---- */
     void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
@@ -125,7 +128,8 @@ typedef struct attn__ukernel {
     void (*pv_d)(const double *p, int64_t p_rs, int64_t p_cs, const double *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha);
     void (*softmax_bwd_t_d)(double *st, double *dpt, int64_t ld, int64_t nk, int64_t lanes,
-                            double c, const double *off, const double *D, double ds_scale);
+                            double c, const double *off, const double *off_lo, const double *D,
+                            double ds_scale);
 } attn__ukernel;
 
 /* Every slot and parameter: the portable kernels (generic/flash_generic.c). */

@@ -371,7 +371,9 @@ static attn_status work_alloc(const attn_mha *m, const mha_shapes *s, bool all_w
     w->qkv = attn__alloc((size_t)qkv_elems * es);
     w->O = attn__alloc((size_t)(N * L * D) * es);
     if (all_weights) w->W_all = attn__alloc_array((size_t)(N * H * L), (size_t)Sx * es);
-    if (save) w->lse = attn__alloc_array((size_t)(N * H * L), es);
+    /* lse in float64 for either dtype: float32's rounding of it would move
+     * every weight the backward recomputes from it */
+    if (save) w->lse = attn__alloc_array((size_t)(N * H * L), sizeof(double));
     if (w->qkv == NULL || w->O == NULL || (all_weights && w->W_all == NULL) ||
         (save && w->lse == NULL))
         return ATTN_ERR_NOMEM;
@@ -602,7 +604,7 @@ void attn__mha_split_heads(const attn_mha *m, const mha_shapes *s, const mha_wor
     head_weights(s, w, dt, H, weights, h);
     if (w->lse != NULL) {
         const int64_t lshape[3] = {s->N, H, s->L};
-        attn_tensor_init(&h->lse, w->lse, dt, 3, lshape);
+        attn_tensor_init(&h->lse, w->lse, ATTN_DTYPE_F64, 3, lshape);
     }
 }
 

@@ -63,6 +63,13 @@ static attn_status check_output(const attn_tensor *t, const char *name, attn_dty
     return check_exact(t, name, ATTN__OUTPUT, dtype, rank, shape);
 }
 
+/* The dtype lse may have: q's, or float64 for any call (a float32 call's
+ * lse then keeps the digits float32 would round off, which the backward's
+ * recomputed weights would inherit). */
+static attn_dtype lse_dtype(const attn__problem *p, const attn_tensor *lse) {
+    return lse != NULL && lse->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : p->dtype;
+}
+
 static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char *name,
                               int bool_keep, attn__mask *out) {
     attn_status st = attn__check_tensor(m, name, 1, ATTN__INPUT);
@@ -302,11 +309,10 @@ static attn_status check_outputs(attn__problem *p, const attn__problem_request *
         p->has_weights = true;
     }
     if (r->lse != NULL) {
-        if ((st = check_output(r->lse, NAME(r, ATTN__LSE), p->dtype, nb + 1, shape)) != ATTN_OK) return st;
+        if ((st = check_output(r->lse, NAME(r, ATTN__LSE), lse_dtype(p, r->lse), nb + 1, shape)) != ATTN_OK) return st;
         fill_lse(&p->lse, r->lse, nb);
         p->has_lse = true;
-        /* float64 scores are exact enough for the exact lse to serve */
-        p->lse_for_backward = r->lse_for_backward && p->dtype == ATTN_DTYPE_F32;
+        p->lse_for_backward = r->lse_for_backward;
         p->lse_exact = !p->lse_for_backward;
     }
     return check_overlaps(r);
@@ -418,7 +424,7 @@ static attn_status check_backward_inputs(attn__problem *p, const attn_tensor *do
     shape[nb + 1] = p->Ev;
     if ((st = check_exact(dout, "dout", ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
         (st = check_exact(out, out_name, ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
-        (st = check_exact(lse, lse_name, ATTN__INPUT, p->dtype, nb + 1, shape)) != ATTN_OK)
+        (st = check_exact(lse, lse_name, ATTN__INPUT, lse_dtype(p, lse), nb + 1, shape)) != ATTN_OK)
         return st;
     fill_operand(&p->dout, dout, nb);
     fill_operand(&p->out, out, nb);

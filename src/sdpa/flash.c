@@ -56,6 +56,11 @@ static int64_t group_size(const attn__problem *p) {
 /* The largest |score| (natural units) a float32 row keeps in the fused
  * kernels; rows above it get float64 scores (see finish_row). */
 #define F32_SCORE_LIMIT 256.0
+/* The largest |lse| a float64 backward recomputes weights from: a double
+ * lse is rounded by |lse|·2^-53, a relative error every weight of its row
+ * takes (2e-13 here; 1e-12 at |lse| = 1e4, where a float64 evaluation that
+ * never forms the lse errs ten times less). Above it: the reference. */
+#define F64_LSE_LIMIT 2048.0
 
 /* How work is split across threads: the driver's, not an ISA's (the block
  * sizes are the context's, see ukernel.h). */
@@ -222,6 +227,8 @@ static bool bwd_tiny(const attn__problem *p) {
 }
 
 enum { BWD_TASKS_MIN = 8 }; /* split keys into chunks while there are fewer tasks */
+enum { BWD_FLUSH = 8 };      /* query blocks summed in registers before dK, dV take them */
+enum { BWD_KEYS_MAX = 256 };  /* keys per backward block, at most (bwd_keys) */
 #define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, unless one is more */
 
 /* How many query heads share an element of a gradient along the head
@@ -247,6 +254,20 @@ static int64_t bwd_group_size(const attn__problem *p) {
 /* Groups of heads sharing dK and dV, query blocks of `lanes` rows, key blocks of the
  * forward's size; nchunks key chunks (each a dq partial sum), chosen from the
  * shape alone so that the bits do not depend on the thread count. */
+/* Keys per block of the backward: as many as keep the block's K, V, dK, dV
+ * and the dK, dV sums (3·keys·(E + Ev) values) in half the L2, within
+ * [the forward's block, BWD_KEYS_MAX], in steps of 32. More keys than the
+ * forward's spread the per-block costs (packing Q and dO, the row
+ * statistics) over more work; measured on Zen 4 (1 MiB L2), E = 128:
+ * 64 keys 536-542 ms, 128: 478-524, 160-256: 462-495 for one backward. */
+static int64_t bwd_keys(const attn__ukernel *kern, const attn__problem *p, size_t real_size) {
+    const int64_t fwd = lanes_keys(kern, p->E > p->Ev ? p->E : p->Ev);
+    const int64_t per_key = 3 * (p->E + p->Ev) * (int64_t)real_size;
+    int64_t keys = attn__l2_bytes() / 2 / per_key / 32 * 32;
+    if (keys > BWD_KEYS_MAX) keys = BWD_KEYS_MAX;
+    return keys > fwd ? keys : fwd;
+}
+
 static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, size_t real_size) {
     flash_work w;
     memset(&w, 0, sizeof w);
@@ -257,7 +278,7 @@ static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, si
     w.lanes = w.nrows < kern->lanes ? (w.nrows + step - 1) / step * step : kern->lanes;
     w.BR = w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
-    w.BC = lanes_keys(kern, p->E > p->Ev ? p->E : p->Ev);
+    w.BC = bwd_keys(kern, p, real_size);
     const int64_t nkb = (p->S + w.BC - 1) / w.BC;
     const int64_t dq_bytes = p->nbatch * p->L * p->E * (int64_t)real_size;
     w.nchunks = 1;

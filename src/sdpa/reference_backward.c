@@ -1,16 +1,26 @@
 /*
  * reference_backward.c — the oracle of the backward pass, in float64, one
- * query row at a time, reading like the formulas. With the forward's lse
- * and out, for row i:
+ * query row at a time, reading like the formulas. With the forward's
+ * out, for row i:
  *
  *   p_j  = exp(s_j - lse_i)                  the weights, recomputed
+ *        = exp(s_j - max_i) / sum_i
  *   w_j  = p_j * z_j                         z_j = dropout's 1/(1-p) or 0
  *   dp_j = z_j * dout_i . v_j
- *   D_i  = dout_i . out_i                    = sum_j w_j dout_i . v_j
+ *   D_i  = sum_j p_j dp_j                    = dout_i . out_i
  *   ds_j = p_j * (dp_j - D_i)                d loss / d s_j (s = scaled score + mask)
  *
  *   dq_i += scale * sum_j ds_j k_j,  dk_j += scale * ds_j q_i,
  *   dv_j += w_j dout_i,              dmask_ij += ds_j
+ *
+ * lse_i is the row's own, from its float64 scores, and never formed: a
+ * stored lse is rounded by |lse| x 2^-24 (float32) or 2^-53 (float64), an
+ * error every weight of the row would take (in float32, 1e-4 at logits of
+ * 1e3, hundreds of times a float32 evaluation's own). The forward's lse still says which rows saw
+ * no key (-inf), and stays in use where a score is NaN or infinite, so the
+ * NaN rules are the forward's. D_i, too, is the row's own rather than
+ * dout_i . out_i from the stored out: ds_j is the small difference dp_j -
+ * D_i, and a float32 out's rounding there costs ds several ulps.
  *
  * Terms with p_j exactly 0 (masked, underflowed) are skipped, and v_j is
  * not read where w_j is 0 (dropped), the forward's rule: a NaN or Inf there
@@ -33,22 +43,25 @@ typedef struct row_buffers {
 } row_buffers;
 
 /* Row i of batch b: p, w and ds for every key (0 where the row does not see
- * it). Returns false when the row saw no key (everything 0). */
+ * it). Returns false when the row saw no key (everything 0). The forward's
+ * out is not read: see D above. */
 static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffers *rb) {
     const double max = attn__reference_scores(p, b, i, rb->p, rb->visible);
     const double lse = attn__load(p->lse.data, p->lse.dtype,
                                   attn__batch_offset(p, &p->lse, b) + i * p->lse.rs);
     const bool empty = max == -INFINITY || lse == -INFINITY;
+    double ref = lse, sum = 1.0; /* p_j = exp(s_j - ref) / sum */
+    if (!empty && isfinite(max) && isfinite(lse)) { /* the row's own (see above) */
+        ref = max;
+        sum = 0.0;
+        for (int64_t j = 0; j < p->S; j++)
+            if (rb->visible[j]) sum += exp(rb->p[j] - max);
+    }
     const int64_t vo = attn__batch_offset(p, &p->v, b);
     const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
-    const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
-    double D = 0.0;
-    for (int64_t e = 0; !empty && e < p->Ev; e++)
-        D += attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs) *
-             attn__load(p->out.data, p->out.dtype, oo + e * p->out.cs);
     const double keep_scale = p->dropout_p < 1.0 ? 1.0 / (1.0 - p->dropout_p) : 0.0;
     for (int64_t j = 0; j < p->S; j++) {
-        const double pj = rb->visible[j] && !empty ? exp(rb->p[j] - lse) : 0.0;
+        const double pj = rb->visible[j] && !empty ? exp(rb->p[j] - ref) / sum : 0.0;
         rb->p[j] = pj;
         rb->w[j] = rb->ds[j] = 0.0;
         if (pj == 0.0) continue;
@@ -66,8 +79,13 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
             dp *= z;
         }
         rb->w[j] = pj * z;
-        rb->ds[j] = pj * (dp - D);
+        rb->ds[j] = dp; /* for now */
     }
+    double D = 0.0;
+    for (int64_t j = 0; j < p->S; j++)
+        if (rb->p[j] != 0.0) D += rb->p[j] * rb->ds[j];
+    for (int64_t j = 0; j < p->S; j++)
+        if (rb->p[j] != 0.0) rb->ds[j] = rb->p[j] * (rb->ds[j] - D);
     return !empty;
 }
 

@@ -395,6 +395,23 @@ static void test_lse_for_backward(void) {
         compare(&lse2.t, &d.lse.t, &diff, &mag);
         CHECK(diff <= 64 * FLT_EPSILON * (mag > 1 ? mag : 1), "%s: lse moved by %.3g",
               attn_isa_name(FUSED[i]), diff);
+        /* A float64 lse for the float32 call: the same value, unrounded
+         * (float32's is its rounding), and the backward takes it. */
+        test_tensor lse64;
+        tt_make_output(&lse64, &r, ATTN_DTYPE_F64, d.out_rank - 1, d.out_shape, LAYOUT_CONTIGUOUS);
+        CHECK_OK(attn_sdpa(&d.q.t, &d.k.t, &d.v.t, &d.params, &out2.t, NULL, &lse64.t));
+        double *wide = tt_dense(&lse64.t), *narrow = tt_dense(&lse2.t);
+        int64_t rows = 1;
+        for (int dim = 0; dim < d.out_rank - 1; dim++) rows *= d.out_shape[dim];
+        bool rounds = true;
+        for (int64_t x = 0; x < rows; x++) rounds = rounds && (double)(float)wide[x] == narrow[x];
+        free(wide);
+        free(narrow);
+        CHECK(rounds, "%s: the float64 lse does not round to the float32 one",
+              attn_isa_name(FUSED[i]));
+        CHECK_OK(attn_sdpa_backward(&d.dout.t, &d.q.t, &d.k.t, &d.v.t, &out2.t, &lse64.t,
+                                    &d.params, &d.dq.t, &d.dk.t, &d.dv.t, NULL));
+        tt_free(&lse64);
         tt_free(&out2);
         tt_free(&lse2);
         bw_free(&d);

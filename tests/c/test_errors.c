@@ -211,7 +211,7 @@ static void bad_dtypes(void) {
     f.out.dtype = ATTN_DTYPE_F64;
     CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
     setup(&f);
-    f.lse.dtype = ATTN_DTYPE_F64;
+    f.lse.dtype = ATTN_DTYPE_BOOL; /* q's dtype or float64 */
     CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
     CHECK(attn_dtype_size((attn_dtype)42) == 0 && strcmp(attn_dtype_name((attn_dtype)42), "unknown") == 0,
           "unknown dtype");

@@ -274,12 +274,14 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
  * The exponent is one fused multiply-add, so it is rounded once. A lane
  * whose P is 0 (a hidden key, whose dP may be anything) gets dS = 0. */
 static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64_t lanes, float c,
-                            const float *off, const float *D, float ds_scale) {
+                            const float *off, const float *off_lo, const float *D,
+                            float ds_scale) {
     const __m256 cv = _mm256_set1_ps(c), sc = _mm256_set1_ps(ds_scale), zero = _mm256_setzero_ps();
     for (int64_t j = 0; j < nk; j++) {
         float *s = st + j * ld, *dp = dpt + j * ld;
         for (int64_t r = 0; r < lanes; r += 8) {
-            const __m256 pr = exp2_ps(_mm256_fmsub_ps(_mm256_loadu_ps(s + r), cv, _mm256_loadu_ps(off + r)));
+            const __m256 x = _mm256_fmsub_ps(_mm256_loadu_ps(s + r), cv, _mm256_loadu_ps(off + r));
+            const __m256 pr = exp2_ps(_mm256_sub_ps(x, _mm256_loadu_ps(off_lo + r)));
             _mm256_storeu_ps(s + r, pr);
             _mm256_storeu_ps(dp + r, _mm256_and_ps(_mm256_cmp_ps(pr, zero, _CMP_NEQ_UQ), _mm256_mul_ps(_mm256_mul_ps(pr, sc), _mm256_sub_ps(_mm256_loadu_ps(dp + r), _mm256_loadu_ps(D + r)))));
         }
