@@ -259,13 +259,21 @@ static int64_t bwd_group_size(const attn__problem *p) {
  * [the forward's block, BWD_KEYS_MAX], in steps of 32. More keys than the
  * forward's spread the per-block costs (packing Q and dO, the row
  * statistics) over more work; measured on Zen 4 (1 MiB L2), E = 128:
- * 64 keys 536-542 ms, 128: 478-524, 160-256: 462-495 for one backward. */
+ * 64 keys 536-542 ms, 128: 478-524, 160-256: 462-495 for one backward.
+ * Causal: at most S/8 keys (at least 32), as a block on the diagonal is
+ * computed whole and then masked; (1,8,512,512,64) took 6.1-7.5 ms with
+ * 64 or 128 keys, 6.8-8.3 ms with 256. */
 static int64_t bwd_keys(const attn__ukernel *kern, const attn__problem *p, size_t real_size) {
     const int64_t fwd = lanes_keys(kern, p->E > p->Ev ? p->E : p->Ev);
     const int64_t per_key = 3 * (p->E + p->Ev) * (int64_t)real_size;
     int64_t keys = attn__l2_bytes() / 2 / per_key / 32 * 32;
     if (keys > BWD_KEYS_MAX) keys = BWD_KEYS_MAX;
-    return keys > fwd ? keys : fwd;
+    if (keys < fwd) keys = fwd;
+    if (p->causal != ATTN_CAUSAL_NONE) {
+        const int64_t diagonal = p->S / 8 / 32 * 32;
+        if (keys > diagonal) keys = diagonal > 32 ? diagonal : 32;
+    }
+    return keys;
 }
 
 static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, size_t real_size) {
