@@ -77,7 +77,7 @@ int64_t attn__l2_bytes(void) {
         bytes = 512 << 10;
 #ifdef ATTN_X86
         unsigned a, b, c, d;
-        if (__get_cpuid_max(0x80000000u, NULL) >= 0x80000006u &&
+        if ((unsigned)__get_cpuid_max(0x80000000u, NULL) >= 0x80000006u &&
             __get_cpuid(0x80000006u, &a, &b, &c, &d) && (c >> 16) != 0)
             bytes = (long long)(c >> 16) << 10;
 #endif
