@@ -251,9 +251,6 @@ static int64_t bwd_group_size(const attn__problem *p) {
     return gk == reads && gv == reads ? reads : 1; /* else each head alone, sums folded */
 }
 
-/* Groups of heads sharing dK and dV, query blocks of `lanes` rows, key blocks of the
- * forward's size; nchunks key chunks (each a dq partial sum), chosen from the
- * shape alone so that the bits do not depend on the thread count. */
 /* Keys per block of the backward: as many as keep the block's K, V, dK, dV
  * and the dK, dV sums (3·keys·(E + Ev) values) in half the L2, within
  * [the forward's block, BWD_KEYS_MAX], in steps of 32. More keys than the
@@ -276,6 +273,9 @@ static int64_t bwd_keys(const attn__ukernel *kern, const attn__problem *p, size_
     return keys;
 }
 
+/* Groups of heads sharing dK and dV, query blocks of `lanes` rows, key blocks
+ * of bwd_keys; nchunks key chunks (each a dq partial sum), chosen from the
+ * shape alone so that the bits do not depend on the thread count. */
 static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, size_t real_size) {
     flash_work w;
     memset(&w, 0, sizeof w);
