@@ -144,6 +144,16 @@ const volatile int *attn__cancel_flag(void);
 static inline bool attn__cancelled(const volatile int *flag) {
     return flag != NULL && __atomic_load_n(flag, __ATOMIC_RELAXED) != 0;
 }
+/* In a parallel loop: whether to skip this iteration because the call was
+ * cancelled, seen now or earlier on any thread (*seen: shared, starts 0), so
+ * that the iterations after a cancel are skipped on every thread. */
+static inline bool attn__loop_cancelled(int *seen, const volatile int *flag) {
+    if (__atomic_load_n(seen, __ATOMIC_RELAXED) != 0 || attn__cancelled(flag)) {
+        __atomic_store_n(seen, 1, __ATOMIC_RELAXED);
+        return true;
+    }
+    return false;
+}
 /* The status and message of a cancelled call. */
 attn_status attn__fail_cancelled(void);
 

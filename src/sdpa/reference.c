@@ -137,14 +137,7 @@ attn_status attn__sdpa_reference(const attn__problem *p) {
 #else
         size_t t = 0;
 #endif
-        int stop;
-#pragma omp atomic read
-        stop = cancelled;
-        if (stop || attn__cancelled(p->cancel)) {
-#pragma omp atomic write
-            cancelled = 1;
-            continue;
-        }
+        if (attn__loop_cancelled(&cancelled, p->cancel)) continue;
         const int64_t b = r / p->L, i = r % p->L;
         if (i >= attn__rows_of(p, b)) continue; /* a ragged entry: not one of its rows */
         attn__sdpa_reference_row(p, b, i, scores + t * per_thread, visible + t * per_thread);

@@ -153,19 +153,14 @@ static attn_status reference_qkv(const attn__problem *p, double *gq, double *gk,
     int cancelled = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t b = 0; b < p->nbatch; b++) {
-        int stop;
-#pragma omp atomic read
-        stop = cancelled;
-        if (stop || attn__cancelled(p->cancel)) {
-#pragma omp atomic write
-            cancelled = 1;
-            continue;
-        }
+        if (attn__loop_cancelled(&cancelled, p->cancel)) continue;
         row_buffers rb = thread_rows(&all, p->S);
         double *q = gq ? gq + b * p->L * p->E : NULL, *k = gk ? gk + b * p->S * p->E : NULL;
         double *v = gv ? gv + b * p->S * p->Ev : NULL;
-        for (int64_t i = 0; i < attn__rows_of(p, b); i++)
+        for (int64_t i = 0; i < attn__rows_of(p, b); i++) { /* a row: S·(2E + Ev) in float64 */
+            if (attn__loop_cancelled(&cancelled, p->cancel)) break;
             if (backward_row(p, b, i, &rb)) accumulate_row(p, b, i, &rb, q, k, v);
+        }
     }
     free_rows(&all);
     return cancelled ? attn__fail_cancelled() : ATTN_OK;

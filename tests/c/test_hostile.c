@@ -156,6 +156,37 @@ static attn_status sdpa_call(void *ctx) {
     return attn_sdpa(&p->tq, &p->tk, &p->tv, NULL, &p->tout, NULL, NULL);
 }
 
+/* A backward call on `big`: its forward's out and lse, dout, and dq, dk, dv. */
+typedef struct backward_ctx {
+    problem *p;
+    float *lse, *dout, *grads;
+    attn_tensor tlse, tdout, tdq, tdk, tdv;
+} backward_ctx;
+
+static void backward_make(backward_ctx *c, problem *p, int64_t B, int64_t H, int64_t T,
+                          int64_t E) {
+    const size_t n = (size_t)(B * H * T * E);
+    const int64_t shape[4] = {B, H, T, E};
+    c->p = p;
+    c->lse = malloc((size_t)(B * H * T) * sizeof(float));
+    c->dout = malloc(n * sizeof(float));
+    c->grads = malloc(3 * n * sizeof(float));
+    for (size_t j = 0; j < n; j++) c->dout[j] = (float)((j * 7919) % 1000) / 1000.0f - 0.5f;
+    attn_tensor_init(&c->tlse, c->lse, ATTN_DTYPE_F32, 3, shape);
+    attn_tensor_init(&c->tdout, c->dout, ATTN_DTYPE_F32, 4, shape);
+    attn_tensor_init(&c->tdq, c->grads, ATTN_DTYPE_F32, 4, shape);
+    attn_tensor_init(&c->tdk, c->grads + n, ATTN_DTYPE_F32, 4, shape);
+    attn_tensor_init(&c->tdv, c->grads + 2 * n, ATTN_DTYPE_F32, 4, shape);
+    CHECK_OK(attn_sdpa(&p->tq, &p->tk, &p->tv, NULL, &p->tout, NULL, &c->tlse));
+}
+
+static attn_status backward_call(void *ctx) {
+    backward_ctx *c = ctx;
+    problem *p = c->p;
+    return attn_sdpa_backward(&c->tdout, &p->tq, &p->tk, &p->tv, &p->tout, &c->tlse, NULL,
+                              &c->tdq, &c->tdk, &c->tdv, NULL);
+}
+
 typedef struct mha_ctx {
     attn_mha *m;
     attn_tensor x, y;
@@ -175,6 +206,17 @@ static void cancellation(void) {
     CHECK_OK(attn_set_isa(ATTN_ISA_REF));
     expect_cancel("reference SDPA", sdpa_call, &big);
     CHECK_OK(attn_set_isa(ATTN_ISA_AUTO));
+    /* The backward, fused and reference (which checks row by row: one of
+     * its batch indices alone is tens of seconds here). */
+    backward_ctx bw;
+    backward_make(&bw, &big, 1, 8, 8192, 64);
+    expect_cancel("fused backward", backward_call, &bw);
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    expect_cancel("reference backward", backward_call, &bw);
+    CHECK_OK(attn_set_isa(ATTN_ISA_AUTO));
+    free(bw.lse);
+    free(bw.dout);
+    free(bw.grads);
 
     /* A flag already set: nothing runs. */
     volatile int set = 1;
