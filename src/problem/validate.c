@@ -291,14 +291,19 @@ static void fill_lse(attn__operand *op, const attn_tensor *t, int nb) {
     op->cs = 0;
 }
 
+/* out's shape (B..., L, Ev); lse's is its first nb + 1 entries. */
+static void out_shape(const attn__problem *p, int64_t shape[ATTN_MAX_RANK]) {
+    memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)p->nb);
+    shape[p->nb] = p->L;
+    shape[p->nb + 1] = p->Ev;
+}
+
 /* out (B..., L, Ev), weights (B..., L, S), lse (B..., L). */
 static attn_status check_outputs(attn__problem *p, const attn__problem_request *r) {
     const int nb = p->nb;
     attn_status st;
     int64_t shape[ATTN_MAX_RANK];
-    memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)nb);
-    shape[nb] = p->L;
-    shape[nb + 1] = p->Ev;
+    out_shape(p, shape);
     if ((st = check_output(r->out, NAME(r, ATTN__OUT), p->dtype, nb + 2, shape)) != ATTN_OK) return st;
     fill_operand(&p->out, r->out, nb);
     if (r->weights != NULL) {
@@ -419,9 +424,7 @@ static attn_status check_backward_inputs(attn__problem *p, const attn_tensor *do
     const int nb = p->nb;
     attn_status st;
     int64_t shape[ATTN_MAX_RANK];
-    memcpy(shape, p->bshape, sizeof(int64_t) * (size_t)nb);
-    shape[nb] = p->L;
-    shape[nb + 1] = p->Ev;
+    out_shape(p, shape);
     if ((st = check_exact(dout, "dout", ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
         (st = check_exact(out, out_name, ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
         (st = check_exact(lse, lse_name, ATTN__INPUT, lse_dtype(p, lse), nb + 1, shape)) != ATTN_OK)
