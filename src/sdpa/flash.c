@@ -144,10 +144,9 @@ typedef struct flash_row {
                                            length are neither read nor written) */
 } flash_row;
 
-static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t qb,
-                       flash_row *rows, int64_t *nr) {
-    const int64_t r0 = qb * w->BR;
-    int64_t n = w->nrows - r0 < w->BR ? w->nrows - r0 : w->BR;
+/* Rows r0 .. r0+n-1 of group g (dense index h·L + i in the group). */
+static void setup_rows_at(const attn__problem *p, const flash_work *w, int64_t g, int64_t r0,
+                          int64_t n, flash_row *rows) {
     /* Batch offsets (integer divisions per dimension) only change when the
      * row moves to another head: compute them once per head. */
     int64_t b = -1, q0 = 0, out0 = 0, lse0 = 0, w0 = 0, m0[ATTN__MAX_MASKS] = {0}, held = 0;
@@ -173,7 +172,14 @@ static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, i
         row->active = i < held;
         row->limit = row->active ? attn__last_key(p, b, i) : -1;
     }
-    *nr = n;
+}
+
+/* Rows of query block qb of group g (dense index h·L + i in the group). */
+static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t qb,
+                       flash_row *rows, int64_t *nr) {
+    const int64_t r0 = qb * w->BR;
+    *nr = w->nrows - r0 < w->BR ? w->nrows - r0 : w->BR;
+    setup_rows_at(p, w, g, r0, *nr, rows);
 }
 
 /* Keep decisions for weights [index, index + n) of a row, 1 = keep. */
@@ -230,6 +236,7 @@ enum { BWD_TASKS_MIN = 8 }; /* split keys into chunks while there are fewer task
 enum { BWD_FLUSH = 8 };      /* query blocks summed in registers before dK, dV take them */
 enum { BWD_KEYS_MAX = 256 };  /* keys per backward block, at most (bwd_keys) */
 #define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, unless one is more */
+#define BWD_PACK_BUDGET ((int64_t)8 << 20) /* bytes per thread of a group's packed Qt, dOt */
 
 /* How many query heads share an element of a gradient along the head
  * dimension: all of them where its input had size 1, a GQA group, or 1. */
@@ -257,9 +264,11 @@ static int64_t bwd_group_size(const attn__problem *p) {
  * forward's spread the per-block costs (packing Q and dO, the row
  * statistics) over more work; measured on Zen 4 (1 MiB L2), E = 128:
  * 64 keys 536-542 ms, 128: 478-524, 160-256: 462-495 for one backward.
- * Causal: at most S/8 keys (at least 32), as a block on the diagonal is
- * computed whole and then masked; (1,8,512,512,64) took 6.1-7.5 ms with
- * 64 or 128 keys, 6.8-8.3 ms with 256. */
+ * Causal: at most S/2 keys (at least 32), so that a head's work splits
+ * into key blocks of unequal size that balance. (With the query runs
+ * aligned to the diagonal, bwd_next_rows, a larger block wastes nothing
+ * more there: (4,12,512,512,64) took 25-29 ms with 256 keys, 30-47 ms with
+ * S/8 = 64 in alternating runs.) */
 static int64_t bwd_keys(const attn__ukernel *kern, const attn__problem *p, size_t real_size) {
     const int64_t fwd = lanes_keys(kern, p->E > p->Ev ? p->E : p->Ev);
     const int64_t per_key = 3 * (p->E + p->Ev) * (int64_t)real_size;
@@ -267,7 +276,7 @@ static int64_t bwd_keys(const attn__ukernel *kern, const attn__problem *p, size_
     if (keys > BWD_KEYS_MAX) keys = BWD_KEYS_MAX;
     if (keys < fwd) keys = fwd;
     if (p->causal != ATTN_CAUSAL_NONE) {
-        const int64_t diagonal = p->S / 8 / 32 * 32;
+        const int64_t diagonal = p->S / 2 / 32 * 32;
         if (keys > diagonal) keys = diagonal > 32 ? diagonal : 32;
     }
     return keys;
@@ -296,6 +305,53 @@ static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, si
     return w;
 }
 
+/* The first of rows [0, held) of batch index b that sees key j0 (held when
+ * none does). A row's last visible key never decreases along the rows
+ * (attn__last_key), so a binary search finds it. */
+static int64_t bwd_first_row(const attn__problem *p, int64_t b, int64_t j0, int64_t held) {
+    int64_t lo = 0, hi = held;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (attn__last_key(p, b, mid) >= j0) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+/* The backward's next run of query rows for key block j0, from dense row
+ * *r0 of group g on (moved to the run's first row): BR rows in order, or
+ * causal, runs that start at each head's first row that sees key j0 and
+ * end at the head's last held row. Rows above the diagonal see none of the
+ * block, and a run aligned to it leaves no block half empty there
+ * ((4,12,512,512,64) causal computed 18% more scores than it used).
+ * Returns the run's length, 0 past the group's last row. */
+static int64_t bwd_next_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t j0,
+                             int64_t *r0) {
+    if (p->causal == ATTN_CAUSAL_NONE) {
+        const int64_t left = w->nrows - *r0;
+        return left < w->BR ? left : w->BR;
+    }
+    for (; *r0 < w->nrows; *r0 = (*r0 / p->L + 1) * p->L) {
+        const int64_t h = *r0 / p->L, i = *r0 % p->L, b = g * w->G + h;
+        const int64_t held = attn__rows_of(p, b), first = bwd_first_row(p, b, j0, held);
+        const int64_t start = i > first ? i : first;
+        if (start < held) {
+            *r0 = h * p->L + start;
+            return held - start < w->BR ? held - start : w->BR;
+        }
+    }
+    return 0;
+}
+
+/* Whether a backward task packs its group's Qt and dOt once
+ * (bwd_pack_group): when it visits more than one key block and the copy,
+ * (E + Ev) x rows per thread, fits BWD_PACK_BUDGET. */
+static bool bwd_packs_group(const attn__problem *p, const flash_work *w, size_t real_size) {
+    const int64_t nkb = (p->S + w->BC - 1) / w->BC;
+    const int64_t bytes = (p->E + p->Ev) * (w->nrows + w->lanes) * (int64_t)real_size;
+    return nkb > w->nchunks && bytes <= BWD_PACK_BUDGET;
+}
+
 /* Whether each group's K (or V) head is its own: shared only along the head
  * dimension, by exactly the group's heads. Otherwise several groups add to
  * one gradient element, and the backward sums them by attn__grad_fold. */
@@ -318,10 +374,16 @@ static bool grad_finite(const attn__problem *p, const attn__operand *op, int64_t
     return true;
 }
 
-static bool bwd_grads_finite(const attn__problem *p) {
-    return (!p->has_dq || grad_finite(p, &p->dq, p->L, p->E)) &&
-           (!p->has_dk || grad_finite(p, &p->dk, p->S, p->E)) &&
-           (!p->has_dv || grad_finite(p, &p->dv, p->S, p->Ev));
+/* Whether the gradients are finite where the stores did not already check
+ * what they wrote: those stored in place and not folded (bwd_store_kv,
+ * bwd_reduce_dq) were. */
+static bool bwd_grads_finite(const attn__problem *p, const flash_work *w) {
+    const bool dq_checked = operand_in_place(p, &p->dq) && !attn__operand_shared(p, &p->dq);
+    const bool dk_checked = operand_in_place(p, &p->dk) && group_owns(p, w, &p->dk);
+    const bool dv_checked = operand_in_place(p, &p->dv) && group_owns(p, w, &p->dv);
+    return (!p->has_dq || dq_checked || grad_finite(p, &p->dq, p->L, p->E)) &&
+           (!p->has_dk || dk_checked || grad_finite(p, &p->dk, p->S, p->E)) &&
+           (!p->has_dv || dv_checked || grad_finite(p, &p->dv, p->S, p->Ev));
 }
 
 /* Instantiate the driver for float and for double. */
