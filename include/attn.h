@@ -487,6 +487,111 @@ ATTN_API attn_status attn_mha_out_shapes(const attn_mha *mha, const attn_tensor 
                                          int64_t weights_shape[ATTN_MAX_RANK]);
 
 /* ------------------------------------------------------------------------ */
+/* Transformer encoder layer                                                 */
+/* ------------------------------------------------------------------------ */
+/*
+ * torch.nn.TransformerEncoderLayer on attn_mha (self-attention), with
+ * PyTorch's parameters and semantics:
+ *
+ *   norm_first = 0 (post-norm, the default; BERT's layout):
+ *     x = norm1(x + dropout1(self_attn(x, x, x)))
+ *     x = norm2(x + dropout2(linear2(dropout(activation(linear1(x))))))
+ *   norm_first = 1 (pre-norm):
+ *     x = x + dropout1(self_attn(norm1(x), ...))
+ *     x = x + dropout2(linear2(dropout(activation(linear1(norm2(x))))))
+ *
+ * Parameters (torch's state_dict names and order; E = d_model, F =
+ * dim_feedforward; the biases only when bias):
+ *   self_attn.in_proj_weight (3E, E), self_attn.in_proj_bias (3E),
+ *   self_attn.out_proj.weight (E, E), self_attn.out_proj.bias (E),
+ *   linear1.weight (F, E), linear1.bias (F), linear2.weight (E, F),
+ *   linear2.bias (E), norm1.weight (E), norm1.bias (E), norm2.weight (E),
+ *   norm2.bias (E)
+ * They start as torch draws them (MHA's schemes; Linear: U(±1/sqrt(fan_in))
+ * for weight and bias; LayerNorm: weight 1, bias 0), from config.init_seed.
+ *
+ * src is (L, N, E), or (N, L, E) with batch_first, or (L, E) unbatched; out
+ * has src's shape and may be src itself (the layer reads all of src first).
+ * Masks as attn_mha's: src_mask is its attn_mask ((L, L) or (N * nhead, L,
+ * L); bool true = not allowed), src_key_padding_mask its key_padding_mask
+ * ((N, L) or (L); bool true = padding); is_causal applies the causal mask
+ * (combined with src_mask, as attn_mha does). A query row whose keys are all
+ * masked attends to nothing (0), where torch gives NaN.
+ *
+ * LayerNorm statistics are computed in float64 (torch: in the input type),
+ * eps = layer_norm_eps. activation: ReLU, GELU with erf, or GELU's tanh
+ * approximation (torch's F.gelu(approximate="tanh")).
+ *
+ * Dropout (config.dropout; only with params.training): the attention
+ * weights' dropout is attn_mha's, on the stream (seed, rng_offset); dropout1,
+ * the feed-forward's dropout and dropout2 use (seed, rng_offset + 1), (+ 2)
+ * and (+ 3), each element's word chosen by its index in the C order of the
+ * tensor it applies to (src's shape for dropout1/2, src's shape with F
+ * features for the feed-forward's). Give the layers of a stack offsets 4
+ * apart.
+ */
+typedef enum attn_activation {
+    ATTN_ACTIVATION_RELU = 0,
+    ATTN_ACTIVATION_GELU = 1,     /* 0.5 x (1 + erf(x / sqrt 2))                  */
+    ATTN_ACTIVATION_GELU_TANH = 2 /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))) */
+} attn_activation;
+
+typedef struct attn_encoder_layer attn_encoder_layer;
+
+typedef struct attn_encoder_layer_config {
+    size_t struct_size;      /* sizeof(attn_encoder_layer_config); set by _init */
+    int64_t d_model;         /* E, >= 1                                        */
+    int64_t nhead;           /* >= 1, divides d_model                          */
+    int64_t dim_feedforward; /* F, >= 1; default 2048                          */
+    double dropout;          /* in [0, 1]; default 0.1                         */
+    attn_activation activation; /* default ReLU                                */
+    double layer_norm_eps;   /* finite, >= 0; default 1e-5                     */
+    int batch_first;         /* default 0                                      */
+    int norm_first;          /* default 0                                      */
+    int bias;                /* Linear, LayerNorm and MHA biases; default 1    */
+    attn_dtype dtype;        /* F32 (default) or F64                           */
+    uint64_t init_seed;
+} attn_encoder_layer_config;
+
+/* torch.nn.TransformerEncoderLayer(d_model, nhead)'s defaults. */
+ATTN_API void attn_encoder_layer_config_init(attn_encoder_layer_config *config,
+                                             int64_t d_model, int64_t nhead);
+/* *layer is NULL on failure; errors name the config field at fault. */
+ATTN_API attn_status attn_encoder_layer_create(const attn_encoder_layer_config *config,
+                                               attn_encoder_layer **layer);
+ATTN_API void attn_encoder_layer_destroy(attn_encoder_layer *layer); /* NULL: no-op */
+
+/* Parameters as attn_mha's: by index in state_dict order, by name, or set
+ * from any strided float32/float64 tensor of the right shape. Views are
+ * into the layer's storage, valid until destroy. */
+ATTN_API int attn_encoder_layer_param_count(const attn_encoder_layer *layer);
+ATTN_API attn_status attn_encoder_layer_param_at(attn_encoder_layer *layer, int index,
+                                                 const char **name, attn_tensor *view);
+ATTN_API attn_status attn_encoder_layer_param(attn_encoder_layer *layer, const char *name,
+                                              attn_tensor *view);
+ATTN_API attn_status attn_encoder_layer_set_param(attn_encoder_layer *layer, const char *name,
+                                                  const attn_tensor *src);
+
+typedef struct attn_encoder_forward_params {
+    size_t struct_size;                      /* sizeof(...); set by _init     */
+    const attn_tensor *src_mask;             /* NULL for none                 */
+    const attn_tensor *src_key_padding_mask; /* NULL for none                 */
+    int is_causal;
+    int training;                            /* dropout only when set         */
+    uint64_t seed, rng_offset;               /* dropout streams (above)       */
+    int batch_first;                         /* -1 (default): the config's    */
+} attn_encoder_forward_params;
+
+ATTN_API void attn_encoder_forward_params_init(attn_encoder_forward_params *params);
+
+/* Runs the layer. Errors name the argument: "layer", "src", "out",
+ * "src_mask", "src_key_padding_mask", "params.batch_first". */
+ATTN_API attn_status attn_encoder_layer_forward(const attn_encoder_layer *layer,
+                                                const attn_tensor *src,
+                                                const attn_encoder_forward_params *params,
+                                                attn_tensor *out);
+
+/* ------------------------------------------------------------------------ */
 /* .npy files                                                                */
 /* ------------------------------------------------------------------------ */
 /*

@@ -30,7 +30,7 @@ except ImportError as e:  # pragma: no cover - exercised without torch only
 from . import _attn
 from ._arrays import library_error
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "TransformerEncoder", "TransformerEncoderLayer"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
@@ -343,3 +343,196 @@ def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_we
     return original(self, query, key, value, key_padding_mask=key_padding_mask,
                     need_weights=need_weights, attn_mask=attn_mask,
                     average_attn_weights=average_attn_weights, is_causal=is_causal)
+
+
+# ---- the encoder layer ----
+
+_F = torch.nn.functional
+
+
+def _activation_name(act):
+    """The C layer's name for a torch activation ("relu", "gelu", "gelu_tanh"),
+    or None when the layer must run it through torch."""
+    if act is _F.relu or isinstance(act, torch.nn.ReLU):
+        return "relu"
+    if act is _F.gelu:
+        return "gelu"
+    if isinstance(act, torch.nn.GELU):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    return None
+
+
+def _activation_fn(activation):
+    """torch's rule for TransformerEncoderLayer(activation=...), plus
+    "gelu_tanh" (F.gelu(approximate="tanh"))."""
+    if not isinstance(activation, str):
+        return activation
+    if activation == "relu":
+        return _F.relu
+    if activation == "gelu":
+        return _F.gelu
+    if activation == "gelu_tanh":
+        return torch.nn.GELU(approximate="tanh")
+    raise RuntimeError(f"activation should be relu/gelu, not {activation}")
+
+
+class _CEncoder:
+    """The _attn.EncoderLayer an inference call runs on, rebuilt when the
+    configuration changes; the torch parameters are copied in at every call
+    (as _CModules does for MHA)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.key = self.layer = None
+
+    def __reduce__(self):
+        return (_CEncoder, ())
+
+    def get(self, spec, params):
+        if self.key != spec:
+            self.layer, self.key = _attn.EncoderLayer(**spec), spec
+        self.layer.load([p.detach().contiguous().numpy() for p in params])
+        return self.layer
+
+
+class TransformerEncoderLayer(torch.nn.Module):
+    """torch.nn.TransformerEncoderLayer with its attention on attn: the same
+    constructor, submodules (self_attn, linear1, dropout, linear2, norm1,
+    norm2, dropout1, dropout2), state_dict keys and forward(src, src_mask=None,
+    src_key_padding_mask=None, is_causal=False).
+
+    When no gradient is needed (torch.no_grad(), inference_mode(), or nothing
+    requires grad) the whole layer runs in libattn (attn_encoder_layer_forward);
+    otherwise it is torch's composition with attn.nn.MultiheadAttention, so it
+    trains like torch's. Both read norm_first, batch_first, the dropout
+    probabilities and training at every call. Rows whose keys are all masked
+    give 0 where torch gives NaN.
+    """
+
+    __constants__ = ["norm_first"]
+
+    def __init__(self, d_model, nhead, dim_feedforward=2048, dropout=0.1, activation=_F.relu,
+                 layer_norm_eps=1e-5, batch_first=False, norm_first=False, bias=True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        f = {"device": device, "dtype": dtype}
+        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
+                                            batch_first=batch_first, **f)
+        self.linear1 = torch.nn.Linear(d_model, dim_feedforward, bias=bias, **f)
+        self.dropout = torch.nn.Dropout(dropout)
+        self.linear2 = torch.nn.Linear(dim_feedforward, d_model, bias=bias, **f)
+        self.norm_first = norm_first
+        self.norm1 = torch.nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **f)
+        self.norm2 = torch.nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **f)
+        self.dropout1 = torch.nn.Dropout(dropout)
+        self.dropout2 = torch.nn.Dropout(dropout)
+        self.activation = _activation_fn(activation)
+
+    def _c_spec(self, src):
+        """The _attn.EncoderLayer configuration for this call, or None when
+        the call must go through torch."""
+        params = list(self.parameters())
+        if (torch.is_grad_enabled() and (src.requires_grad or any(p.requires_grad for p in params))):
+            return None
+        act = _activation_name(self.activation)
+        ps = {self.dropout.p, self.dropout1.p, self.dropout2.p, float(self.self_attn.dropout)}
+        if act is None or len(ps) != 1 or self.norm1.eps != self.norm2.eps:
+            return None
+        if _unsupported(self.self_attn, src, src, src, None, None) is not None:
+            return None
+        if any(p.dtype != src.dtype or p.device.type != "cpu" for p in params):
+            return None
+        if self.linear1.bias is None or self.norm1.bias is None:
+            bias = False
+            if any(x is not None for x in (self.linear1.bias, self.linear2.bias, self.norm1.bias,
+                                          self.norm2.bias, self.self_attn.in_proj_bias)):
+                return None
+        else:
+            bias = True
+        return dict(d_model=self.linear1.in_features, nhead=self.self_attn.num_heads,
+                    dim_feedforward=self.linear1.out_features, dropout=ps.pop(),
+                    activation=act, layer_norm_eps=float(self.norm1.eps),
+                    norm_first=bool(self.norm_first), bias=bias, dtype=_DTYPES[src.dtype])
+
+    def _c_forward(self, spec, src, src_mask, src_key_padding_mask, is_causal):
+        if is_causal and src_mask is None:
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+                "module method `generate_square_subsequent_mask` to create this mask.")
+        causal = bool(is_causal) and src_key_padding_mask is None
+        mask = None if causal else src_mask  # torch: the hint replaces the mask there
+        training = bool(self.training) and spec["dropout"] > 0.0
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()) if training else 0
+        c = self.__dict__.get("_attn_c_encoder")
+        if c is None:
+            c = _CEncoder()
+            object.__setattr__(self, "_attn_c_encoder", c)  # not a torch attribute
+        with c.lock:
+            layer = c.get(spec, [p for _, p in self.state_dict(keep_vars=True).items()])
+            out = layer.forward(
+                src.detach().numpy(), empty=np.empty, src_mask=_np(mask),
+                src_key_padding_mask=_np(src_key_padding_mask), is_causal=causal,
+                training=training, seed=seed, batch_first=int(bool(self.self_attn.batch_first)))
+        return torch.from_numpy(out)
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        for x, name in ((src_key_padding_mask, "src_key_padding_mask"), (src_mask, "src_mask")):
+            if x is not None and x.dtype != torch.bool and not x.is_floating_point():
+                raise AssertionError(f"only bool and floating types of {name} are supported")
+        spec = self._c_spec(src) if isinstance(src, torch.Tensor) else None
+        if spec is not None:
+            return self._c_forward(spec, src, src_mask, src_key_padding_mask, is_causal)
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal))
+            x = self.norm2(x + self._ff_block(x))
+        return x
+
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal):
+        x = self.self_attn(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                           need_weights=False, is_causal=is_causal)[0]
+        return self.dropout1(x)
+
+    def _ff_block(self, x):
+        x = self.linear2(self.dropout(self.activation(self.linear1(x))))
+        return self.dropout2(x)
+
+
+class TransformerEncoder(torch.nn.Module):
+    """torch.nn.TransformerEncoder over attn's layers: num_layers deep copies
+    of encoder_layer (an attn.nn.TransformerEncoderLayer, or any layer with
+    its forward signature) and an optional final norm; the same state_dict
+    keys (layers.0.self_attn.in_proj_weight, ..., norm.weight).
+
+    forward(src, mask=None, src_key_padding_mask=None, is_causal=None) detects
+    a causal mask as torch does. torch's nested-tensor fast path (eval,
+    src_key_padding_mask given) returns 0 at padded positions; attn computes
+    those rows like any other (their values are not used by a model that
+    pools over real tokens only).
+    """
+
+    def __init__(self, encoder_layer, num_layers, norm=None, enable_nested_tensor=True,
+                 mask_check=True) -> None:
+        super().__init__()
+        import copy
+        self.layers = torch.nn.ModuleList(
+            [copy.deepcopy(encoder_layer) for _ in range(num_layers)])
+        self.num_layers = num_layers
+        self.norm = norm
+        self.enable_nested_tensor = enable_nested_tensor
+        self.mask_check = mask_check
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        seq_len = None
+        if src.dim() >= 2:
+            first = self.layers[0].self_attn.batch_first if self.layers else False
+            seq_len = src.shape[1 if (first and src.dim() == 3) else 0]
+        is_causal = torch.nn.modules.transformer._detect_is_causal_mask(mask, is_causal, seq_len)
+        out = src
+        for mod in self.layers:
+            out = mod(out, src_mask=mask, is_causal=is_causal,
+                      src_key_padding_mask=src_key_padding_mask)
+        return self.norm(out) if self.norm is not None else out

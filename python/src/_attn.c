@@ -1062,6 +1062,270 @@ static PyTypeObject MHAType = {
 };
 
 /* ------------------------------------------------------------------------ */
+/* Transformer encoder layer                                                 */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * _attn.EncoderLayer owns one attn_encoder_layer. Its parameters live in
+ * two blocks (the attention's and the layer's own), so they are not
+ * exported as one buffer: load() copies a list of contiguous arrays in
+ * param_layout() order into them (one memcpy each), params() copies them
+ * out.
+ */
+typedef struct EncoderObject {
+    PyObject_HEAD
+    attn_encoder_layer *layer;
+    attn_dtype dtype;
+} EncoderObject;
+
+static void encoder_dealloc(EncoderObject *self) {
+    attn_encoder_layer_destroy(self->layer);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int activation_from(const char *name, attn_activation *act) {
+    if (strcmp(name, "relu") == 0) {
+        *act = ATTN_ACTIVATION_RELU;
+    } else if (strcmp(name, "gelu") == 0) {
+        *act = ATTN_ACTIVATION_GELU;
+    } else if (strcmp(name, "gelu_tanh") == 0) {
+        *act = ATTN_ACTIVATION_GELU_TANH;
+    } else {
+        PyErr_Format(PyExc_ValueError, "activation is '%s'; expected relu, gelu or gelu_tanh",
+                     name);
+        return -1;
+    }
+    return 0;
+}
+
+static int encoder_init(EncoderObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"d_model", "nhead", "dim_feedforward", "dropout", "activation",
+                             "layer_norm_eps", "batch_first", "norm_first", "bias", "dtype",
+                             "init_seed", NULL};
+    long long d_model, nhead, dff = 2048;
+    double dropout = 0.1, eps = 1e-5;
+    const char *act = "relu", *dtype = "float32";
+    int batch_first = 0, norm_first = 0, bias = 1;
+    uint64_t init_seed = 0;
+    if (self->layer != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "EncoderLayer objects cannot be initialised twice");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL|LdsdpppsO&:EncoderLayer", kwlist,
+                                     &d_model, &nhead, &dff, &dropout, &act, &eps, &batch_first,
+                                     &norm_first, &bias, &dtype, convert_u64, &init_seed))
+        return -1;
+    attn_encoder_layer_config c;
+    attn_encoder_layer_config_init(&c, d_model, nhead);
+    c.dim_feedforward = dff;
+    c.dropout = dropout;
+    c.layer_norm_eps = eps;
+    c.batch_first = batch_first;
+    c.norm_first = norm_first;
+    c.bias = bias;
+    c.init_seed = init_seed;
+    if (activation_from(act, &c.activation) < 0) return -1;
+    if (strcmp(dtype, "float32") == 0) {
+        c.dtype = ATTN_DTYPE_F32;
+    } else if (strcmp(dtype, "float64") == 0) {
+        c.dtype = ATTN_DTYPE_F64;
+    } else {
+        PyErr_Format(PyExc_TypeError, "dtype is %s; expected float32 or float64", dtype);
+        return -1;
+    }
+    attn_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_encoder_layer_create(&c, &self->layer);
+    Py_END_ALLOW_THREADS
+    if (st != ATTN_OK) {
+        raise_status(st);
+        return -1;
+    }
+    self->dtype = c.dtype;
+    return 0;
+}
+
+static int encoder_ready(EncoderObject *self) {
+    if (self->layer != NULL) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "EncoderLayer object was not initialised");
+    return 0;
+}
+
+/* [(name, shape)] in state_dict order. */
+static PyObject *encoder_param_layout(EncoderObject *self, PyObject *noargs) {
+    (void)noargs;
+    if (!encoder_ready(self)) return NULL;
+    const int n = attn_encoder_layer_param_count(self->layer);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list != NULL && i < n; i++) {
+        const char *name;
+        attn_tensor t;
+        attn_encoder_layer_param_at(self->layer, i, &name, &t);
+        PyObject *shape = shape_tuple(t.rank, t.shape);
+        PyObject *entry = shape ? Py_BuildValue("(sN)", name, shape) : NULL;
+        if (entry == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, entry);
+    }
+    return list;
+}
+
+/* load([arrays]): each C-contiguous, of the layer's dtype and its
+ * parameter's element count. Checks every array before copying any. */
+static PyObject *encoder_load(EncoderObject *self, PyObject *seq) {
+    if (!encoder_ready(self)) return NULL;
+    const int n = attn_encoder_layer_param_count(self->layer);
+    PyObject *fast = PySequence_Fast(seq, "load() takes a sequence of arrays");
+    if (fast == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "load() takes %d arrays, got %zd", n,
+                     PySequence_Fast_GET_SIZE(fast));
+        Py_DECREF(fast);
+        return NULL;
+    }
+    Py_buffer *views = PyMem_Calloc((size_t)n, sizeof *views);
+    int got = 0, ok = views != NULL;
+    if (views == NULL) PyErr_NoMemory();
+    const size_t item = attn_dtype_size(self->dtype);
+    for (; ok && got < n; got++) {
+        const char *name;
+        attn_tensor t;
+        attn_encoder_layer_param_at(self->layer, got, &name, &t);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &views[got],
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            ok = 0;
+            break;
+        }
+        const char *f = views[got].format ? views[got].format : "B";
+        if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+        const bool right = views[got].itemsize == (Py_ssize_t)item &&
+                           f[0] == (self->dtype == ATTN_DTYPE_F32 ? 'f' : 'd') && f[1] == '\0' &&
+                           views[got].len == (Py_ssize_t)(attn_tensor_numel(&t) * (int64_t)item);
+        if (!right) {
+            PyErr_Format(PyExc_ValueError, "load(): %s must be a contiguous %s array of %lld "
+                         "elements", name, attn_dtype_name(self->dtype),
+                         (long long)attn_tensor_numel(&t));
+            got++;
+            ok = 0;
+        }
+    }
+    for (int i = 0; ok && i < n; i++) {
+        attn_tensor t;
+        attn_encoder_layer_param_at(self->layer, i, NULL, &t);
+        memcpy(t.data, views[i].buf, (size_t)views[i].len);
+    }
+    for (int i = 0; views != NULL && i < got; i++)
+        if (views[i].obj != NULL) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(fast);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* params(empty): copies of the parameters, in state_dict order. */
+static PyObject *encoder_params(EncoderObject *self, PyObject *empty) {
+    if (!encoder_ready(self)) return NULL;
+    const int n = attn_encoder_layer_param_count(self->layer);
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list != NULL && i < n; i++) {
+        attn_tensor t;
+        buffer_view v;
+        attn_encoder_layer_param_at(self->layer, i, NULL, &t);
+        PyObject *arr = new_output(empty, t.rank, t.shape, self->dtype, "param", &v);
+        if (arr == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        memcpy(v.t.data, t.data, (size_t)attn_tensor_numel(&t) * attn_dtype_size(t.dtype));
+        view_release(&v);
+        PyList_SET_ITEM(list, i, arr);
+    }
+    return list;
+}
+
+PyDoc_STRVAR(encoder_forward_doc,
+             "forward(src, *, empty, src_mask=None, src_key_padding_mask=None,\n"
+             "        is_causal=False, training=False, seed=0, rng_offset=0, batch_first=-1)\n"
+             "        -> out\n\n"
+             "attn_encoder_layer_forward; batch_first: this call's layout, -1 for the layer's.");
+
+static PyObject *encoder_forward(EncoderObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"src", "empty", "src_mask", "src_key_padding_mask", "is_causal",
+                             "training", "seed", "rng_offset", "batch_first", NULL};
+    PyObject *osrc, *empty = NULL, *omask = Py_None, *okpm = Py_None;
+    attn_encoder_forward_params fp;
+    attn_encoder_forward_params_init(&fp);
+    if (!encoder_ready(self)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$OOOppO&O&i:forward", kwlist, &osrc, &empty,
+                                     &omask, &okpm, &fp.is_causal, &fp.training, convert_u64,
+                                     &fp.seed, convert_u64, &fp.rng_offset, &fp.batch_first) ||
+        require_empty(empty, "forward") < 0)
+        return NULL;
+    buffer_view src, mask, kpm, out;
+    int has_mask = 0, has_kpm = 0;
+    memset(&mask, 0, sizeof mask);
+    memset(&kpm, 0, sizeof kpm);
+    memset(&out, 0, sizeof out);
+    PyObject *r_out = NULL, *result = NULL;
+    if (view_get(osrc, "src", 0, &src) < 0) return NULL;
+    if (view_get_optional(omask, "src_mask", &mask, &has_mask) < 0 ||
+        view_get_optional(okpm, "src_key_padding_mask", &kpm, &has_kpm) < 0)
+        goto done;
+    if (has_mask) fp.src_mask = &mask.t;
+    if (has_kpm) fp.src_key_padding_mask = &kpm.t;
+    r_out = new_output(empty, src.t.rank, src.t.shape, self->dtype, "out", &out);
+    if (r_out == NULL) goto done;
+    attn_status st;
+    interrupt_guard guard;
+    interrupt_guard_arm(&guard);
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_encoder_layer_forward(self->layer, &src.t, &fp, &out.t);
+    Py_END_ALLOW_THREADS
+    if (interrupt_guard_disarm(&guard, st) < 0) goto done;
+    if (st != ATTN_OK) {
+        raise_status(st);
+        goto done;
+    }
+    result = r_out;
+    r_out = NULL;
+done:
+    view_release(&src);
+    view_release(&mask);
+    view_release(&kpm);
+    view_release(&out);
+    Py_XDECREF(r_out);
+    return result;
+}
+
+static PyMethodDef encoder_methods[] = {
+    {"param_layout", (PyCFunction)encoder_param_layout, METH_NOARGS,
+     "[(name, shape)] of the parameters, in state_dict() order"},
+    {"load", (PyCFunction)encoder_load, METH_O,
+     "load(arrays): copy contiguous arrays, in param_layout() order, into the parameters"},
+    {"params", (PyCFunction)encoder_params, METH_O,
+     "params(empty): copies of the parameters, in param_layout() order"},
+    {"forward", (PyCFunction)(void (*)(void))encoder_forward, METH_VARARGS | METH_KEYWORDS,
+     encoder_forward_doc},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject EncoderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "attn._attn.EncoderLayer",
+    .tp_basicsize = sizeof(EncoderObject),
+    .tp_dealloc = (destructor)encoder_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "EncoderLayer(d_model, nhead, dim_feedforward=2048, dropout=0.1,\n"
+              "    activation='relu', layer_norm_eps=1e-5, batch_first=False,\n"
+              "    norm_first=False, bias=True, dtype='float32', init_seed=0)\n\n"
+              "An attn_encoder_layer (torch.nn.TransformerEncoderLayer).",
+    .tp_methods = encoder_methods,
+    .tp_init = (initproc)encoder_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ------------------------------------------------------------------------ */
 /* Process-wide settings                                                     */
 /* ------------------------------------------------------------------------ */
 
@@ -1173,6 +1437,7 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__attn(void) {
     if (PyType_Ready(&MHAType) < 0 || PyType_Ready(&SavedType) < 0 ||
+        PyType_Ready(&EncoderType) < 0 ||
         interrupt_guard_init() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
@@ -1181,6 +1446,13 @@ PyMODINIT_FUNC PyInit__attn(void) {
     Py_INCREF(&SavedType);
     if (PyModule_AddObject(m, "Saved", (PyObject *)&SavedType) < 0) {
         Py_DECREF(&SavedType);
+        Py_DECREF(&MHAType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&EncoderType);
+    if (PyModule_AddObject(m, "EncoderLayer", (PyObject *)&EncoderType) < 0) {
+        Py_DECREF(&EncoderType);
         Py_DECREF(&MHAType);
         Py_DECREF(m);
         return NULL;

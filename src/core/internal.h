@@ -32,6 +32,10 @@ attn_status attn__fail_arg(attn_status status, const char *arg, const char *fmt,
 void attn__clear_error(void);
 /* Puts `prefix` in front of the thread's message (which it may quote). */
 attn_status attn__prefix_error(attn_status status, const char *prefix);
+/* When the thread's failure names argument `from`, names `to` instead and
+ * says so in the message: a layer that passes its argument on to another
+ * call under that call's name ("src_mask" as "attn_mask"). */
+attn_status attn__rename_arg(attn_status status, const char *from, const char *to);
 
 enum {
     /* Bytes a message holds, its NUL included. */

@@ -100,6 +100,14 @@ attn_status attn__prefix_error(attn_status status, const char *prefix) {
     return status;
 }
 
+attn_status attn__rename_arg(attn_status status, const char *from, const char *to) {
+    if (strcmp(last_arg, from) != 0) return status;
+    snprintf(last_arg, sizeof last_arg, "%s", to);
+    char prefix[160];
+    snprintf(prefix, sizeof prefix, "%s (passed on as %s): ", to, from);
+    return attn__prefix_error(status, prefix);
+}
+
 const char *attn__message_path(const char *path, char buf[ATTN__MESSAGE_PATH]) {
     const size_t len = strlen(path), keep = (ATTN__MESSAGE_PATH - 4) / 2;
     if (len < ATTN__MESSAGE_PATH) return path;

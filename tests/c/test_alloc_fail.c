@@ -421,6 +421,61 @@ static void mha_failures(void) {
     }
 }
 
+/* ---- encoder layer: create + forward (post-norm, masks) + destroy ---- */
+
+typedef struct encoder_state {
+    test_tensor src, out, kpm;
+    attn_encoder_forward_params fp;
+    int norm_first;
+    double *expect;
+} encoder_state;
+
+static attn_status encoder_run(void *state, bool compare) {
+    encoder_state *s = state;
+    attn_encoder_layer_config c;
+    attn_encoder_layer_config_init(&c, 8, 2);
+    c.dim_feedforward = 24;
+    c.norm_first = s->norm_first;
+    c.activation = ATTN_ACTIVATION_GELU;
+    attn_encoder_layer *l = NULL;
+    attn_status st = attn_encoder_layer_create(&c, &l);
+    if (st != ATTN_OK) return st;
+    st = attn_encoder_layer_forward(l, &s->src.t, &s->fp, &s->out.t);
+    attn_encoder_layer_destroy(l);
+    if (st != ATTN_OK) return st;
+    if (!compare) {
+        free(s->expect);
+        s->expect = tt_dense(&s->out.t);
+    } else {
+        CHECK(same_dense(&s->out.t, s->expect), "encoder out differs after failure injection");
+    }
+    return st;
+}
+
+static void encoder_failures(void) {
+    rng r = {harness_seed() ^ 0xec};
+    for (int norm_first = 0; norm_first < 2; norm_first++) {
+        encoder_state st;
+        memset(&st, 0, sizeof st);
+        st.norm_first = norm_first;
+        int64_t shape[3] = {5, 2, 8}, ks[2] = {2, 5};
+        tt_make(&st.src, &r, ATTN_DTYPE_F32, 3, shape, LAYOUT_RANDOM, 1, 0);
+        tt_make_output(&st.out, &r, ATTN_DTYPE_F32, 3, shape, LAYOUT_RANDOM);
+        tt_make(&st.kpm, &r, ATTN_DTYPE_BOOL, 2, ks, LAYOUT_RANDOM, 1, 0.3);
+        attn_encoder_forward_params_init(&st.fp);
+        st.fp.src_key_padding_mask = &st.kpm.t;
+        st.fp.is_causal = 1;
+        scenario s = {norm_first ? "attn_encoder_layer (pre-norm, causal, padding)"
+                                 : "attn_encoder_layer (post-norm, causal, padding)",
+                      encoder_run, &st};
+        run_scenario(&s);
+        tt_free(&st.src);
+        tt_free(&st.out);
+        tt_free(&st.kpm);
+        free(st.expect);
+    }
+}
+
 static void npy_failures(void) {
     const char *fixtures[2] = {"f64_fortran_big", "bool_c"};
     for (int i = 0; i < 2; i++)
@@ -437,4 +492,5 @@ static void npy_failures(void) {
         }
 }
 
-HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(mha_failures), T(npy_failures))
+HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(mha_failures), T(encoder_failures),
+             T(npy_failures))

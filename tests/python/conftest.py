@@ -39,7 +39,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"  sdpa backward: {g['checks']} gradients checked, at most "
             f"{100 * g['worst_usage']:.0f}% of the bar used"
         )
-    for kind in ("sdpa", "mha"):
+    for kind in ("sdpa", "mha", "encoder"):
         s = stats[kind]
         if s["cases"] == 0:
             continue
