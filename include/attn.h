@@ -124,7 +124,14 @@ ATTN_API const char *attn_last_error_arg(void);
 typedef enum attn_dtype {
     ATTN_DTYPE_F32 = 1,  /* float                                           */
     ATTN_DTYPE_F64 = 2,  /* double                                          */
-    ATTN_DTYPE_BOOL = 3  /* one byte; 0 is false, anything else is true     */
+    ATTN_DTYPE_BOOL = 3, /* one byte; 0 is false, anything else is true     */
+    /* Storage dtypes: 16-bit floats as checkpoints hold them (uint16_t bit
+     * patterns in native byte order). Files carry them (safetensors), and
+     * attn_mha_set_param and the safetensors reader convert them exactly to
+     * float32/float64; every computing call (attn_sdpa, attn_sdpa_backward,
+     * attn_mha_*) and attn_npy_save refuse them with ATTN_ERR_DTYPE. */
+    ATTN_DTYPE_F16 = 4,  /* IEEE 754 binary16: 1 sign, 5 exponent, 10 bits  */
+    ATTN_DTYPE_BF16 = 5  /* bfloat16: the top half of a float32             */
 } attn_dtype;
 
 #define ATTN_MAX_RANK 8
@@ -137,9 +144,9 @@ typedef struct attn_tensor {
     int64_t strides[ATTN_MAX_RANK];   /* in elements; may be <= 0 (inputs)  */
 } attn_tensor;
 
-/* Bytes per element: 4, 8, 1; 0 for an unknown dtype. */
+/* Bytes per element: 4, 8, 1, 2, 2; 0 for an unknown dtype. */
 ATTN_API size_t attn_dtype_size(attn_dtype dtype);
-/* "float32", "float64", "bool", or "unknown". */
+/* "float32", "float64", "bool", "float16", "bfloat16", or "unknown". */
 ATTN_API const char *attn_dtype_name(attn_dtype dtype);
 
 /* Fills *t as a C-contiguous (row-major) view of `data` with the given shape.
@@ -397,8 +404,9 @@ ATTN_API attn_status attn_mha_get_config(const attn_mha *mha, attn_mha_config *c
 /* Parameters, in torch's state_dict() order. attn_mha_param_at() gives the
  * name and a writable view into the module's own storage (valid until
  * destroy), for index 0 .. count-1. attn_mha_param() looks up by name;
- * attn_mha_set_param() copies from any strided float32/float64 tensor of the
- * right shape. Writing a parameter while a forward runs on another thread is
+ * attn_mha_set_param() copies from any strided float tensor (float32,
+ * float64, or the storage dtypes float16 and bfloat16, converted exactly) of
+ * the right shape. Writing a parameter while a forward runs on another thread is
  * a data race. */
 ATTN_API int attn_mha_param_count(const attn_mha *mha);
 ATTN_API attn_status attn_mha_param_at(attn_mha *mha, int index, const char **name,
@@ -507,7 +515,9 @@ ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, i
                                           int64_t shape[ATTN_MAX_RANK]);
 
 /*
- * Writes any strided tensor as a little-endian, C-order .npy file, and
+ * Writes any strided float32, float64 or bool tensor (the storage dtypes
+ * float16 and bfloat16 are refused with ATTN_ERR_DTYPE: save those with
+ * attn_safetensors_save) as a little-endian, C-order .npy file, and
  * atomically: the bytes go to a temporary file in path's folder
  * (".NAME.XXXXXXXX.tmp"), are flushed to disk (fsync), and only then is it
  * renamed over path. On any failure (a full disk, a missing folder, ...)

@@ -86,9 +86,20 @@ static int write_npy(int fd, const attn_tensor *t) {
     return err;
 }
 
+/* A tensor .npy can hold: float32, float64 or bool (the descr written). */
+static attn_status check_npy_tensor(const attn_tensor *t) {
+    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
+    if (st == ATTN_OK && attn__is_half(t->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, "tensor",
+                              "tensor is %s; attn writes .npy files of float32, float64 or "
+                              "bool (save 16-bit floats with attn_safetensors_save)",
+                              attn_dtype_name(t->dtype));
+    return st;
+}
+
 attn_status attn_npy_write_fd(int fd, const attn_tensor *t) {
     attn__clear_error();
-    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
+    attn_status st = check_npy_tensor(t);
     if (st != ATTN_OK) return st;
     if (fd < 0) return attn__fail(ATTN_ERR_INVALID, "fd is %d, not an open file descriptor", fd);
     int err = write_npy(fd, t);
@@ -203,7 +214,7 @@ static int write_in_place(const char *path, const attn_tensor *t) {
 attn_status attn_npy_save(const char *path, const attn_tensor *t) {
     attn__clear_error();
     if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
-    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
+    attn_status st = check_npy_tensor(t);
     if (st != ATTN_OK) return st;
     target tg;
     const char *what = "cannot write";
