@@ -174,3 +174,22 @@ def test_load_errors(tmp_path):
     with pytest.raises(TypeError, match="F8_E4M3"):
         attn.load_safetensors(f8)
     assert attn.load_safetensors(f8, names=["y"])["y"].tolist() == [1.0]
+
+
+def test_docs_example_runs(tmp_path, monkeypatch):
+    """The example of docs/python.md's safetensors section runs and means
+    what it says."""
+    import re
+
+    doc = open(os.path.join(HERE, "..", "..", "docs", "python.md")).read()
+    section = doc[doc.index("### Checkpoints: `attn.load_safetensors`"):]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    exec(code, ns)
+    state = ns["state"]
+    assert torch.equal(ns["bf16"].view(torch.int16),
+                       state["attn.in_proj_weight"].view(torch.int16))
+    assert ns["w"].dtype == np.float32 and set(ns["weights"]) == set(state)
+    assert ns["some"]["attn.out_proj.bias"].dtype == np.float64
+    assert ns["meta"] == {"format": "pt"}
