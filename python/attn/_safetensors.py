@@ -73,12 +73,12 @@ def load_safetensors(path, names=None, dtype=None):
     out = {}
     for name, file_dtype, shape, value in entries:
         if isinstance(value, bytes):
+            if shape is None:
+                raise ValueError(f"tensor {name!r} has more than 8 dimensions; attn reads at "
+                                 f"most 8 (pass names= without it)")
             if file_dtype not in _RAW:
                 raise TypeError(f"tensor {name!r} is {file_dtype}, which NumPy has no dtype for; "
                                 f"pass names= without it")
-            if shape is None:
-                raise ValueError(f"tensor {name!r} has more than 8 dimensions; attn reads at "
-                                 f"most 8")
             value = np.frombuffer(value, dtype=_RAW[file_dtype]).astype(
                 _RAW[file_dtype][1:]).reshape(shape)
         out[name] = value

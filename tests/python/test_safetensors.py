@@ -174,6 +174,10 @@ def test_load_errors(tmp_path):
     with pytest.raises(TypeError, match="F8_E4M3"):
         attn.load_safetensors(f8)
     assert attn.load_safetensors(f8, names=["y"])["y"].tolist() == [1.0]
+    r9 = tmp_path / "r9.safetensors"
+    np_save({"x": np.ones((1,) * 9, np.float32)}, str(r9))
+    with pytest.raises(ValueError, match="more than 8 dimensions"):
+        attn.load_safetensors(r9)
 
 
 def test_docs_example_runs(tmp_path, monkeypatch):
