@@ -11,7 +11,7 @@ TSAN_BUILD ?= build-tsan
 INSTALL_BUILD ?= build-install
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= fuzz_npy fuzz_sdpa fuzz_mha
+FUZZ_TARGETS ?= fuzz_npy fuzz_sdpa fuzz_mha fuzz_safetensors
 PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
@@ -74,7 +74,7 @@ python:
 # The whole suite on the best path, then the conformance tests again on every
 # other kernel path this machine supports (ATTN_ISA forces a path).
 CONFORMANCE = tests/python/test_sdpa_conformance.py tests/python/test_mha_conformance.py
-test-python: python
+test-python: python build # build: tests/python/test_cli_mha.py runs build/tools/attn
 	@$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
 	@for isa in $$($(PYTHON) -c 'import attn; i = attn.kernel_info(); \
 		print(" ".join(p for p in i["supported_isas"] if p != i["isa"]))'); do \

@@ -124,7 +124,14 @@ ATTN_API const char *attn_last_error_arg(void);
 typedef enum attn_dtype {
     ATTN_DTYPE_F32 = 1,  /* float                                           */
     ATTN_DTYPE_F64 = 2,  /* double                                          */
-    ATTN_DTYPE_BOOL = 3  /* one byte; 0 is false, anything else is true     */
+    ATTN_DTYPE_BOOL = 3, /* one byte; 0 is false, anything else is true     */
+    /* Storage dtypes: 16-bit floats as checkpoints hold them (uint16_t bit
+     * patterns in native byte order). Files carry them (safetensors), and
+     * attn_mha_set_param and the safetensors reader convert them exactly to
+     * float32/float64; every computing call (attn_sdpa, attn_sdpa_backward,
+     * attn_mha_*) and attn_npy_save refuse them with ATTN_ERR_DTYPE. */
+    ATTN_DTYPE_F16 = 4,  /* IEEE 754 binary16: 1 sign, 5 exponent, 10 bits  */
+    ATTN_DTYPE_BF16 = 5  /* bfloat16: the top half of a float32             */
 } attn_dtype;
 
 #define ATTN_MAX_RANK 8
@@ -137,9 +144,9 @@ typedef struct attn_tensor {
     int64_t strides[ATTN_MAX_RANK];   /* in elements; may be <= 0 (inputs)  */
 } attn_tensor;
 
-/* Bytes per element: 4, 8, 1; 0 for an unknown dtype. */
+/* Bytes per element: 4, 8, 1, 2, 2; 0 for an unknown dtype. */
 ATTN_API size_t attn_dtype_size(attn_dtype dtype);
-/* "float32", "float64", "bool", or "unknown". */
+/* "float32", "float64", "bool", "float16", "bfloat16", or "unknown". */
 ATTN_API const char *attn_dtype_name(attn_dtype dtype);
 
 /* Fills *t as a C-contiguous (row-major) view of `data` with the given shape.
@@ -397,8 +404,9 @@ ATTN_API attn_status attn_mha_get_config(const attn_mha *mha, attn_mha_config *c
 /* Parameters, in torch's state_dict() order. attn_mha_param_at() gives the
  * name and a writable view into the module's own storage (valid until
  * destroy), for index 0 .. count-1. attn_mha_param() looks up by name;
- * attn_mha_set_param() copies from any strided float32/float64 tensor of the
- * right shape. Writing a parameter while a forward runs on another thread is
+ * attn_mha_set_param() copies from any strided float tensor (float32,
+ * float64, or the storage dtypes float16 and bfloat16, converted exactly) of
+ * the right shape. Writing a parameter while a forward runs on another thread is
  * a data race. */
 ATTN_API int attn_mha_param_count(const attn_mha *mha);
 ATTN_API attn_status attn_mha_param_at(attn_mha *mha, int index, const char **name,
@@ -612,7 +620,9 @@ ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, i
                                           int64_t shape[ATTN_MAX_RANK]);
 
 /*
- * Writes any strided tensor as a little-endian, C-order .npy file, and
+ * Writes any strided float32, float64 or bool tensor (the storage dtypes
+ * float16 and bfloat16 are refused with ATTN_ERR_DTYPE: save those with
+ * attn_safetensors_save) as a little-endian, C-order .npy file, and
  * atomically: the bytes go to a temporary file in path's folder
  * (".NAME.XXXXXXXX.tmp"), are flushed to disk (fsync), and only then is it
  * renamed over path. On any failure (a full disk, a missing folder, ...)
@@ -630,6 +640,146 @@ ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
  * for pipes, sockets, or a caller's own temporary file. Neither syncs nor
  * closes fd. ATTN_ERR_IO (with the system's reason) if a write fails. */
 ATTN_API attn_status attn_npy_write_fd(int fd, const attn_tensor *t);
+
+/* ------------------------------------------------------------------------ */
+/* safetensors files                                                         */
+/* ------------------------------------------------------------------------ */
+/*
+ * The format of Hugging Face checkpoints:
+ *   8 bytes   N, the header's length, unsigned little-endian
+ *   N bytes   UTF-8 JSON: {"NAME": {"dtype": "F32", "shape": [2, 3],
+ *             "data_offsets": [BEGIN, END]}, ..., "__metadata__": {"k": "v"}}
+ *   the rest  the data buffer; BEGIN and END are byte offsets into it, each
+ *             tensor's elements little-endian in C order
+ *
+ * Reading. attn_safetensors_open maps the file read-only (mmap; where that
+ * fails it reads the file into memory) and parses its header;
+ * attn_safetensors_parse does the same on bytes in memory, which it
+ * BORROWS: they must stay valid and unchanged until the handle is closed
+ * (nothing is copied but the header's strings). Either checks everything
+ * before it returns a handle: the header's length (at most 100,000,000
+ * bytes, the reference implementation's limit), its JSON (a strict parser:
+ * RFC 8259 syntax, strings valid UTF-8 with every escape including \uXXXX
+ * surrogate pairs, at most 64 levels of nesting; fields a tensor entry does
+ * not define are skipped, as the reference does), no name given twice, each
+ * dtype known, each shape's entries non-negative integers whose product and
+ * byte count fit in 64 bits, and 0 <= BEGIN <= END <= the buffer's size with
+ * END - BEGIN the tensor's byte count. Tensors may share or skip bytes of
+ * the buffer (the format does not forbid it). Names are any UTF-8 strings
+ * but "__metadata__", which holds the metadata (string keys and values);
+ * a name or string containing U+0000 is refused (C strings cannot hold
+ * it). Failures: ATTN_ERR_FORMAT with what is wrong and where (the byte
+ * of the header, or the tensor's name), ATTN_ERR_IO with the system's
+ * reason (the file cannot be opened, or is not a regular file),
+ * ATTN_ERR_NOMEM. *file is NULL after a failure.
+ *
+ * A handle is read-only once made: any number of threads may use one at
+ * once. The file's contents must not change while it is open (a file
+ * truncated under a mapping faults when its missing pages are touched, as
+ * with any mmap).
+ *
+ * Dtypes. Every dtype the format names is listed (BOOL, U8, I8, I16, U16,
+ * I32, U32, I64, U64, F16, BF16, F32, F64, C64, F8_E4M3, F8_E5M2,
+ * F8_E4M3FNUZ, F8_E5M2FNUZ, F8_E8M0, F4, F6_E2M3, F6_E3M2; a dtype of fewer
+ * than 8 bits needs a whole number of bytes per tensor); attn reads F32,
+ * F64, BOOL, F16 and BF16 into tensors (ATTN_DTYPE_*), the others only as
+ * raw bytes. An unknown dtype is ATTN_ERR_FORMAT.
+ *
+ * Scalars and empty tensors. safetensors files hold 0-d tensors (shape [])
+ * and tensors with a dimension of 0. The calls of this section, and only
+ * they, give and take such tensors: rank 0 (one element at data; shape and
+ * strides unused), or a shape with zeros (no element; data may be anything,
+ * NULL included). Every other call refuses them (ATTN_ERR_SHAPE).
+ */
+typedef struct attn_safetensors attn_safetensors;
+
+ATTN_API attn_status attn_safetensors_open(const char *path, attn_safetensors **file);
+ATTN_API attn_status attn_safetensors_parse(const void *bytes, size_t size,
+                                            attn_safetensors **file);
+/* Unmaps or frees everything; NULL is a no-op. Views from
+ * attn_safetensors_get and attn_safetensors_raw die with the handle. */
+ATTN_API void attn_safetensors_close(attn_safetensors *file);
+
+/* The number of tensors (the metadata is not one); 0 for NULL. */
+ATTN_API int64_t attn_safetensors_count(const attn_safetensors *file);
+/* Tensor `index` (0 .. count-1) in the header's order. Each out-parameter
+ * may be NULL. name: NUL-terminated UTF-8, valid until close. file_dtype:
+ * the dtype as the file names it ("BF16", "I64"). dtype: its attn_dtype, or
+ * 0 when attn has none (I64, ...). rank: the file's, 0 for a scalar, and
+ * possibly above ATTN_MAX_RANK; shape gets min(rank, ATTN_MAX_RANK) entries.
+ * ATTN_ERR_INVALID naming "index" when out of range. */
+ATTN_API attn_status attn_safetensors_info(const attn_safetensors *file, int64_t index,
+                                           const char **name, const char **file_dtype,
+                                           attn_dtype *dtype, int *rank,
+                                           int64_t shape[ATTN_MAX_RANK]);
+/* The index of the tensor called `name`, or -1 (no such tensor, or a NULL
+ * argument). O(log count). */
+ATTN_API int64_t attn_safetensors_find(const attn_safetensors *file, const char *name);
+
+/* A zero-copy view of a tensor's data where it lies: C-contiguous, in the
+ * file's dtype. Read-only: the mapping is, so writing through it faults.
+ * Valid until close. Needs a dtype attn has, data aligned to its element
+ * size (files written by attn and by the reference are) and a
+ * little-endian machine; otherwise ATTN_ERR_DTYPE (a dtype attn lacks) or
+ * ATTN_ERR_UNSUPPORTED (misaligned, big-endian), each saying to use
+ * attn_safetensors_read. Rank above ATTN_MAX_RANK: ATTN_ERR_SHAPE. An
+ * unknown name: ATTN_ERR_INVALID naming "name". */
+ATTN_API attn_status attn_safetensors_get(const attn_safetensors *file, const char *name,
+                                          attn_tensor *view);
+/* A converted copy the caller owns: C-contiguous, native byte order, freed
+ * with attn_safetensors_free. `to`:
+ *   0                 the file's dtype (F32, F64, BOOL, F16 or BF16)
+ *   ATTN_DTYPE_F32    from any float dtype (F16 and BF16 widen exactly,
+ *   ATTN_DTYPE_F64    F64 -> F32 rounds to nearest)
+ *   the file's dtype  a copy (BOOL, F16, BF16 too; bool bytes become 0/1)
+ * Anything else, and the dtypes attn lacks (I64, F8_*, ...), is
+ * ATTN_ERR_DTYPE naming "to" or the tensor. A 0-d tensor comes back with
+ * rank 0, an empty one with its zero dimensions (data is then a valid,
+ * empty block). *out is zeroed on failure. */
+ATTN_API attn_status attn_safetensors_read(const attn_safetensors *file, const char *name,
+                                           attn_dtype to, attn_tensor *out);
+/* The same conversion into the caller's memory: dst has the tensor's rank
+ * and shape, any dtype `to` could be above, and any strides that do not map
+ * two elements to one address (ATTN_ERR_OVERLAP otherwise). */
+ATTN_API attn_status attn_safetensors_read_into(const attn_safetensors *file, const char *name,
+                                                const attn_tensor *dst);
+/* The stored bytes of any tensor, whatever its dtype (little-endian, C
+ * order; END - BEGIN of them), valid until close. */
+ATTN_API attn_status attn_safetensors_raw(const attn_safetensors *file, const char *name,
+                                          const void **bytes, uint64_t *size);
+/* Frees a tensor from attn_safetensors_read (as attn_npy_free does) and
+ * zeroes it; NULL, or a zeroed tensor, is a no-op. */
+ATTN_API void attn_safetensors_free(attn_tensor *t);
+
+/* The "__metadata__" pairs: their number, pair `index` in the header's
+ * order (key and value NUL-terminated UTF-8, valid until close; either
+ * out-parameter may be NULL), and the value of `key` (NULL if absent). */
+ATTN_API int64_t attn_safetensors_metadata_count(const attn_safetensors *file);
+ATTN_API attn_status attn_safetensors_metadata_at(const attn_safetensors *file, int64_t index,
+                                                  const char **key, const char **value);
+ATTN_API const char *attn_safetensors_metadata(const attn_safetensors *file, const char *key);
+
+/* Writes `count` tensors (any strides; float32, float64, bool, float16 or
+ * bfloat16, each stored in its own dtype) under names[i], and the metadata:
+ * NULL, or a NULL-terminated list of key, value, key, value, ... strings.
+ * Names and metadata must be valid UTF-8, the names distinct and none
+ * "__metadata__", the metadata keys distinct; rank 0 and zero dimensions
+ * are allowed here (see above). The data are laid out without gaps, 8-byte
+ * dtypes first, so that every tensor is aligned to its element size; the
+ * header is padded with spaces to a multiple of 8 bytes, as the reference
+ * pads it. Any file this writes, the reference reads. Argument errors
+ * (ATTN_ERR_NULL, ATTN_ERR_INVALID, ATTN_ERR_SHAPE, ATTN_ERR_DTYPE,
+ * ATTN_ERR_OVERFLOW) name the argument ("names[3]", "tensors[3]",
+ * "metadata[2]") and come before any file is touched.
+ * The file is replaced atomically, with attn_npy_save's rules: a temporary
+ * beside it, fsync, rename; ATTN_ERR_IO leaves path as it was. */
+ATTN_API attn_status attn_safetensors_save(const char *path, size_t count,
+                                           const char *const *names, const attn_tensor *tensors,
+                                           const char *const *metadata);
+/* The same bytes to an open file descriptor (neither synced nor closed). */
+ATTN_API attn_status attn_safetensors_write_fd(int fd, size_t count, const char *const *names,
+                                               const attn_tensor *tensors,
+                                               const char *const *metadata);
 
 /* ------------------------------------------------------------------------ */
 /* Threads, kernels, memory                                                  */

@@ -10,9 +10,12 @@ enum { CLI_OK = 0, CLI_RUNTIME = 1, CLI_USAGE = 2 };
 
 int cli_demo(void);
 int cli_sdpa(int argc, char **argv);
+int cli_mha(int argc, char **argv);
 /* The "sdpa options:" part of the usage text, shared by `attn --help` and
  * `attn sdpa --help`. */
 extern const char cli_sdpa_options[];
+/* The "mha options:" part, for `attn --help` and `attn mha --help`. */
+extern const char cli_mha_options[];
 
 /* Prints "attn: <what>: <library message>" and returns CLI_RUNTIME. */
 int cli_fail(const char *what, attn_status status);

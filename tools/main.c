@@ -1,4 +1,4 @@
-/* main.c — the attn command-line tool: dispatches to demo, sdpa, info. */
+/* main.c — the attn command-line tool: dispatches to demo, sdpa, mha, info. */
 #include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -10,11 +10,15 @@ static const char usage[] =
     "usage: attn [demo]                 run the embedded demo (the default)\n"
     "       attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n"
     "                                   scaled dot-product attention on .npy files\n"
+    "       attn mha --weights M.safetensors [--prefix P] --num-heads H -q Q.npy -o OUT.npy\n"
+    "                [options]          multi-head attention with a checkpoint's weights\n"
     "       attn info                   version, kernel path, threads, BLAS\n"
     "       attn help | --help | --version\n"
     "\n";
 
-static void print_usage(FILE *to) { fprintf(to, "%s%s", usage, cli_sdpa_options); }
+static void print_usage(FILE *to) {
+    fprintf(to, "%s%s\n%s", usage, cli_sdpa_options, cli_mha_options);
+}
 
 static int info(void) {
     attn_isa isa = attn_get_isa();
@@ -51,6 +55,7 @@ static int run_command(int argc, char **argv) {
         return CLI_OK;
     }
     if (strcmp(argv[1], "sdpa") == 0) return cli_sdpa(argc - 2, argv + 2);
+    if (strcmp(argv[1], "mha") == 0) return cli_mha(argc - 2, argv + 2);
     if (strcmp(argv[1], "info") == 0) {
         if (argc == 2) return info();
         fprintf(stderr, "attn: info takes no arguments\n(see attn --help)\n");

@@ -1414,6 +1414,288 @@ static PyObject *py_copies(PyObject *self, PyObject *noargs) {
     return PyLong_FromSsize_t(copies_made);
 }
 
+/* ------------------------------------------------------------------------ */
+/* safetensors files                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* The attn dtype a "F32"/... code names (the Python layer's choice), or 0. */
+static attn_dtype st_dtype_code(const char *code) {
+    static const struct {
+        const char *code;
+        attn_dtype dtype;
+    } codes[] = {{"F32", ATTN_DTYPE_F32}, {"F64", ATTN_DTYPE_F64}, {"BOOL", ATTN_DTYPE_BOOL},
+                 {"F16", ATTN_DTYPE_F16}, {"BF16", ATTN_DTYPE_BF16}};
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++)
+        if (strcmp(code, codes[i].code) == 0) return codes[i].dtype;
+    return 0;
+}
+
+/* A str as UTF-8 without NUL characters (C strings cannot hold them). */
+static const char *st_utf8(PyObject *s, const char *what) {
+    Py_ssize_t n;
+    const char *u = PyUnicode_Check(s) ? PyUnicode_AsUTF8AndSize(s, &n) : NULL;
+    if (u == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "%s must be a str, not %.200s", what,
+                         Py_TYPE(s)->tp_name);
+        return NULL;
+    }
+    if ((size_t)n != strlen(u)) {
+        PyErr_Format(PyExc_ValueError, "%s %R holds a NUL character, which safetensors files "
+                     "written by attn cannot", what, s);
+        return NULL;
+    }
+    return u;
+}
+
+/* Tensor i as (name, file dtype, shape, value): a new array in `to` (float
+ * tensors only; 0 keeps the file's dtype, bfloat16 as float32, since NumPy
+ * has none), or the stored bytes for dtypes attn does not read. */
+static PyObject *st_load_one(attn_safetensors *f, int64_t i, attn_dtype to, PyObject *empty) {
+    const char *name, *fdt;
+    attn_dtype dt;
+    int rank;
+    int64_t shape[ATTN_MAX_RANK];
+    attn_status st = attn_safetensors_info(f, i, &name, &fdt, &dt, &rank, shape);
+    if (st != ATTN_OK) return raise_status(st);
+    PyObject *shp = rank <= ATTN_MAX_RANK ? shape_tuple(rank, shape) : NULL;
+    if (shp == NULL && rank <= ATTN_MAX_RANK) return NULL;
+    PyObject *value = NULL;
+    if (dt == 0 || rank > ATTN_MAX_RANK) { /* the stored bytes, for NumPy to view */
+        const void *bytes;
+        uint64_t size;
+        if ((st = attn_safetensors_raw(f, name, &bytes, &size)) != ATTN_OK) {
+            Py_XDECREF(shp);
+            return raise_status(st);
+        }
+        value = PyBytes_FromStringAndSize(bytes, (Py_ssize_t)size);
+    } else {
+        if (to == 0 || !(dt == ATTN_DTYPE_F32 || dt == ATTN_DTYPE_F64 || dt == ATTN_DTYPE_F16 ||
+                         dt == ATTN_DTYPE_BF16))
+            to = dt == ATTN_DTYPE_BF16 ? ATTN_DTYPE_F32 : dt; /* NumPy has no bfloat16 */
+        value = PyObject_CallFunction(empty, "Os", shp, attn_dtype_name(to));
+        Py_buffer b;
+        if (value != NULL && PyObject_GetBuffer(value, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) {
+            attn_tensor t;
+            memset(&t, 0, sizeof t);
+            t.data = b.buf;
+            t.dtype = to;
+            t.rank = rank;
+            int64_t stride = 1;
+            for (int d = rank - 1; d >= 0; d--) {
+                t.shape[d] = shape[d];
+                t.strides[d] = stride;
+                stride *= shape[d] > 0 ? shape[d] : 1;
+            }
+            if ((size_t)b.itemsize != attn_dtype_size(to)) {
+                st = ATTN_ERR_DTYPE;
+                PyErr_SetString(PyExc_RuntimeError, "the array allocator returned a wrong dtype");
+            } else {
+                Py_BEGIN_ALLOW_THREADS
+                st = attn_safetensors_read_into(f, name, &t);
+                Py_END_ALLOW_THREADS
+            }
+            PyBuffer_Release(&b);
+            if (st != ATTN_OK) {
+                Py_CLEAR(value);
+                if (!PyErr_Occurred()) raise_status(st);
+            }
+        } else {
+            Py_CLEAR(value);
+        }
+    }
+    PyObject *item = value != NULL ? Py_BuildValue("(ssOO)", name, fdt, shp ? shp : Py_None, value)
+                                   : NULL;
+    Py_XDECREF(shp);
+    Py_XDECREF(value);
+    return item;
+}
+
+/* The metadata as a dict of str. */
+static PyObject *st_metadata(const attn_safetensors *f) {
+    PyObject *meta = PyDict_New();
+    for (int64_t j = 0; meta != NULL && j < attn_safetensors_metadata_count(f); j++) {
+        const char *k, *v;
+        attn_safetensors_metadata_at(f, j, &k, &v);
+        PyObject *pv = PyUnicode_FromString(v);
+        if (pv == NULL || PyDict_SetItemString(meta, k, pv) < 0) Py_CLEAR(meta);
+        Py_XDECREF(pv);
+    }
+    return meta;
+}
+
+PyDoc_STRVAR(st_load_doc,
+             "safetensors_load(path, names, to, *, empty) -> ([(name, file_dtype, shape, value)],"
+             " metadata)\n\n"
+             "Reads tensors `names` (None: all, in the file's order) of a safetensors file.\n"
+             "value: a new array from empty(shape, dtype_name) for F32, F64, F16, BF16 and\n"
+             "BOOL (float tensors converted to `to` when it is 'float32' or 'float64';\n"
+             "BF16 becomes float32 otherwise), else the stored bytes (little-endian), with\n"
+             "shape None when the tensor has more than 8 dimensions.");
+
+static PyObject *py_st_load(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"path", "names", "to", "empty", NULL};
+    PyObject *path_bytes = NULL, *names = Py_None, *to_obj = Py_None, *empty = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|OO$O", kwlist, PyUnicode_FSConverter,
+                                     &path_bytes, &names, &to_obj, &empty))
+        return NULL;
+    attn_dtype to = 0;
+    if (to_obj != Py_None) {
+        const char *s = PyUnicode_AsUTF8(to_obj);
+        to = s == NULL ? 0 : strcmp(s, "float32") == 0 ? ATTN_DTYPE_F32
+                         : strcmp(s, "float64") == 0   ? ATTN_DTYPE_F64
+                                                       : 0;
+        if (to == 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "to: 'float32' or 'float64'");
+            Py_DECREF(path_bytes);
+            return NULL;
+        }
+    }
+    if (require_empty(empty, "safetensors_load") < 0) {
+        Py_DECREF(path_bytes);
+        return NULL;
+    }
+    attn_safetensors *f = NULL;
+    attn_status st;
+    const char *path = PyBytes_AS_STRING(path_bytes);
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_safetensors_open(path, &f);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_bytes);
+    if (st != ATTN_OK) return raise_status(st);
+    PyObject *list = PyList_New(0), *result = NULL;
+    const int64_t n = names == Py_None ? attn_safetensors_count(f) : PySequence_Size(names);
+    for (int64_t i = 0; list != NULL && i < n; i++) {
+        int64_t at = i;
+        if (names != Py_None) {
+            PyObject *nm = PySequence_GetItem(names, (Py_ssize_t)i);
+            const char *s = nm != NULL ? st_utf8(nm, "a name") : NULL;
+            at = s != NULL ? attn_safetensors_find(f, s) : -1;
+            if (s != NULL && at < 0)
+                PyErr_Format(PyExc_KeyError, "%R: the file has no tensor of that name", nm);
+            Py_XDECREF(nm);
+            if (at < 0) Py_CLEAR(list);
+        }
+        PyObject *item = list != NULL ? st_load_one(f, at, to, empty) : NULL;
+        if (item == NULL || PyList_Append(list, item) < 0) Py_CLEAR(list);
+        Py_XDECREF(item);
+    }
+    if (list != NULL && !PyErr_Occurred()) {
+        PyObject *meta = st_metadata(f);
+        if (meta != NULL) result = Py_BuildValue("(NN)", list, meta);
+        else Py_DECREF(list);
+    } else {
+        Py_XDECREF(list);
+    }
+    attn_safetensors_close(f);
+    return result;
+}
+
+/* The buffers a save holds while it writes. */
+typedef struct st_save_call {
+    Py_ssize_t n, held;
+    Py_buffer *bufs;
+    const char **names;
+    attn_tensor *tensors;
+    const char **meta;
+} st_save_call;
+
+static void st_save_release(st_save_call *c) {
+    for (Py_ssize_t i = 0; i < c->held; i++) PyBuffer_Release(&c->bufs[i]);
+    PyMem_Free(c->bufs);
+    PyMem_Free(c->names);
+    PyMem_Free(c->tensors);
+    PyMem_Free(c->meta);
+}
+
+/* Item i of the list: (name, array, dtype code) as a view. */
+static int st_save_item(st_save_call *c, PyObject *item, Py_ssize_t i) {
+    PyObject *name, *arr;
+    const char *code;
+    if (!PyArg_ParseTuple(item, "OOs", &name, &arr, &code)) return -1;
+    if ((c->names[i] = st_utf8(name, "a tensor's name")) == NULL) return -1;
+    const attn_dtype dt = st_dtype_code(code);
+    if (dt == 0) {
+        PyErr_Format(PyExc_ValueError, "unknown dtype code '%s'", code);
+        return -1;
+    }
+    Py_buffer *b = &c->bufs[i];
+    if (PyObject_GetBuffer(arr, b, PyBUF_RECORDS_RO) < 0) return -1;
+    c->held++;
+    if ((size_t)b->itemsize != attn_dtype_size(dt) || b->ndim > ATTN_MAX_RANK) {
+        PyErr_Format(PyExc_ValueError, "tensor %R: %zd-byte items or %d dimensions do not fit %s",
+                     name, b->itemsize, b->ndim, code);
+        return -1;
+    }
+    attn_tensor *t = &c->tensors[i];
+    memset(t, 0, sizeof *t);
+    t->data = b->buf;
+    t->dtype = dt;
+    t->rank = b->ndim;
+    Py_ssize_t stride = b->itemsize;
+    for (int d = b->ndim - 1; d >= 0; d--) {
+        const Py_ssize_t s = b->strides != NULL ? b->strides[d] : stride;
+        t->shape[d] = b->shape[d];
+        if (s % b->itemsize != 0) {
+            PyErr_Format(PyExc_ValueError, "tensor %R: a stride is not a multiple of its items",
+                         name);
+            return -1;
+        }
+        t->strides[d] = s / b->itemsize;
+        stride *= b->shape[d];
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(st_save_doc,
+             "safetensors_save(path, items, metadata)\n\n"
+             "attn_safetensors_save(): items is a list of (name, array, code) with code\n"
+             "'F32', 'F64', 'BOOL', 'F16' or 'BF16' (the array's items are stored as they\n"
+             "are: BF16 arrays are 16-bit integer views); metadata a list of (key, value).");
+
+static PyObject *py_st_save(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *path_bytes = NULL, *items, *meta;
+    if (!PyArg_ParseTuple(args, "O&O!O!", PyUnicode_FSConverter, &path_bytes, &PyList_Type,
+                          &items, &PyList_Type, &meta))
+        return NULL;
+    st_save_call c = {0};
+    c.n = PyList_GET_SIZE(items);
+    const Py_ssize_t m = PyList_GET_SIZE(meta);
+    c.bufs = PyMem_Calloc((size_t)c.n + 1, sizeof *c.bufs);
+    c.names = PyMem_Calloc((size_t)c.n + 1, sizeof *c.names);
+    c.tensors = PyMem_Calloc((size_t)c.n + 1, sizeof *c.tensors);
+    c.meta = PyMem_Calloc(2 * (size_t)m + 1, sizeof *c.meta);
+    int rc = c.bufs && c.names && c.tensors && c.meta ? 0 : (PyErr_NoMemory(), -1);
+    for (Py_ssize_t i = 0; rc == 0 && i < c.n; i++)
+        rc = st_save_item(&c, PyList_GET_ITEM(items, i), i);
+    for (Py_ssize_t j = 0; rc == 0 && j < m; j++) {
+        PyObject *k, *v;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(meta, j), "OO", &k, &v) ||
+            (c.meta[2 * j] = st_utf8(k, "a metadata key")) == NULL ||
+            (c.meta[2 * j + 1] = st_utf8(v, "a metadata value")) == NULL)
+            rc = -1;
+    }
+    PyObject *result = NULL;
+    if (rc == 0) {
+        attn_status st;
+        const char *path = PyBytes_AS_STRING(path_bytes);
+        Py_BEGIN_ALLOW_THREADS
+        st = attn_safetensors_save(path, (size_t)c.n, c.names, c.tensors, c.meta);
+        Py_END_ALLOW_THREADS
+        if (st == ATTN_OK) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        } else {
+            raise_status(st);
+        }
+    }
+    st_save_release(&c);
+    Py_DECREF(path_bytes);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"sdpa", (PyCFunction)(void (*)(void))py_sdpa, METH_VARARGS | METH_KEYWORDS, sdpa_doc},
     {"sdpa_backward", (PyCFunction)(void (*)(void))py_sdpa_backward,
@@ -1428,6 +1710,10 @@ static PyMethodDef module_methods[] = {
     {"set_isa", py_set_isa, METH_O, "force a kernel path by name ('auto' restores the best)"},
     {"_copies", py_copies, METH_NOARGS,
      "how many input buffers had to be copied (misaligned or odd strides)"},
+    /* safetensors files */
+    {"safetensors_load", (PyCFunction)(void (*)(void))py_st_load, METH_VARARGS | METH_KEYWORDS,
+     st_load_doc},
+    {"safetensors_save", py_st_save, METH_VARARGS, st_save_doc},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

@@ -108,6 +108,33 @@ static inline bool attn__is_float(attn_dtype d) {
     return d == ATTN_DTYPE_F32 || d == ATTN_DTYPE_F64;
 }
 
+/* Whether dtype is one of the 16-bit storage dtypes (float16, bfloat16). */
+static inline bool attn__is_half(attn_dtype d) {
+    return d == ATTN_DTYPE_F16 || d == ATTN_DTYPE_BF16;
+}
+
+/* The 16-bit floats, widened exactly to float (every value, the signed
+ * zeros, infinities and NaN payloads have one). bfloat16 is the top half of
+ * a float32. binary16's subnormals are mantissa * 2^-24, exact in float;
+ * its normals rebias the exponent (15 -> 127); exponent 31 is inf/NaN. */
+static inline float attn__bits_to_float(uint32_t bits) {
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline float attn__bf16_to_float(uint16_t h) {
+    return attn__bits_to_float((uint32_t)h << 16);
+}
+static inline float attn__f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0) { /* zero or subnormal */
+        const float mag = (float)mant * 0x1p-24f;
+        return sign ? -mag : mag;
+    }
+    if (exp == 31) return attn__bits_to_float(sign | 0x7f800000u | mant << 13);
+    return attn__bits_to_float(sign | (exp + 112) << 23 | mant << 13);
+}
+
 /* Reads element `offset` (in elements) of a float32/float64/bool buffer as a
  * double. For the reference paths, which favour clarity over speed. Every
  * dtype has its case and there is no default: a new attn_dtype is a compile
@@ -118,15 +145,21 @@ static inline double attn__load(const void *base, attn_dtype dtype, int64_t offs
     case ATTN_DTYPE_F32: return (double)((const float *)base)[offset];
     case ATTN_DTYPE_F64: return ((const double *)base)[offset];
     case ATTN_DTYPE_BOOL: return ((const unsigned char *)base)[offset] != 0 ? 1.0 : 0.0;
+    case ATTN_DTYPE_F16: return (double)attn__f16_to_float(((const uint16_t *)base)[offset]);
+    case ATTN_DTYPE_BF16: return (double)attn__bf16_to_float(((const uint16_t *)base)[offset]);
     }
     return __builtin_nan("");
 }
-/* Writes x rounded to an output's dtype (outputs are float32 or float64). */
+/* Writes x rounded to an output's dtype (outputs are float32 or float64).
+ * The storage dtypes are never an output: validation refuses them before
+ * any store, so they have no rounding here and nothing is written. */
 static inline void attn__store(void *base, attn_dtype dtype, int64_t offset, double x) {
     switch (dtype) {
     case ATTN_DTYPE_F32: ((float *)base)[offset] = (float)x; return;
     case ATTN_DTYPE_F64: ((double *)base)[offset] = x; return;
     case ATTN_DTYPE_BOOL: ((unsigned char *)base)[offset] = x != 0; return;
+    case ATTN_DTYPE_F16:
+    case ATTN_DTYPE_BF16: return;
     }
 }
 

@@ -9,6 +9,8 @@ size_t attn_dtype_size(attn_dtype dtype) {
     case ATTN_DTYPE_F32: return 4;
     case ATTN_DTYPE_F64: return 8;
     case ATTN_DTYPE_BOOL: return 1;
+    case ATTN_DTYPE_F16:
+    case ATTN_DTYPE_BF16: return 2;
     }
     return 0;
 }
@@ -18,6 +20,8 @@ const char *attn_dtype_name(attn_dtype dtype) {
     case ATTN_DTYPE_F32: return "float32";
     case ATTN_DTYPE_F64: return "float64";
     case ATTN_DTYPE_BOOL: return "bool";
+    case ATTN_DTYPE_F16: return "float16";
+    case ATTN_DTYPE_BF16: return "bfloat16";
     }
     return "unknown";
 }

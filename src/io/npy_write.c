@@ -1,39 +1,12 @@
 /*
  * npy_write.c — writing .npy files: the serializer (any strided tensor, to a
- * file descriptor) and attn_npy_save, which replaces its target atomically.
- *
- * attn_npy_save never leaves a half-written file where the old one was: the
- * bytes go to a temporary file in the target's folder (so that the rename
- * stays within one file system), are flushed to disk, and only then is the
- * temporary renamed over the target. A failure removes the temporary.
+ * file descriptor) and attn_npy_save, which replaces its target atomically
+ * (atomic.c: temporary, fsync, rename).
  */
-#define _XOPEN_SOURCE 700 /* openat, renameat, unlinkat, fsync; realpath is XSI */
-#include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
 
-#include "../core/internal.h"
-
-/* write(2) until done: a signal or a pipe may cut a write short. Returns 0
- * or an errno value. */
-static int write_all(int fd, const void *bytes, size_t n) {
-    const unsigned char *p = bytes;
-    while (n > 0) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w < 0) return errno;
-        if (w == 0) return EIO;
-        p += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
+#include "io.h"
 
 /* The header: magic, version 1.0, length, then the dictionary padded with
  * spaces so that the data starts on a 64-byte boundary (as NumPy does). */
@@ -74,7 +47,7 @@ static int write_npy(int fd, const attn_tensor *t) {
         if (t->dtype == ATTN_DTYPE_BOOL) chunk[used] = chunk[used] != 0;
         used += es;
         if (used + 8 > sizeof chunk) {
-            err = write_all(fd, chunk, used);
+            err = attn__write_all(fd, chunk, used);
             used = 0;
         }
         for (int d = t->rank - 1; d >= 0; d--) {
@@ -82,13 +55,24 @@ static int write_npy(int fd, const attn_tensor *t) {
             idx[d] = 0;
         }
     }
-    if (err == 0 && used > 0) err = write_all(fd, chunk, used);
+    if (err == 0 && used > 0) err = attn__write_all(fd, chunk, used);
     return err;
+}
+
+/* A tensor .npy can hold: float32, float64 or bool (the descr written). */
+static attn_status check_npy_tensor(const attn_tensor *t) {
+    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
+    if (st == ATTN_OK && attn__is_half(t->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, "tensor",
+                              "tensor is %s; attn writes .npy files of float32, float64 or "
+                              "bool (save 16-bit floats with attn_safetensors_save)",
+                              attn_dtype_name(t->dtype));
+    return st;
 }
 
 attn_status attn_npy_write_fd(int fd, const attn_tensor *t) {
     attn__clear_error();
-    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
+    attn_status st = check_npy_tensor(t);
     if (st != ATTN_OK) return st;
     if (fd < 0) return attn__fail(ATTN_ERR_INVALID, "fd is %d, not an open file descriptor", fd);
     int err = write_npy(fd, t);
@@ -96,126 +80,13 @@ attn_status attn_npy_write_fd(int fd, const attn_tensor *t) {
     return ATTN_OK;
 }
 
-/* ---- atomic replacement ---- */
-
-/* The file a save replaces: its folder (open) and its name there. */
-typedef struct target {
-    int dir_fd;
-    char name[NAME_MAX + 1];
-    bool exists;
-    struct stat st; /* when it exists */
-} target;
-
-/* Finds the folder and name. A symbolic link is followed, so that the file
- * it points to is replaced, not the link. Returns 0 or an errno value. */
-static int open_target(const char *path, target *t) {
-    char full[PATH_MAX], dir[PATH_MAX];
-    const char *p = path;
-    t->dir_fd = -1;
-    t->exists = false;
-    if (path[0] == '\0') return ENOENT;
-    if (realpath(path, full) != NULL) {
-        if (stat(full, &t->st) != 0) return errno;
-        if (S_ISDIR(t->st.st_mode)) return EISDIR;
-        t->exists = true;
-        p = full;
-    } else if (errno != ENOENT) {
-        return errno; /* ENAMETOOLONG, ELOOP, EACCES, ENOTDIR, ... */
-    }
-    const size_t len = strlen(p);
-    if (len >= sizeof dir) return ENAMETOOLONG;
-    memcpy(dir, p, len + 1);
-    char *slash = strrchr(dir, '/');
-    const char *name = slash != NULL ? slash + 1 : dir;
-    if (name[0] == '\0' || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) return EISDIR;
-    if (strlen(name) > NAME_MAX) return ENAMETOOLONG;
-    strcpy(t->name, name);
-    if (slash == NULL)
-        strcpy(dir, ".");
-    else
-        slash[slash == dir ? 1 : 0] = '\0'; /* "/x" is in "/" */
-    t->dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    return t->dir_fd < 0 ? errno : 0;
-}
-
-/* Creates ".NAME.XXXXXXXX.tmp" beside the target; O_EXCL never reuses a
- * file that exists. Returns 0 or an errno value. */
-static int create_temp(const target *t, char temp[NAME_MAX + 1], int *fd) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    /* Different for every process, thread (the stack address) and moment. */
-    unsigned long long x = (unsigned long long)getpid() << 32 ^ (unsigned long long)ts.tv_nsec ^
-                           (unsigned long long)(uintptr_t)temp;
-    for (int attempt = 0; attempt < 100; attempt++) {
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        snprintf(temp, NAME_MAX + 1, ".%.200s.%08x.tmp", t->name, (unsigned)(x >> 32));
-        *fd = openat(t->dir_fd, temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-        if (*fd >= 0) return 0;
-        if (errno != EEXIST) return errno;
-    }
-    return EEXIST;
-}
-
-/* Temporary, write, fsync, rename. Returns 0 or an errno value and says
- * which step failed in *what. */
-static int replace(const target *tg, const attn_tensor *t, const char **what) {
-    char temp[NAME_MAX + 1];
-    int fd;
-    *what = "cannot create a temporary file beside";
-    int err = create_temp(tg, temp, &fd);
-    if (err != 0) return err;
-    *what = "cannot write";
-    if (tg->exists) { /* the new file keeps the old one's owner and permission bits */
-        if (fchown(fd, tg->st.st_uid, tg->st.st_gid) != 0) {
-            /* only root may give a file away: it stays the caller's */
-        }
-        if (fchmod(fd, tg->st.st_mode & 0777) != 0) err = errno;
-    }
-    if (err == 0) err = write_npy(fd, t);
-    /* On disk before the name points at it: a crash never shows a file
-     * whose data was not written. */
-    if (err == 0 && fsync(fd) != 0) err = errno;
-    if (close(fd) != 0 && err == 0) err = errno;
-    if (err == 0 && renameat(tg->dir_fd, temp, tg->dir_fd, tg->name) != 0) {
-        err = errno;
-        *what = "cannot rename the temporary file over";
-    }
-    if (err != 0) {
-        unlinkat(tg->dir_fd, temp, 0);
-        return err;
-    }
-    /* Makes the rename durable. Some file systems refuse to sync a folder;
-     * the file is in place either way, so this cannot fail the save. */
-    (void)fsync(tg->dir_fd);
-    return 0;
-}
-
-/* A device or FIFO (/dev/null, a pipe) cannot be replaced; it is written in
- * place, as before. */
-static int write_in_place(const char *path, const attn_tensor *t) {
-    int fd = open(path, O_WRONLY | O_TRUNC | O_CLOEXEC);
-    if (fd < 0) return errno;
-    int err = write_npy(fd, t);
-    if (close(fd) != 0 && err == 0) err = errno;
-    return err;
-}
+/* attn__save_atomic's writer. */
+static int write_npy_ctx(int fd, const void *t) { return write_npy(fd, t); }
 
 attn_status attn_npy_save(const char *path, const attn_tensor *t) {
     attn__clear_error();
     if (path == NULL) return attn__fail(ATTN_ERR_NULL, "path is NULL");
-    attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
+    attn_status st = check_npy_tensor(t);
     if (st != ATTN_OK) return st;
-    target tg;
-    const char *what = "cannot write";
-    int err = open_target(path, &tg);
-    if (err == 0)
-        err = tg.exists && !S_ISREG(tg.st.st_mode) ? write_in_place(path, t)
-                                                   : replace(&tg, t, &what);
-    if (tg.dir_fd >= 0) close(tg.dir_fd);
-    if (err != 0) {
-        char shown[ATTN__MESSAGE_PATH];
-        return attn__fail(ATTN_ERR_IO, "%s '%s': %s", what, attn__message_path(path, shown),
-                          strerror(err));
-    }
-    return ATTN_OK;
+    return attn__save_atomic(path, write_npy_ctx, t);
 }

@@ -33,7 +33,8 @@ struct attn_mha {
 void *attn__mha_param_data(const attn_mha *m, const char *name);
 
 /* Copies any strided tensor into a contiguous destination of the same shape,
- * converting float32 <-> float64 (bool stays bool). */
+ * converting float32 <-> float64 and widening float16/bfloat16 (bool stays
+ * bool). */
 void attn__mha_copy_strided(const attn_tensor *src, void *dst, attn_dtype dst_dtype);
 
 /* ---- one forward call: shapes, workspace, heads (forward.c) ---- */

@@ -291,8 +291,9 @@ attn_status attn_mha_set_param(attn_mha *m, const char *name, const attn_tensor 
     if (p == NULL) return unknown_param(m, name);
     attn_status st = attn__check_tensor(src, name, 1, ATTN__INPUT);
     if (st != ATTN_OK) return st;
-    if (!attn__is_float(src->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected float32 or float64", name,
+    if (!attn__is_float(src->dtype) && !attn__is_half(src->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, name,
+                              "%s is %s; expected float32, float64, float16 or bfloat16", name,
                               attn_dtype_name(src->dtype));
     bool same = src->rank == p->rank;
     for (int d = 0; same && d < p->rank; d++) same = src->shape[d] == p->shape[d];

@@ -15,6 +15,7 @@
 #define _POSIX_C_SOURCE 200809L /* mkstemp */
 #include <unistd.h>
 
+#include "io/io.h" /* attn__is_float, attn__safetensors_open_read */
 #include "testutil.h"
 
 #ifndef ATTN_TEST_DATA
@@ -284,6 +285,86 @@ static void npy_setup(npy_state *s, const char *fixture, bool parse) {
     fclose(f);
 }
 
+/* ---- safetensors ---- */
+
+typedef struct st_state {
+    char path[512], out[64];
+    unsigned char *bytes;
+    size_t size;
+    int how; /* 0 open + read every tensor, 1 parse + read, 2 save, 3 open without mmap */
+    unsigned char *expect;
+    size_t expect_size;
+} st_state;
+
+/* Every tensor attn reads, as float64 (bool and the rest: their own). */
+static attn_status st_read_all(attn_safetensors *f, unsigned char **sum, size_t *n) {
+    *sum = NULL;
+    *n = 0;
+    for (int64_t i = 0; i < attn_safetensors_count(f); i++) {
+        const char *name;
+        attn_dtype dt;
+        attn_safetensors_info(f, i, &name, NULL, &dt, NULL, NULL);
+        if (dt == 0) continue;
+        attn_tensor t;
+        attn_status st = attn_safetensors_read(f, name, attn__is_float(dt) ? ATTN_DTYPE_F64 : 0, &t);
+        if (st != ATTN_OK) {
+            CHECK(t.data == NULL, "a failed read leaves data");
+            free(*sum);
+            *sum = NULL;
+            return st;
+        }
+        int64_t numel = 1;
+        for (int d = 0; d < t.rank; d++) numel *= t.shape[d];
+        const size_t bytes = (size_t)numel * attn_dtype_size(t.dtype);
+        *sum = realloc(*sum, *n + bytes + 1);
+        memcpy(*sum + *n, t.data, bytes);
+        *n += bytes;
+        attn_safetensors_free(&t);
+    }
+    return ATTN_OK;
+}
+
+static attn_status st_run(void *state, bool compare) {
+    st_state *s = state;
+    attn_safetensors *f = (attn_safetensors *)s; /* must come back NULL on failure */
+    attn_status st = s->how == 1   ? attn_safetensors_parse(s->bytes, s->size, &f)
+                     : s->how == 3 ? attn__safetensors_open_read(s->path, &f)
+                                   : attn_safetensors_open(s->path, &f);
+    if (st != ATTN_OK) {
+        CHECK(f == NULL, "a failed open leaves a handle");
+        return st;
+    }
+    unsigned char *sum = NULL;
+    size_t n = 0;
+    if (s->how != 2) {
+        st = st_read_all(f, &sum, &n);
+    } else { /* save every tensor attn reads, as views, with metadata */
+        const char *names[64];
+        attn_tensor views[64];
+        size_t count = 0;
+        for (int64_t i = 0; i < attn_safetensors_count(f) && count < 64; i++) {
+            attn_dtype dt;
+            attn_safetensors_info(f, i, &names[count], NULL, &dt, NULL, NULL);
+            if (dt != 0 && attn_safetensors_get(f, names[count], &views[count]) == ATTN_OK) count++;
+        }
+        const char *meta[] = {"format", "pt", NULL};
+        st = attn_safetensors_save(s->out, count, names, views, meta);
+        if (st == ATTN_OK) sum = tt_read_file(s->out, &n);
+    }
+    attn_safetensors_close(f);
+    if (st != ATTN_OK) return st;
+    if (!compare) {
+        free(s->expect);
+        s->expect = sum;
+        s->expect_size = n;
+        return st;
+    }
+    CHECK(n == s->expect_size && memcmp(sum, s->expect, n) == 0,
+          "the tensors differ after failure injection");
+    free(sum);
+    return st;
+}
+
 /* ---- the walks ---- */
 
 static void report(const char *name, long transient, long persistent) {
@@ -296,6 +377,29 @@ static void run_scenario(const scenario *s) {
     CHECK(a >= 1, "%s: no allocation to fail", s->name);
     CHECK(a == b, "%s: %ld transient vs %ld persistent failure points", s->name, a, b);
     report(s->name, a, b);
+}
+
+static void st_failures(void) {
+    const char *files[2] = {"numpy.safetensors", "torch_bf16.safetensors"};
+    const char *hows[4] = {"attn_safetensors_open+read", "attn_safetensors_parse+read",
+                           "attn_safetensors_save", "open without mmap+read"};
+    for (int i = 0; i < 2; i++)
+        for (int how = 0; how < 4; how++) {
+            st_state st;
+            memset(&st, 0, sizeof st);
+            snprintf(st.path, sizeof st.path, "%s/safetensors/%s", ATTN_TEST_DATA, files[i]);
+            snprintf(st.out, sizeof st.out, "/tmp/attn_alloc_fail_XXXXXX");
+            close(mkstemp(st.out));
+            st.how = how;
+            st.bytes = tt_read_file(st.path, &st.size);
+            char name[96];
+            snprintf(name, sizeof name, "%s (%s)", hows[how], files[i]);
+            scenario s = {name, st_run, &st};
+            run_scenario(&s);
+            free(st.bytes);
+            free(st.expect);
+            remove(st.out);
+        }
 }
 
 static void sdpa_failures(void) {
@@ -493,4 +597,4 @@ static void npy_failures(void) {
 }
 
 HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(mha_failures), T(encoder_failures),
-             T(npy_failures))
+             T(npy_failures), T(st_failures))

@@ -370,6 +370,152 @@ static void mha_forward_errors(void) {
     attn_mha_destroy(m);
 }
 
+/* ---- the 16-bit storage dtypes (issue 16) ---- */
+
+/* The arg of the last failure is `arg`. */
+#define CHECK_ARG(arg) \
+    CHECK(strcmp(attn_last_error_arg(), arg) == 0, "arg '%s', expected '%s' (%s)", \
+          attn_last_error_arg(), arg, attn_last_error())
+
+/* float16 and bfloat16 are storage dtypes: every computing entry point
+ * refuses them as any operand with ATTN_ERR_DTYPE naming the operand. */
+static void storage_dtypes_sdpa(void) {
+    CHECK(attn_dtype_size(ATTN_DTYPE_F16) == 2 && attn_dtype_size(ATTN_DTYPE_BF16) == 2,
+          "16-bit sizes");
+    CHECK(strcmp(attn_dtype_name(ATTN_DTYPE_F16), "float16") == 0 &&
+              strcmp(attn_dtype_name(ATTN_DTYPE_BF16), "bfloat16") == 0,
+          "16-bit names");
+    const attn_dtype halves[2] = {ATTN_DTYPE_F16, ATTN_DTYPE_BF16};
+    for (int h = 0; h < 2; h++) {
+        const attn_dtype dt = halves[h];
+        fixture f;
+        attn_tensor *ops[6] = {&f.q, &f.k, &f.v, &f.out, &f.weights, &f.lse};
+        const char *names[6] = {"q", "k", "v", "out", "weights", "lse"};
+        for (int i = 0; i < 6; i++) {
+            setup(&f);
+            ops[i]->dtype = dt;
+            CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+            CHECK_ARG(names[i]);
+            CHECK_MESSAGE(attn_dtype_name(dt));
+        }
+        setup(&f);
+        f.p.attn_mask = &f.mask;
+        f.mask.dtype = dt;
+        CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+        CHECK_ARG("attn_mask");
+        setup(&f);
+        int rank;
+        int64_t shape[ATTN_MAX_RANK];
+        f.q.dtype = dt;
+        CHECK_STATUS(attn_sdpa_out_shape(&f.q, &f.k, &f.v, NULL, &rank, shape), ATTN_ERR_DTYPE);
+        /* The backward: each of its inputs and gradients. */
+        setup(&f);
+        CHECK_OK(attn_sdpa(&f.q, &f.k, &f.v, NULL, &f.out, NULL, &f.lse));
+        static float dq[2 * 3 * 4 * 8], dout[2 * 3 * 4 * 6];
+        attn_tensor tdout = f.out, tdq = f.q;
+        tdout.data = dout;
+        tdq.data = dq;
+        attn_tensor *bops[4] = {&tdout, &f.out, &f.lse, &tdq};
+        const char *bnames[4] = {"dout", "out", "lse", "dq"};
+        for (int i = 0; i < 4; i++) {
+            bops[i]->dtype = dt;
+            CHECK_STATUS(attn_sdpa_backward(&tdout, &f.q, &f.k, &f.v, &f.out, &f.lse, NULL, &tdq,
+                                            NULL, NULL, NULL),
+                         ATTN_ERR_DTYPE);
+            CHECK_ARG(bnames[i]);
+            bops[i]->dtype = ATTN_DTYPE_F32;
+        }
+    }
+}
+
+static void storage_dtypes_mha(void) {
+    attn_mha_config c;
+    attn_mha *m = NULL;
+    attn_mha_config_init(&c, 8, 2);
+    c.dtype = ATTN_DTYPE_BF16;
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_DTYPE);
+    CHECK_ARG("config.dtype");
+    attn_mha_config_init(&c, 8, 2);
+    CHECK_OK(attn_mha_create(&c, &m));
+    static float x[5 * 3 * 8], y[5 * 3 * 8], w[3 * 5 * 5];
+    static unsigned char mask[5 * 5];
+    int64_t xs[3] = {5, 3, 8}, ws[3] = {3, 5, 5}, ms[2] = {5, 5}, ks[2] = {3, 5};
+    attn_tensor tx, ty, tw, tm, tk;
+    attn_tensor_init(&tx, x, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&ty, y, ATTN_DTYPE_F32, 3, xs);
+    attn_tensor_init(&tw, w, ATTN_DTYPE_F32, 3, ws);
+    attn_tensor_init(&tm, mask, ATTN_DTYPE_BOOL, 2, ms);
+    attn_tensor_init(&tk, mask, ATTN_DTYPE_BOOL, 2, ks);
+    attn_tensor half = tx;
+    half.dtype = ATTN_DTYPE_F16;
+    CHECK_STATUS(attn_mha_forward(m, &half, &tx, &tx, NULL, &ty, NULL), ATTN_ERR_DTYPE);
+    CHECK_ARG("query");
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &half, NULL, &ty, NULL), ATTN_ERR_DTYPE);
+    CHECK_ARG("value");
+    half = ty;
+    half.dtype = ATTN_DTYPE_BF16;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, &half, NULL), ATTN_ERR_DTYPE);
+    CHECK_ARG("out");
+    half = tw;
+    half.dtype = ATTN_DTYPE_F16;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, &half), ATTN_ERR_DTYPE);
+    CHECK_ARG("weights");
+    attn_mha_forward_params fp;
+    attn_mha_forward_params_init(&fp);
+    tm.dtype = ATTN_DTYPE_BF16;
+    fp.attn_mask = &tm;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_DTYPE);
+    CHECK_ARG("attn_mask");
+    attn_mha_forward_params_init(&fp);
+    tk.dtype = ATTN_DTYPE_F16;
+    fp.key_padding_mask = &tk;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_DTYPE);
+    CHECK_ARG("key_padding_mask");
+    /* The backward's dout. */
+    attn_mha_saved *saved = NULL;
+    CHECK_OK(attn_mha_forward_train(m, &tx, &tx, &tx, NULL, &ty, NULL, &saved));
+    half = ty;
+    half.dtype = ATTN_DTYPE_BF16;
+    CHECK_STATUS(attn_mha_backward(m, saved, &tx, &tx, &tx, &half, NULL, NULL, NULL, NULL),
+                 ATTN_ERR_DTYPE);
+    CHECK_ARG("dout");
+    attn_mha_saved_destroy(saved);
+    /* attn_mha_set_param widens them exactly: 1.5 (0x3fc0 in both), -2^-24
+     * (float16's smallest subnormal, 0x8001), and bfloat16's 2^-133. */
+    uint16_t f16[8 * 8], bf16[8 * 8];
+    for (int i = 0; i < 64; i++) {
+        f16[i] = i % 2 ? 0x3e00 : 0x8001; /* 1.5, -2^-24 */
+        bf16[i] = i % 2 ? 0x3fc0 : 0x0001; /* 1.5, 2^-133 */
+    }
+    int64_t ps[2] = {8, 8};
+    attn_tensor src, view;
+    attn_tensor_init(&src, f16, ATTN_DTYPE_F16, 2, ps);
+    CHECK_OK(attn_mha_set_param(m, "out_proj.weight", &src));
+    CHECK_OK(attn_mha_param(m, "out_proj.weight", &view));
+    const float *p = view.data;
+    CHECK(p[0] == -0x1p-24f && p[1] == 1.5f, "float16 widened to %g, %g", p[0], p[1]);
+    attn_tensor_init(&src, bf16, ATTN_DTYPE_BF16, 2, ps);
+    CHECK_OK(attn_mha_set_param(m, "out_proj.weight", &src));
+    CHECK(p[0] == 0x1p-133f && p[1] == 1.5f, "bfloat16 widened to %g, %g", p[0], p[1]);
+    attn_mha_destroy(m);
+}
+
+static void storage_dtypes_npy(void) {
+    uint16_t h[4] = {0};
+    int64_t s4[1] = {4};
+    attn_tensor t;
+    attn_tensor_init(&t, h, ATTN_DTYPE_F16, 1, s4);
+    CHECK_STATUS(attn_npy_save("/tmp/attn_never_written.npy", &t), ATTN_ERR_DTYPE);
+    CHECK_ARG("tensor");
+    CHECK_MESSAGE("attn_safetensors_save");
+    t.dtype = ATTN_DTYPE_BF16;
+    CHECK_STATUS(attn_npy_write_fd(1, &t), ATTN_ERR_DTYPE);
+    CHECK_MESSAGE("bfloat16");
+    FILE *f = fopen("/tmp/attn_never_written.npy", "rb");
+    CHECK(f == NULL, "a refused save created its file");
+    if (f != NULL) fclose(f);
+}
+
 /* ---- .npy ---- */
 
 static attn_status parse_text(const char *header, size_t data_bytes, int version) {
@@ -449,4 +595,5 @@ static void malformed_npy(void) {
 HARNESS_MAIN(T(valid_baseline), T(null_pointers), T(bad_rank), T(shape_mismatch),
              T(heads_not_dividing), T(zero_size), T(size_overflow), T(bad_dtypes), T(bad_masks),
              T(bad_values), T(status_strings), T(mha_config_errors), T(mha_forward_errors),
-             T(malformed_npy))
+             T(malformed_npy), T(storage_dtypes_sdpa), T(storage_dtypes_mha),
+             T(storage_dtypes_npy))

@@ -100,8 +100,9 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
 /* Rows of an operand into the compute type (ukernel.h). The switch has no
  * default on purpose: a dtype added to attn_dtype is a compile error here
  * (-Wswitch, -Werror) until it gets its conversion, never a silent misread.
- * Bool is never a Q, K or V dtype (validation rejects it); it reads as 0 or
- * 1, as attn__load does, so that the slot is defined for every dtype. */
+ * Bool and the 16-bit storage dtypes are never a Q, K or V dtype
+ * (validation rejects them); they read as attn__load reads them (bool as 0
+ * or 1), so that the slot is defined for every dtype. */
 #define COPY_ROWS(CONVERT)                                                                      \
     if (cs == 1) { /* the common layout: a loop the compiler vectorizes */                      \
         for (int64_t i = 0; i < nrows; i++)                                                     \
@@ -113,6 +114,8 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
 #define FROM_F32(at) ((const float *)src)[at]
 #define FROM_F64(at) ((const double *)src)[at]
 #define FROM_BOOL(at) (((const unsigned char *)src)[at] != 0)
+#define FROM_F16(at) attn__f16_to_float(((const uint16_t *)src)[at])
+#define FROM_BF16(at) attn__bf16_to_float(((const uint16_t *)src)[at])
 #define DEFINE_LOAD(REAL, SFX)                                                                  \
     static void generic_load_rows_##SFX(const void *src, attn_dtype dtype, int64_t rs,          \
                                         int64_t cs, int64_t nrows, int64_t width, REAL *dst,    \
@@ -121,6 +124,8 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
         case ATTN_DTYPE_F32: { COPY_ROWS(FROM_F32); return; }                                   \
         case ATTN_DTYPE_F64: { COPY_ROWS(FROM_F64); return; }                                   \
         case ATTN_DTYPE_BOOL: { COPY_ROWS(FROM_BOOL); return; }                                 \
+        case ATTN_DTYPE_F16: { COPY_ROWS(FROM_F16); return; }                                   \
+        case ATTN_DTYPE_BF16: { COPY_ROWS(FROM_BF16); return; }                                 \
         }                                                                                       \
     }
 

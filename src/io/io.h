@@ -1,0 +1,60 @@
+/*
+ * io.h — what the file formats share: whole writes to a descriptor, the
+ * atomic replacement of a file (atomic.c), and the safetensors dtype table
+ * and view checks (safetensors.c) that its writer reuses.
+ */
+#ifndef ATTN_IO_IO_H
+#define ATTN_IO_IO_H
+
+#include "../core/internal.h"
+
+/* write(2) until done: a signal or a pipe may cut a write short. Returns 0
+ * or an errno value. */
+int attn__write_all(int fd, const void *bytes, size_t n);
+
+/* Writes a whole file to fd; returns 0 or an errno value. */
+typedef int (*attn__file_writer)(int fd, const void *ctx);
+
+/* Replaces path with what `writer` produces, atomically: a temporary file in
+ * path's folder (".NAME.XXXXXXXX.tmp"), fsync, rename over path. Symbolic
+ * links are followed, an existing non-regular file (/dev/null, a FIFO) is
+ * written in place, a folder is never replaced; the new file keeps the old
+ * one's permission bits (and owner, where allowed). ATTN_ERR_IO with the
+ * step, the path and the system's reason; path is then as it was and the
+ * temporary removed. */
+attn_status attn__save_atomic(const char *path, attn__file_writer writer, const void *ctx);
+
+/* ---- safetensors (safetensors.c) ---- */
+
+/* The longest header read or written: the reference implementation's limit,
+ * far above any real header (a 7B model's is about 30 KB), small enough to
+ * bound what a hostile file can make the parser allocate (about twice it). */
+#define ATTN__ST_MAX_HEADER 100000000
+
+/* A dtype the format names: its name, bits per element, attn's dtype (0
+ * when attn has none). */
+typedef struct attn__st_dtype {
+    const char *name;
+    int bits;
+    attn_dtype dtype;
+} attn__st_dtype;
+
+/* The file's name for one of attn's dtypes ("F32", ..., "BF16"). */
+const char *attn__st_dtype_name(attn_dtype dtype);
+
+/* Whether bytes [s, s + n) are valid UTF-8 (no overlong forms, surrogates
+ * or code points above U+10FFFF). */
+bool attn__utf8_valid(const unsigned char *s, size_t n);
+
+/* Checks a view the safetensors calls may take: rank 0 .. ATTN_MAX_RANK,
+ * dimensions >= 0 (zero: an empty tensor, whose data may be NULL), a known
+ * dtype, and for a non-empty tensor what attn__check_tensor checks (plus no
+ * self-overlap for an output). *numel gets the element count. */
+attn_status attn__st_check_view(const attn_tensor *t, const char *name, attn__role role,
+                                int64_t *numel);
+
+/* attn_safetensors_open without mmap: the file read into memory (the
+ * fallback when mmap fails; tests call it to cover that path). */
+attn_status attn__safetensors_open_read(const char *path, attn_safetensors **file);
+
+#endif
