@@ -570,7 +570,7 @@ ATTN_API attn_status attn_encoder_layer_create(const attn_encoder_layer_config *
 ATTN_API void attn_encoder_layer_destroy(attn_encoder_layer *layer); /* NULL: no-op */
 
 /* Parameters as attn_mha's: by index in state_dict order, by name, or set
- * from any strided float32/float64 tensor of the right shape. Views are
+ * from any strided float32/float64/float16/bfloat16 tensor of the right shape. Views are
  * into the layer's storage, valid until destroy. */
 ATTN_API int attn_encoder_layer_param_count(const attn_encoder_layer *layer);
 ATTN_API attn_status attn_encoder_layer_param_at(attn_encoder_layer *layer, int index,

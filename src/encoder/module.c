@@ -279,8 +279,9 @@ attn_status attn_encoder_layer_set_param(attn_encoder_layer *l, const char *name
     }
     st = attn__check_tensor(src, name, 1, ATTN__INPUT);
     if (st != ATTN_OK) return st;
-    if (!attn__is_float(src->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected float32 or float64", name,
+    if (!attn__is_float(src->dtype) && !attn__is_half(src->dtype)) /* as attn_mha_set_param */
+        return attn__fail_arg(ATTN_ERR_DTYPE, name,
+                              "%s is %s; expected float32, float64, float16 or bfloat16", name,
                               attn_dtype_name(src->dtype));
     bool same = src->rank == view.rank;
     for (int d = 0; same && d < view.rank; d++) same = src->shape[d] == view.shape[d];
