@@ -131,7 +131,8 @@ def main():
     ours = MiniLM()
     st, ref = reference(args.sentences)
     emb = ours.embed(args.sentences)
-    cos = (emb * ref).sum(1) / np.linalg.norm(ref, axis=1)
+    e, r = emb.astype(np.float64), ref.astype(np.float64)
+    cos = (e * r).sum(1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(r, axis=1))
     for s, c in zip(args.sentences, cos):
         print(f"cosine {c:.9f}  {s}")
     t_attn, t_st = [], []
