@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bootstrap.sh — installs what the build needs and is missing; a no-op when
 # everything is there. Usage: scripts/bootstrap.sh [build] [python] [fuzz] [bench]
-#   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config
+#   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config, cairo (attn heatmap)
 #   python  NumPy, pytest, and PyTorch 2.13.0 (pinned: the CPU build on disk)
 #   fuzz    clang with libFuzzer and the sanitizer runtimes
 #   valgrind  valgrind (memcheck of the attn tool)
@@ -42,6 +42,8 @@ for part in "${want[@]}"; do
         [ "$(uname -m)" = x86_64 ] && need_pkg libopenblas-openmp-dev \
             test -e /usr/include/x86_64-linux-gnu/openblas-openmp/cblas.h
         need_pkg pkg-config command -v pkg-config
+        # attn heatmap draws with cairo; its fontconfig brings a font (DejaVu).
+        need_pkg libcairo2-dev pkg-config --exists cairo fontconfig
         command -v cmake >/dev/null 2>&1 || need_pkg cmake false
         ;;
     fuzz)

@@ -26,8 +26,9 @@
  * 8 px from the image's top-left corner, 16 px apart, one per row of a
  * ceil(sqrt(n)) column matrix with --grid. The colour bar, 16 px wide, is
  * 16 px right of the panels, from the first grid's top to the last grid's
- * bottom (at least 64 px); its pixel row r (0 at the top, h rows) shows the
- * colour of the value at t = 1 - (r + 0.5) / h of the scale. Images over
+ * bottom (at least 64 px); its pixel row r (0 at the top, h rows) shows
+ * colour round(255 (h - 1 - r) / (h - 1)): the last colour at the top, the
+ * first at the bottom (all the first for a constant picture). Images over
  * 16384 px a side or 32 Mpx in all are refused with the size they would
  * need (slice the weights, or choose a smaller --cell).
  *

@@ -207,10 +207,11 @@ static void draw_pixels(const hm_plot *p, const layout *l, const pixels *px) {
                 fill(px, gx + j * c, gy + i * c, c, c,
                      colour_of(hm_value(p, p->head0 + k, i, j), p->vmin, p->vmax));
     }
-    for (int64_t r = 0; r < l->bar_h; r++) {
-        const double t = 1 - ((double)r + 0.5) / (double)l->bar_h;
-        const int idx = p->vmax > p->vmin ? (int)(t * CMAP_SIZE) : 0;
-        const unsigned char *rgb = cmap_viridis[idx < CMAP_SIZE ? idx : CMAP_SIZE - 1];
+    for (int64_t r = 0; r < l->bar_h; r++) { /* the ends are the map's ends */
+        const int64_t idx = p->vmax > p->vmin ? ((l->bar_h - 1 - r) * (CMAP_SIZE - 1) * 2 +
+                                                 l->bar_h - 1) / (2 * (l->bar_h - 1))
+                                              : 0;
+        const unsigned char *rgb = cmap_viridis[idx];
         fill(px, l->bar_x, l->bar_y + r, BAR_W, 1,
              (uint32_t)rgb[0] << 16 | (uint32_t)rgb[1] << 8 | rgb[2]);
     }
