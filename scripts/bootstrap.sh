@@ -2,7 +2,8 @@
 # bootstrap.sh — installs what the build needs and is missing; a no-op when
 # everything is there. Usage: scripts/bootstrap.sh [build] [python] [fuzz] [bench]
 #   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config, cairo (attn heatmap)
-#   python  NumPy, pytest, and PyTorch 2.13.0 (pinned: the CPU build on disk)
+#   python  NumPy, pytest, matplotlib (attn.plot_attention), and PyTorch 2.13.0
+#           (pinned: the CPU build on disk)
 #   fuzz    clang with libFuzzer and the sanitizer runtimes
 #   valgrind  valgrind (memcheck of the attn tool)
 #   bench   matplotlib for the benchmark plots
@@ -77,6 +78,8 @@ for part in "${want[@]}"; do
         "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
             2>/dev/null || pip_install "torch==$TORCH_VERSION"
         "$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core
+        # attn.plot_attention's tests and docs example draw with it.
+        "$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib
         ;;
     bench)
         "$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib

@@ -12,13 +12,15 @@ or float64, with any strides (read in place, not copied); SDPA gives NumPy
 arrays for NumPy inputs and torch tensors (with autograd, and under
 torch.compile) for torch inputs; attn.patch_torch() routes torch's own
 scaled_dot_product_attention through attn. The GIL is released while the
-kernels run. See docs/python.md.
+kernels run. attn.plot_attention draws attention weights (needs
+matplotlib). See docs/python.md.
 """
 
 from . import _attn  # libattn picks OpenBLAS's kernels for this CPU as it loads
 from ._mha import MultiheadAttention
 from ._sdpa import scaled_dot_product_attention
 from ._patch import patch_torch
+from ._plot import plot_attention
 from ._arrays import check_int as _check_int
 
 __version__ = _attn.version()
@@ -27,6 +29,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "MultiheadAttention",
     "patch_torch",
+    "plot_attention",
     "set_num_threads",
     "get_num_threads",
     "max_threads",
