@@ -20,11 +20,12 @@
  * rely on): cells are `cell` px squares (--cell, or 24 px made smaller until
  * the cells fit in 2048 px each way, at least 1). A panel is a title line
  * of 18 px ("head h", when the file has heads), the key labels above the
- * grid (as tall as the longest, at most 160 px, + 4), the query labels left
- * of it (as wide as the longest + 4), and the L x S cells. Labels use a
- * min(12, cell) px font, and are left out below 6 px cells. Panels sit
- * 8 px from the image's top-left corner, 16 px apart, one per row of a
- * ceil(sqrt(n)) column matrix with --grid. The colour bar, 16 px wide, is
+ * grid and the query labels left of it (each as long as the longest label,
+ * at most 160 px, + 4 px), and the L x S cells; it is as wide as labels and
+ * cells, or its title if that is wider. Labels use a min(12, cell) px font
+ * and are left out below 6 px cells. Panels start 8 px from the image's
+ * top-left corner, 16 px apart; with --grid the n heads fill rows of
+ * ceil(sqrt(n)) panels, in order. The colour bar, 16 px wide, is
  * 16 px right of the panels, from the first grid's top to the last grid's
  * bottom (at least 64 px); its pixel row r (0 at the top, h rows) shows
  * colour round(255 (h - 1 - r) / (h - 1)): the last colour at the top, the
@@ -32,8 +33,8 @@
  * 16384 px a side or 32 Mpx in all are refused with the size they would
  * need (slice the weights, or choose a smaller --cell).
  *
- * Text comes from cairo (libcairo2-dev) through fontconfig, which also
- * writes the PNG through libpng: no encoder or glyph code of our own. The
+ * Text comes from cairo (libcairo2-dev; fonts through fontconfig), which
+ * also writes the PNG through libpng: no encoder or glyph code of our own. The
  * PNG goes through outputs.c: a temporary beside the target, renamed over
  * it once complete, removed on failure or SIGINT/SIGTERM/SIGHUP.
  */

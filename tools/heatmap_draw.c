@@ -238,8 +238,8 @@ static void draw_labels(cairo_t *cr, const hm_plot *p, const layout *l, int64_t 
     use_font(cr, (double)l->font);
     for (int64_t i = 0; p->rows && i < p->L; i++) {
         const char *s = fit(cr, p->rows->tok[i], LABEL_MAX, buf, sizeof buf);
-        text_at(cr, (double)(gx - LABEL_GAP) - text_width(cr, s), (double)gy + ((double)i + 0.5) * c,
-                s);
+        const double right = (double)(gx - LABEL_GAP); /* right-aligned at the grid */
+        text_at(cr, right - text_width(cr, s), (double)gy + ((double)i + 0.5) * c, s);
     }
     for (int64_t j = 0; p->cols && j < p->S; j++) { /* read upwards, ending at the grid */
         const char *s = fit(cr, p->cols->tok[j], LABEL_MAX, buf, sizeof buf);

@@ -115,7 +115,8 @@ int hm_tokens_read(const char *option, const char *path, int64_t want, const cha
     if (size > 0 && text[size - 1] != '\n') lines++;
     if (lines != want) {
         fprintf(stderr,
-                "attn heatmap: %s '%s' has %lld token%s (one per line) but the weights have %lld %s\n",
+                "attn heatmap: %s '%s' has %lld token%s (one per line) but the weights have "
+                "%lld %s\n",
                 option, path, (long long)lines, lines == 1 ? "" : "s", (long long)want, what);
         free(text);
         return CLI_RUNTIME;
