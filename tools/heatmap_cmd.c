@@ -78,7 +78,7 @@ typedef struct hm_args {
     double vmin, vmax;
 } hm_args;
 
-enum { PARSED_HELP = -1, MAX_CELL = 256, MAX_SIDE_CELLS = 16384 };
+enum { PARSED_HELP = -1, MAX_CELL = 256, MAX_SIDE_CELLS = 16384, MAX_CELLS = 32 << 20 };
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 2, 3)))
@@ -171,10 +171,11 @@ static int check_header(const hm_args *a, int *rank_out, int64_t dims[4]) {
                     a->weights, attn_dtype_name(dtype));
     /* (attn_npy_read_header refuses a dimension of 0: "array is empty".) */
     for (int d = 0; d < 4; d++) dims[d] = d < 4 - rank ? 1 : shape[d - (4 - rank)];
-    if (dims[2] > MAX_SIDE_CELLS || dims[3] > MAX_SIDE_CELLS)
+    /* The image limits at 1 px a cell, before the data is read. */
+    if (dims[2] > MAX_SIDE_CELLS || dims[3] > MAX_SIDE_CELLS || dims[2] * dims[3] > MAX_CELLS)
         return fail(CLI_RUNTIME,
                     "-w '%s' has L = %lld queries and S = %lld keys; a heatmap draws at "
-                    "most %d a side (1 px each): slice the weights",
+                    "most %d a side and 32 Mi cells (1 px each): slice the weights",
                     a->weights, (long long)dims[2], (long long)dims[3], MAX_SIDE_CELLS);
     *rank_out = rank;
     return CLI_OK;

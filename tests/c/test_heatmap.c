@@ -527,6 +527,15 @@ static void hostile_inputs(void) {
     empty[127] = '\n';
     path_of(path, sizeof path, "empty.npy");
     CHECK(tt_write_file(path, empty, sizeof empty) == 0, "empty.npy");
+    /* A header for (8192, 8192) float64 over 16 bytes of data: 512 MiB the
+     * tool must refuse without reading. */
+    char huge[128] = "\x93NUMPY\x01\x00\x76\x00{'descr': '<f8', 'fortran_order': False, "
+                     "'shape': (8192, 8192), }";
+    const size_t hlen = 10 + strlen(huge + 10);
+    memset(huge + hlen, ' ', 127 - hlen);
+    huge[127] = '\n';
+    path_of(path, sizeof path, "huge.npy");
+    CHECK(tt_write_file(path, huge, sizeof huge) == 0, "huge.npy");
     write_text("three.txt", "a\nb\nc\n");
     write_text("four.txt", "a\nb\nc\nd\n");
     write_text("two.txt", "a\nb");
@@ -569,6 +578,7 @@ static void hostile_inputs(void) {
         {"heatmap -w w2.npy -o nodir/x.png", 1, "nodir/x.png"},
         {"heatmap -w w2.npy -o .", 1, "-o '.'"},
         {"heatmap -w wide.npy -o x.png", 1, "S = 20000"},
+        {"heatmap -w huge.npy -o x.png", 1, "32 Mi cells"}, /* refused from its header */
         {"heatmap -w mid.npy -o x.png --cell 12", 1, "--cell"},
         {"heatmap -w w2.npy -o /dev/full", 1, NULL}, /* strerror(ENOSPC) */
         {"heatmap --help", 0, "--key-tokens"},
