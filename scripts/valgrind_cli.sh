@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # valgrind_cli.sh — the attn tool under valgrind memcheck: the demo, and
 # `attn sdpa` on the fixture .npy files (masks, weights, lse, GQA, causal,
-# dropout), plus its error paths (a malformed file, a usage error).
+# dropout), plus its error paths (a malformed file, a usage error), and
+# `attn heatmap` on the weights it wrote.
 # Each run must report zero errors and no definitely or indirectly lost
 # block. Usage: scripts/valgrind_cli.sh BUILD_DIR
 set -uo pipefail
@@ -50,6 +51,14 @@ check sdpa_bad_shapes 1 -- "$attn" sdpa -q $data/q_f32.npy -k $data/k_f64.npy \
     -v $data/v_f32.npy -o "$out/o4.npy"
 check usage_error 2 -- "$attn" sdpa -q $data/q_f32.npy
 check info 0 -- "$attn" info
+# attn heatmap (cairo, fontconfig, libpng) when this build has it.
+if "$attn" info | grep -q '^heatmap: yes'; then
+    printf 'a\nb\nc\nd\ne\nf\n' >"$out/six.txt"
+    check heatmap_grid 0 -- "$attn" heatmap -w "$out/w2.npy" --grid -o "$out/w2.png" \
+        --tokens "$out/six.txt"
+    check heatmap_bad_tokens 1 -- "$attn" heatmap -w "$out/w1.npy" --head 0 -o "$out/w1.png" \
+        --tokens docs/heatmap/tokens.txt
+fi
 if [ $status -eq 0 ]; then
     echo "valgrind: $runs runs, 0 errors, 0 bytes definitely or indirectly lost"
 fi

@@ -16,9 +16,20 @@ int cli_mha(int argc, char **argv);
 extern const char cli_sdpa_options[];
 /* The "mha options:" part, for `attn --help` and `attn mha --help`. */
 extern const char cli_mha_options[];
+/* `attn heatmap` (heatmap_cmd.c with cairo, heatmap_none.c without), its
+ * options text, and a line for `attn info` saying whether it is built. */
+int cli_heatmap(int argc, char **argv);
+extern const char cli_heatmap_options[];
+extern const char cli_heatmap_support[];
 
 /* Prints "attn: <what>: <library message>" and returns CLI_RUNTIME. */
 int cli_fail(const char *what, attn_status status);
+
+/* Option values: 1 when s is all of a finite double (a subnormal is fine,
+ * an overflow or a nonzero underflowing to 0 is not) / of a non-negative
+ * decimal integer that fits; else 0. */
+int cli_parse_double(const char *s, double *out);
+int cli_parse_u64(const char *s, unsigned long long *out);
 
 /* Output files, all or none (outputs.c). outputs_add resolves a target
  * and refuses one that another option already names (CLI_USAGE); the first
@@ -29,6 +40,11 @@ int cli_fail(const char *what, attn_status status);
  * reported on stderr and returns CLI_RUNTIME. */
 int outputs_add(const char *option, const char *path);
 int outputs_stage(const char *option, const attn_tensor *t);
+/* The same for any file format: write(fd, ctx) writes the whole file to fd
+ * and returns NULL, or a message saying what failed. ctx must stay valid
+ * until outputs_commit (a device or FIFO target is written then). */
+typedef const char *(*output_writer)(int fd, const void *ctx);
+int outputs_stage_with(const char *option, output_writer write, const void *ctx);
 int outputs_commit(void);
 void outputs_abort(void);
 

@@ -1,5 +1,9 @@
 /* cli_util.c — helpers the attn tool's commands share. */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "cli.h"
 
@@ -16,4 +20,26 @@ const char *cli_shape(const attn_tensor *t, char *buf, size_t size) {
                                  (long long)t->shape[d]);
     if (used < size) snprintf(buf + used, size - used, ")");
     return buf;
+}
+
+/* strtod reports ERANGE for subnormal results too (1e-310): those are
+ * finite, usable values. Refused: overflow to infinity, and a nonzero
+ * number that underflowed to 0 (1e-400). */
+int cli_parse_double(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    *out = strtod(s, &end);
+    if (end == s || *end != '\0' || !isfinite(*out)) return 0;
+    return errno != ERANGE || *out != 0;
+}
+
+int cli_parse_u64(const char *s, unsigned long long *out) {
+    /* strtoull skips leading space and negates a '-': " -1" would be 2^64-1. */
+    const char *p = s;
+    while (isspace((unsigned char)*p)) p++;
+    if (*p == '-') return 0;
+    char *end;
+    errno = 0;
+    *out = strtoull(s, &end, 10);
+    return end != s && *end == '\0' && errno == 0;
 }

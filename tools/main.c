@@ -1,4 +1,4 @@
-/* main.c — the attn command-line tool: dispatches to demo, sdpa, mha, info. */
+/* main.c — the attn command-line tool: dispatches to demo, sdpa, mha, heatmap, info. */
 #include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -12,12 +12,14 @@ static const char usage[] =
     "                                   scaled dot-product attention on .npy files\n"
     "       attn mha --weights M.safetensors [--prefix P] --num-heads H -q Q.npy -o OUT.npy\n"
     "                [options]          multi-head attention with a checkpoint's weights\n"
+    "       attn heatmap -w WEIGHTS.npy -o OUT.png [options]\n"
+    "                                   a PNG of attention weights\n"
     "       attn info                   version, kernel path, threads, BLAS\n"
     "       attn help | --help | --version\n"
     "\n";
 
 static void print_usage(FILE *to) {
-    fprintf(to, "%s%s\n%s", usage, cli_sdpa_options, cli_mha_options);
+    fprintf(to, "%s%s\n%s\n%s", usage, cli_sdpa_options, cli_mha_options, cli_heatmap_options);
 }
 
 static int info(void) {
@@ -28,6 +30,7 @@ static int info(void) {
         if (attn_isa_supported((attn_isa)i)) printf(" %s", attn_isa_name((attn_isa)i));
     const char *blas = attn_blas_info();
     printf("\nBLAS (MHA projections): %s\n", blas);
+    printf("heatmap: %s\n", cli_heatmap_support);
     /* An OpenBLAS older than the CPU falls back to SSE3 kernels. */
     const bool avx512 = attn_isa_supported(ATTN_ISA_AVX512);
     if (strstr(blas, "core Prescott") != NULL && (avx512 || attn_isa_supported(ATTN_ISA_AVX2)))
@@ -56,6 +59,7 @@ static int run_command(int argc, char **argv) {
     }
     if (strcmp(argv[1], "sdpa") == 0) return cli_sdpa(argc - 2, argv + 2);
     if (strcmp(argv[1], "mha") == 0) return cli_mha(argc - 2, argv + 2);
+    if (strcmp(argv[1], "heatmap") == 0) return cli_heatmap(argc - 2, argv + 2);
     if (strcmp(argv[1], "info") == 0) {
         if (argc == 2) return info();
         fprintf(stderr, "attn: info takes no arguments\n(see attn --help)\n");

@@ -2,7 +2,8 @@
  * outputs.c — a command's output files: all of them, or none.
  *
  * outputs_add resolves each target (its folder, opened, and its name) and
- * refuses two options naming one file. outputs_stage writes a tensor in full
+ * refuses two options naming one file. outputs_stage writes a tensor (or,
+ * through outputs_stage_with, any file: the heatmap's PNG) in full
  * to a temporary file in its target's folder and flushes it to disk.
  * outputs_commit renames every temporary over its target, but only once all
  * are complete; outputs_abort removes them. SIGINT, SIGTERM and SIGHUP
@@ -34,7 +35,8 @@ enum { MAX_OUTPUTS = 8 };
 
 typedef struct output {
     const char *option, *path;
-    const attn_tensor *tensor; /* staged, or to be written in place */
+    output_writer write;       /* staged, or to be written in place */
+    const void *ctx;
     int dir_fd;
     char name[NAME_MAX + 1], temp[NAME_MAX + 1];
     volatile sig_atomic_t temp_exists; /* read by the signal handler */
@@ -199,10 +201,19 @@ static int create_temp(output *o, int *fd) {
     return err;
 }
 
+static const char *write_npy(int fd, const void *t) {
+    return attn_npy_write_fd(fd, t) == ATTN_OK ? NULL : attn_last_error();
+}
+
 int outputs_stage(const char *option, const attn_tensor *t) {
+    return outputs_stage_with(option, write_npy, t);
+}
+
+int outputs_stage_with(const char *option, output_writer write, const void *ctx) {
     output *o = find(option);
     if (o == NULL) return CLI_OK; /* not asked for */
-    o->tensor = t;
+    o->write = write;
+    o->ctx = ctx;
     if (o->in_place) return CLI_OK; /* written at commit */
     int fd, err = create_temp(o, &fd);
     if (err != 0) {
@@ -219,12 +230,12 @@ int outputs_stage(const char *option, const attn_tensor *t) {
             /* our own new file: cannot fail in practice, and is no reason to stop */
         }
     }
-    attn_status status = attn_npy_write_fd(fd, t);
-    if (status == ATTN_OK && fsync(fd) != 0) err = errno; /* on disk before any rename */
-    if (close(fd) != 0 && status == ATTN_OK && err == 0) err = errno;
-    if (status != ATTN_OK || err != 0) {
+    const char *failed = write(fd, ctx);
+    if (failed == NULL && fsync(fd) != 0) err = errno; /* on disk before any rename */
+    if (close(fd) != 0 && failed == NULL && err == 0) err = errno;
+    if (failed != NULL || err != 0) {
         fprintf(stderr, "attn: writing %s '%s': %s\n", option, o->path,
-                status != ATTN_OK ? attn_last_error() : strerror(err));
+                failed != NULL ? failed : strerror(err));
         return CLI_RUNTIME;
     }
     return CLI_OK;
@@ -249,12 +260,11 @@ void outputs_abort(void) {
 int outputs_commit(void) {
     for (int i = 0; i < count; i++) {
         output *o = &outputs[i];
-        if (!o->in_place || o->tensor == NULL) continue;
+        if (!o->in_place || o->write == NULL) continue;
         int fd = open(o->path, O_WRONLY | O_TRUNC | O_CLOEXEC);
-        attn_status st = fd < 0 ? ATTN_OK : attn_npy_write_fd(fd, o->tensor);
-        if (fd < 0 || st != ATTN_OK) {
-            fprintf(stderr, "attn: writing %s '%s': %s\n", o->option, o->path,
-                    fd < 0 ? strerror(errno) : attn_last_error());
+        const char *failed = fd < 0 ? strerror(errno) : o->write(fd, o->ctx);
+        if (failed != NULL) {
+            fprintf(stderr, "attn: writing %s '%s': %s\n", o->option, o->path, failed);
             if (fd >= 0) close(fd);
             outputs_abort();
             return CLI_RUNTIME;

@@ -1,8 +1,5 @@
 /* sdpa_cmd.c — `attn sdpa`: attention on .npy files. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
-#include <ctype.h>
-#include <errno.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -55,28 +52,6 @@ static int usage_error(const char *fmt, ...) {
     return CLI_USAGE;
 }
 
-/* strtod reports ERANGE for subnormal results too (1e-310): those are
- * finite, usable values. Refused: overflow to infinity, and a nonzero
- * number that underflowed to 0 (1e-400). */
-static int parse_double(const char *s, double *out) {
-    char *end;
-    errno = 0;
-    *out = strtod(s, &end);
-    if (end == s || *end != '\0' || !isfinite(*out)) return 0;
-    return errno != ERANGE || *out != 0;
-}
-
-static int parse_u64(const char *s, unsigned long long *out) {
-    /* strtoull skips leading space and negates a '-': " -1" would be 2^64-1. */
-    const char *p = s;
-    while (isspace((unsigned char)*p)) p++;
-    if (*p == '-') return 0;
-    char *end;
-    errno = 0;
-    *out = strtoull(s, &end, 10);
-    return end != s && *end == '\0' && errno == 0;
-}
-
 /* Returns CLI_OK, CLI_USAGE or PARSED_HELP. */
 static int parse_args(int argc, char **argv, sdpa_args *a) {
     memset(a, 0, sizeof *a);
@@ -101,16 +76,16 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
         if (path != NULL) {
             *path = val;
         } else if (strcmp(opt, "--scale") == 0) {
-            if (!parse_double(val, &a->params.scale))
+            if (!cli_parse_double(val, &a->params.scale))
                 return usage_error("--scale: '%s' is not a finite, representable number", val);
             a->params.has_scale = 1;
         } else if (strcmp(opt, "--dropout") == 0) {
-            if (!parse_double(val, &a->params.dropout_p) || a->params.dropout_p < 0 ||
+            if (!cli_parse_double(val, &a->params.dropout_p) || a->params.dropout_p < 0 ||
                 a->params.dropout_p > 1)
                 return usage_error("--dropout: '%s' is not a probability in [0, 1]", val);
         } else if (strcmp(opt, "--seed") == 0) {
             unsigned long long seed;
-            if (!parse_u64(val, &seed))
+            if (!cli_parse_u64(val, &seed))
                 return usage_error("--seed: '%s' is not a non-negative integer", val);
             a->params.seed = seed;
             a->seed_given = 1;
@@ -118,7 +93,7 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
             unsigned long long n;
             /* Above the bound the library would clamp it without a word. */
             const int max = attn_max_threads();
-            if (!parse_u64(val, &n) || n < 1 || n > (unsigned long long)max)
+            if (!cli_parse_u64(val, &n) || n < 1 || n > (unsigned long long)max)
                 return usage_error("--threads: '%s' is not a count from 1 to %d "
                                    "(attn_max_threads() on this machine)",
                                    val, max);

@@ -13,7 +13,8 @@ arrays for NumPy inputs and torch tensors (with autograd, and under
 torch.compile) for torch inputs; attn.patch_torch() routes torch's own
 scaled_dot_product_attention through attn. The GIL is released while the
 kernels run. attn.load_safetensors / attn.save_safetensors read and write
-checkpoints (safetensors files) as dicts of NumPy arrays. See docs/python.md.
+checkpoints (safetensors files) as dicts of NumPy arrays; attn.plot_attention
+draws attention weights (needs matplotlib). See docs/python.md.
 """
 
 from . import _attn  # libattn picks OpenBLAS's kernels for this CPU as it loads
@@ -21,6 +22,7 @@ from ._mha import MultiheadAttention
 from ._sdpa import scaled_dot_product_attention
 from ._patch import patch_torch
 from ._safetensors import load_safetensors, load_safetensors_metadata, save_safetensors
+from ._plot import plot_attention
 from ._arrays import check_int as _check_int
 
 __version__ = _attn.version()
@@ -32,6 +34,7 @@ __all__ = [
     "load_safetensors",
     "load_safetensors_metadata",
     "save_safetensors",
+    "plot_attention",
     "set_num_threads",
     "get_num_threads",
     "max_threads",

@@ -68,3 +68,21 @@ def test_training_examples_run():
     exec(blocks[2], ns)
     assert ns["out"].shape == (2, 8, 128, 32)
     assert ns["F"].scaled_dot_product_attention is ns["F"].__dict__["scaled_dot_product_attention"]
+
+
+def test_plot_attention_example(tmp_path, monkeypatch):
+    """The attn.plot_attention example runs and saves a PNG of 4 panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    (code,) = [b for b in python_blocks() if 'path="attention.png"' in b]
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    exec(code, ns)
+    assert mpimg.imread(tmp_path / "attention.png").shape[2] in (3, 4)
+    assert sum(1 for a in ns["fig"].axes if a.images) == 4
+    assert sum(1 for a in ns["one"].axes if a.images) == 1
+    plt.close("all")
