@@ -73,11 +73,15 @@ static int run_command(int argc, char **argv) {
 int main(int argc, char **argv) {
     int rc = run_command(argc, argv);
     /* Output that never arrived (a full disk, a closed pipe) is a failure:
-     * stdout is buffered, so the error shows at the flush. */
+     * stdout is buffered, so the error shows at the flush — or earlier,
+     * when a long text (the usage) filled the buffer: then errno still
+     * holds that write's reason. */
+    const int early = ferror(stdout) ? errno : 0;
     errno = 0;
     if (fflush(stdout) != 0 || ferror(stdout)) {
+        const int why = errno != 0 ? errno : early;
         fprintf(stderr, "attn: cannot write to standard output: %s\n",
-                errno != 0 ? strerror(errno) : "write error");
+                why != 0 ? strerror(why) : "write error");
         if (rc == CLI_OK) rc = CLI_RUNTIME;
     }
     return rc;
