@@ -1,6 +1,7 @@
 /*
  * test_cli.c — the attn tool as a user runs it: the demo's numbers, sdpa on
- * .npy files (compared with the library), --help/--version, and exit codes
+ * .npy files and mha with safetensors weights (compared with the library),
+ * --help/--version, and exit codes
  * 0 / 1 / 2 with the library's message on stderr.
  */
 #define _GNU_SOURCE /* popen, mkdtemp, symlink, RLIMIT_FSIZE, mount */
@@ -140,6 +141,98 @@ static void sdpa_on_files(void) {
     CHECK(access(path, F_OK) != 0, "out.npy was written");
     test_tensor *all[] = {&q, &k, &v, &m, &o, &w, &l};
     for (int i = 0; i < 7; i++) tt_free(all[i]);
+}
+
+/* `attn mha`: the module's parameters saved under torch's names (prefix
+ * "m.", kdim/vdim, bias_kv) or BERT's (packed rows split into query, key,
+ * value), run by the tool, equal the library's attn_mha_forward bit for bit. */
+static void mha_run_case(bool bert) {
+    rng r = {harness_seed() ^ (bert ? 0xbe27 : 0x70c4)};
+    attn_mha_config c;
+    attn_mha_config_init(&c, 8, 2);
+    if (!bert) {
+        c.kdim = 5;
+        c.vdim = 6;
+        c.add_bias_kv = 1;
+        c.batch_first = 1;
+    }
+    c.init_seed = 3;
+    attn_mha *m = NULL;
+    CHECK_OK(attn_mha_create(&c, &m));
+    if (m == NULL) return;
+    const char *names[8];
+    char storage[8][64];
+    attn_tensor ts[8];
+    int n = 0;
+    for (int i = 0; i < attn_mha_param_count(m); i++) {
+        const char *pname;
+        attn_tensor view;
+        CHECK_OK(attn_mha_param_at(m, i, &pname, &view));
+        for (int part = 0; part < (bert && strncmp(pname, "in_proj", 7) == 0 ? 3 : 1); part++) {
+            static const char *const lin[3] = {"self.query", "self.key", "self.value"};
+            const bool w = strcmp(pname, "in_proj_weight") == 0;
+            if (bert && strncmp(pname, "in_proj", 7) == 0) {
+                snprintf(storage[n], sizeof storage[n], "enc.%s.%s", lin[part], w ? "weight" : "bias");
+                view.shape[0] = 8; /* one of the three row blocks */
+                if (part > 0) view.data = (char *)ts[n - 1].data + 8 * (w ? 8 : 1) * sizeof(float);
+            } else {
+                snprintf(storage[n], sizeof storage[n], "%s%s", bert ? "enc." : "m.",
+                         !bert ? pname
+                         : strcmp(pname, "out_proj.weight") == 0 ? "output.dense.weight"
+                                                                 : "output.dense.bias");
+            }
+            names[n] = storage[n];
+            ts[n++] = view;
+        }
+    }
+    char path[256];
+    snprintf(path, sizeof path, "%s/m.safetensors", dir);
+    CHECK_OK(attn_safetensors_save(path, (size_t)n, names, ts, NULL));
+    int64_t qs[3] = {3, 4, 8}, ks[3] = {3, 6, 5}, vs[3] = {3, 6, 6};
+    test_tensor q, k, v, o;
+    tt_make(&q, &r, ATTN_DTYPE_F32, 3, qs, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&k, &r, ATTN_DTYPE_F32, 3, ks, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&v, &r, ATTN_DTYPE_F32, 3, vs, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make_output(&o, &r, ATTN_DTYPE_F32, 3, qs, LAYOUT_CONTIGUOUS);
+    save("mq.npy", &q.t);
+    save("mk.npy", &k.t);
+    save("mv.npy", &v.t);
+    attn_mha_forward_params fp;
+    attn_mha_forward_params_init(&fp);
+    fp.is_causal = !bert;
+    CHECK_OK(attn_mha_forward(m, &q.t, bert ? &q.t : &k.t, bert ? &q.t : &v.t, &fp, &o.t, NULL));
+    static char log[8192];
+    const char *args = bert ? "mha --weights m.safetensors --prefix enc. --num-heads 2 -q mq.npy "
+                              "-o mo.npy"
+                            : "mha --weights m.safetensors --prefix m. --num-heads 2 -q mq.npy "
+                              "-k mk.npy -v mv.npy --causal --batch-first -o mo.npy";
+    int rc = run(args, log, sizeof log);
+    CHECK(rc == 0, "mha exited %d:\n%s", rc, log);
+    CHECK(strstr(log, bert ? "BERT weights under 'enc.'" : "torch weights under 'm.'") != NULL,
+          "summary line: %s", log);
+    snprintf(path, sizeof path, "%s/mo.npy", dir);
+    attn_tensor got;
+    CHECK_OK(attn_npy_load(path, &got));
+    CHECK(got.data && attn_tensor_numel(&got) == 96 && memcmp(got.data, o.t.data, 96 * 4) == 0,
+          "%s: the tool's output differs from attn_mha_forward's", bert ? "BERT" : "torch");
+    attn_npy_free(&got);
+    test_tensor *all[] = {&q, &k, &v, &o};
+    for (int i = 0; i < 4; i++) tt_free(all[i]);
+    attn_mha_destroy(m);
+}
+
+static void mha_on_files(void) {
+    mha_run_case(false);
+    mha_run_case(true);
+    static char log[8192];
+    CHECK(run("mha --help", log, sizeof log) == 0 && strstr(log, "--num-heads") != NULL,
+          "mha --help: %s", log);
+    int rc = run("mha --weights m.safetensors -q mq.npy -o x.npy", log, sizeof log);
+    CHECK(rc == 2 && strstr(log, "--num-heads") != NULL, "no --num-heads: %d %s", rc, log);
+    rc = run("mha --weights m.safetensors --prefix nope. --num-heads 2 -q mq.npy -o x.npy", log,
+             sizeof log);
+    CHECK(rc == 1 && strstr(log, "no attention weights under the prefix 'nope.'") != NULL,
+          "wrong prefix: %d %s", rc, log);
 }
 
 static void exit_codes(void) {
@@ -468,7 +561,8 @@ static void long_paths_keep_the_reason(void) {
 int main(int argc, char **argv) {
     snprintf(dir, sizeof dir, "/tmp/attn_cli_XXXXXX");
     if (mkdtemp(dir) == NULL) return 1;
-    static const harness_test tests[] = {T(demo), T(sdpa_on_files), T(exit_codes),
+    static const harness_test tests[] = {T(demo), T(sdpa_on_files), T(mha_on_files),
+                                         T(exit_codes),
                                          T(failed_run_writes_nothing),
                                          T(signal_during_write_leaves_nothing),
                                          T(long_paths_keep_the_reason)};
