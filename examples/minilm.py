@@ -98,8 +98,10 @@ class MiniLM:
         mask = np.array([e.attention_mask for e in enc], dtype=bool)
         return ids, mask, [e.tokens for e in enc]
 
-    def embed(self, sentences):
-        ids, mask, _ = self.tokens(sentences)
+    def layer0_input(self, sentences):
+        """The embeddings after their LayerNorm: the first encoder layer's input
+        (N, L, 384), with the padding mask and the tokens."""
+        ids, mask, tokens = self.tokens(sentences)
         w, L = self.w, ids.shape[1]
         x = (w["embeddings.word_embeddings.weight"][ids]
              + w["embeddings.position_embeddings.weight"][:L]
@@ -107,6 +109,10 @@ class MiniLM:
         x = torch.nn.functional.layer_norm(
             torch.from_numpy(x), (384,), torch.from_numpy(w["embeddings.LayerNorm.weight"]),
             torch.from_numpy(w["embeddings.LayerNorm.bias"]), eps=1e-12)
+        return x, mask, tokens
+
+    def embed(self, sentences):
+        x, mask, _ = self.layer0_input(sentences)
         with torch.inference_mode():
             h = self.encoder(x, src_key_padding_mask=torch.from_numpy(~mask)).numpy()
         m = mask[..., None].astype(np.float32)
@@ -127,8 +133,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sentences", nargs="*", default=SENTENCES)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dump", metavar="DIR",
+                    help="write the first sentence's layer-0 input (x.npy, (L, 384)) and its "
+                         "tokens (tokens.txt) for `attn mha` / `attn heatmap`, and stop")
     args = ap.parse_args()
     ours = MiniLM()
+    if args.dump:
+        x, _, tokens = ours.layer0_input(args.sentences[:1])
+        os.makedirs(args.dump, exist_ok=True)
+        np.save(os.path.join(args.dump, "x.npy"), x[0].numpy())
+        with open(os.path.join(args.dump, "tokens.txt"), "w") as f:
+            f.write("\n".join(tokens[0]) + "\n")
+        print(f"{args.dump}/x.npy ({len(tokens[0])} tokens), {args.dump}/tokens.txt")
+        return 0
     st, ref = reference(args.sentences)
     emb = ours.embed(args.sentences)
     e, r = emb.astype(np.float64), ref.astype(np.float64)
