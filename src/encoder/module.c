@@ -102,11 +102,9 @@ void *attn__enc_param_data(const attn_encoder_layer *l, const char *name) {
 
 /* torch's reset: Linear draws weight and bias from U(±1/sqrt(fan_in))
  * (kaiming_uniform with a = sqrt 5 gives that bound); LayerNorm starts at
- * weight 1, bias 0. A counter-based stream keyed by the seed, on a counter
- * range the attention's initialisation does not use. */
+ * weight 1, bias 0. Drawn as attn_mha draws its own, on another stream. */
 static void reset_own(attn_encoder_layer *l) {
-    const uint32_t key[2] = {(uint32_t)l->cfg.init_seed, (uint32_t)(l->cfg.init_seed >> 32)};
-    uint64_t counter = 0;
+    attn__init_rng r = {l->cfg.init_seed, 0, 0x656e63u}; /* "enc" */
     for (int i = 0; i < l->nown; i++) {
         const enc_param *p = &l->own[i];
         void *data = own_data(l, p);
@@ -119,14 +117,8 @@ static void reset_own(attn_encoder_layer *l) {
         const int64_t fan_in = strncmp(p->name, "linear1", 7) == 0 ? l->cfg.d_model
                                                                      : l->cfg.dim_feedforward;
         const double bound = 1.0 / sqrt((double)fan_in);
-        for (int64_t e = 0; e < n; e++) {
-            uint32_t ctr[4] = {(uint32_t)counter, (uint32_t)(counter >> 32), 0x656e63u, 0}, r[4];
-            counter++;
-            attn__philox4x32_10(ctr, key, r);
-            const uint64_t bits = ((uint64_t)r[0] << 21) ^ (r[1] >> 11);
-            const double u = ((double)(bits & ((1ull << 53) - 1)) + 0.5) / 9007199254740992.0;
-            attn__store(data, l->cfg.dtype, e, (2.0 * u - 1.0) * bound);
-        }
+        for (int64_t e = 0; e < n; e++)
+            attn__store(data, l->cfg.dtype, e, (2.0 * attn__init_uniform01(&r) - 1.0) * bound);
     }
 }
 

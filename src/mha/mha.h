@@ -32,6 +32,16 @@ struct attn_mha {
  * dtype), or NULL when this module has none by that name. */
 void *attn__mha_param_data(const attn_mha *m, const char *name);
 
+/* The draws of the parameters' initialisation: Philox-4x32-10 keyed by
+ * init_seed, one counter per draw, on a stream of its own per module kind
+ * (so an encoder layer's linear layers never repeat its attention's
+ * draws). attn__init_uniform01 gives a value in (0, 1) with 53 bits. */
+typedef struct attn__init_rng {
+    uint64_t seed, counter;
+    uint32_t stream;
+} attn__init_rng;
+double attn__init_uniform01(attn__init_rng *r);
+
 /* Copies any strided tensor into a contiguous destination of the same shape,
  * converting float32 <-> float64 and widening float16/bfloat16 (bool stays
  * bool). */

@@ -119,12 +119,8 @@ void *attn__mha_param_data(const attn_mha *m, const char *name) {
 
 /* ---- initialisation, as torch's _reset_parameters draws it ---- */
 
-typedef struct init_rng {
-    uint64_t seed, counter;
-} init_rng;
-
-static double uniform01(init_rng *r) { /* (0, 1), 53 bits */
-    uint32_t ctr[4] = {(uint32_t)r->counter, (uint32_t)(r->counter >> 32), 0x6d6861u, 0};
+double attn__init_uniform01(attn__init_rng *r) { /* (0, 1), 53 bits */
+    uint32_t ctr[4] = {(uint32_t)r->counter, (uint32_t)(r->counter >> 32), r->stream, 0};
     uint32_t key[2] = {(uint32_t)r->seed, (uint32_t)(r->seed >> 32)}, out[4];
     r->counter++;
     attn__philox4x32_10(ctr, key, out);
@@ -132,23 +128,24 @@ static double uniform01(init_rng *r) { /* (0, 1), 53 bits */
     return ((double)(bits & ((1ull << 53) - 1)) + 0.5) / 9007199254740992.0;
 }
 
-static void fill_uniform(attn_mha *m, const mha_param *p, double bound, init_rng *r) {
+static void fill_uniform(attn_mha *m, const mha_param *p, double bound, attn__init_rng *r) {
     int64_t n = p->shape[0] * (p->rank > 1 ? p->shape[1] : 1) * (p->rank > 2 ? p->shape[2] : 1);
     for (int64_t i = 0; i < n; i++)
-        attn__store(param_data(m, p), m->cfg.dtype, i, (2.0 * uniform01(r) - 1.0) * bound);
+        attn__store(param_data(m, p), m->cfg.dtype, i,
+                    (2.0 * attn__init_uniform01(r) - 1.0) * bound);
 }
 
-static void fill_normal(attn_mha *m, const mha_param *p, double std, init_rng *r) {
+static void fill_normal(attn_mha *m, const mha_param *p, double std, attn__init_rng *r) {
     int64_t n = p->shape[0] * (p->rank > 1 ? p->shape[1] : 1) * (p->rank > 2 ? p->shape[2] : 1);
     for (int64_t i = 0; i < n; i++) { /* Box-Muller */
-        double u = uniform01(r), v = uniform01(r);
+        double u = attn__init_uniform01(r), v = attn__init_uniform01(r);
         attn__store(param_data(m, p), m->cfg.dtype, i,
                     std * sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
     }
 }
 
 static void reset_parameters(attn_mha *m) {
-    init_rng r = {m->cfg.init_seed, 0};
+    attn__init_rng r = {m->cfg.init_seed, 0, 0x6d6861u}; /* "mha" */
     /* storage is zeroed: the biases stay 0, as torch sets them. */
     for (int i = 0; i < m->nparam; i++) {
         const mha_param *p = &m->param[i];
