@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# faults.sh — the ring under faults, through tests/ring/ring_driver.
+#
+# Usage: tests/ring/faults.sh [--net] [--np N] DRIVER CASE
+#   kill       SIGKILL one rank mid-ring: the job must end non-zero within
+#              DEADLINE seconds of the kill, with a message naming the rank
+#   stop       SIGSTOP one rank mid-ring (a hung peer; params.timeout 3 s):
+#              the others must fail with ATTN_ERR_COMM naming the peer, the
+#              step and the timeout, and the job end (the driver then calls
+#              MPI_Abort); the stopped process is killed afterwards
+#   mismatch-seq | mismatch-heads | mismatch-E | mismatch-causal
+#              one rank calls with a different shard length / head count /
+#              feature size / causal flag: every rank must be refused
+#              (ATTN_ERR_SHAPE or ATTN_ERR_INVALID) before any compute
+# --net runs the job on two network namespaces (scripts/ring_netns.sh, one
+# rank in each, TCP over a veth); without it, mpirun -np N (default 3) on
+# this host. Exit 0: passed; 1: failed; 77: cannot run here (skipped).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+net=0 np=3
+while [ $# -gt 0 ]; do
+    case $1 in
+        --net) net=1; np=2; shift ;;
+        --np) np=$2; shift 2 ;;
+        *) break ;;
+    esac
+done
+[ $# = 2 ] || { echo "usage: faults.sh [--net] [--np N] DRIVER CASE" >&2; exit 2; }
+driver=$(cd "$(dirname "$1")" && pwd)/$(basename "$1") case=$2
+[ -x "$driver" ] || { echo "faults.sh: no driver at $driver" >&2; exit 2; }
+command -v mpirun >/dev/null || { echo "faults.sh: SKIP: no mpirun" >&2; exit 77; }
+if [ "$net" = 1 ] && { [ "$(id -u)" != 0 ] || ! ip netns list >/dev/null 2>&1; }; then
+    echo "faults.sh: SKIP: --net needs root and ip netns" >&2
+    exit 77
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/attn-ring-faults.XXXXXX")
+log=$tmp/log
+job=''
+cleanup() {
+    local rc=$?
+    set +e
+    # Ranks this test started (their PID files) and the job itself: never
+    # leave a stopped or orphaned process behind.
+    for f in "$tmp"/rank*.pid; do
+        [ -f "$f" ] && kill -KILL "$(cut -d' ' -f1 "$f")" 2>/dev/null
+    done
+    [ -n "$job" ] && kill -TERM "$job" 2>/dev/null && wait "$job" 2>/dev/null
+    rm -rf "$tmp"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+fail() {
+    echo "faults.sh: FAIL ($case$([ "$net" = 1 ] && echo ", two namespaces")): $*" >&2
+    echo "---- job output ----" >&2
+    cat "$log" >&2 || true
+    exit 1
+}
+
+# The job in the background: output to $log, status to $tmp/status.
+start_job() {
+    if [ "$net" = 1 ]; then
+        "$root/scripts/ring_netns.sh" --timeout 120 -- "$driver" "$@" >"$log" 2>&1 &
+    else
+        timeout --kill-after=10 120 mpirun -np "$np" --oversubscribe --bind-to none \
+            --mca btl tcp,vader,self "$driver" "$@" </dev/null >"$log" 2>&1 &
+    fi
+    job=$!
+}
+
+# Waits for the job up to $1 seconds; sets status, or returns 1 if still running.
+wait_job() {
+    local end=$((SECONDS + $1))
+    while kill -0 "$job" 2>/dev/null; do
+        [ $SECONDS -lt $end ] || return 1
+        sleep 0.2
+    done
+    status=0
+    wait "$job" || status=$?
+    job=''
+}
+
+wait_pids() { # every rank has written its PID file: it is in the ring call
+    local end=$((SECONDS + 60))
+    for r in $(seq 0 $((np - 1))); do
+        while [ ! -f "$tmp/rank$r.pid" ]; do
+            kill -0 "$job" 2>/dev/null || fail "the job ended before rank $r reached the ring call"
+            [ $SECONDS -lt $end ] || fail "rank $r did not reach the ring call in 60 s"
+            sleep 0.1
+        done
+    done
+}
+
+# A problem that keeps the ranks in the ring for tens of seconds (repeated
+# calls): a fault sent a second in lands mid-ring, whatever the load.
+big=(check --no-check -H 4 -L 16384 -E 64 --repeat 40 --pid-dir "$tmp")
+victim=1
+
+case $case in
+kill)
+    start_job "${big[@]}" --timeout 20
+    wait_pids
+    sleep 1
+    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
+    kill -KILL "$pid"
+    t0=$SECONDS
+    echo "faults.sh: killed rank $victim (pid $pid) with SIGKILL"
+    # Open MPI notices a dead rank at once; our timeout (20 s) is the bound.
+    wait_job 45 || fail "the job still runs 45 s after rank $victim was killed (a hang)"
+    [ "$status" != 0 ] || fail "the job exited 0 although rank $victim was killed"
+    grep -Eq "rank $victim\b|peer $victim\b|\[\[[0-9]+,1\],$victim\]" "$log" ||
+        fail "no message names rank $victim"
+    echo "faults.sh: the job ended with status $status $((SECONDS - t0)) s after the kill:"
+    grep -E "rank $victim\b|peer $victim\b|\[\[[0-9]+,1\],$victim\]" "$log" | head -5
+    ;;
+stop)
+    start_job "${big[@]}" --timeout 3
+    wait_pids
+    sleep 1
+    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
+    kill -STOP "$pid"
+    t0=$SECONDS
+    echo "faults.sh: stopped rank $victim (pid $pid) with SIGSTOP"
+    # 3 s timeout + at most one step's compute, then MPI_Abort ends the job.
+    if ! wait_job 40; then
+        kill -KILL "$pid" 2>/dev/null || true
+        wait_job 20 || true
+        fail "the job still ran 40 s after rank $victim was stopped (a hang)"
+    fi
+    still=no
+    if kill -0 "$pid" 2>/dev/null; then still=yes; kill -KILL "$pid"; fi
+    [ "$status" != 0 ] || fail "the job exited 0 although rank $victim hung"
+    grep -q "ATTN_ERR_COMM" "$log" || fail "no rank failed with ATTN_ERR_COMM"
+    # the message names the peer, the step and the timeout
+    line=$(grep "ATTN_ERR_COMM" "$log" | head -1)
+    echo "$line" | grep -Eq "\b$victim\b" || fail "the ATTN_ERR_COMM message does not name rank $victim"
+    echo "$line" | grep -Eqi "step" || fail "the ATTN_ERR_COMM message does not name the step"
+    echo "$line" | grep -Eq "\b3(\.0+)? ?s" || fail "the ATTN_ERR_COMM message does not give the 3 s timeout"
+    echo "faults.sh: the job ended with status $status $((SECONDS - t0)) s after the stop" \
+        "(stopped rank still there afterwards: $still, killed); first error:"
+    echo "$line"
+    ;;
+mismatch-*)
+    what=${case#mismatch-}
+    expect=SHAPE
+    [ "$what" = causal ] && expect=INVALID
+    # big enough that one step's compute (~0.3 s) dwarfs a refusal
+    start_job check --no-check -H 2 -L 8192 -E 64 --mismatch "$what" --mismatch-rank $((np - 1)) \
+        --expect-error "$expect" --timeout 20
+    wait_job 60 || fail "the job still runs after 60 s"
+    n=$(grep -c "refused as expected" "$log" || true)
+    [ "$status" = 0 ] && [ "$n" = "$np" ] ||
+        fail "expected all $np ranks refused with ATTN_ERR_$expect before compute, $n were (status $status)"
+    cat "$log"
+    ;;
+*)
+    echo "faults.sh: unknown case '$case'" >&2
+    exit 2
+    ;;
+esac
+echo "faults.sh: PASS ($case, $([ "$net" = 1 ] && echo "two namespaces over TCP" || echo "$np ranks on one host"))"
