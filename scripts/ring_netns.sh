@@ -54,16 +54,16 @@ cleanup() {
     set +e
     # A stopped or orphaned rank would keep a namespace alive: kill what is
     # left inside (SIGKILL ends a SIGSTOPped process too).
-    for ns in "$ns_a" "$ns_b"; do
-        if ip netns list | grep -qw "$ns"; then
-            pids=$(ip netns pids "$ns" 2>/dev/null)
-            [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
-            ip netns del "$ns" 2>/dev/null
-        fi
+    # Only what this run made: a name another run holds is not ours.
+    for ns in ${made_ns[@]+"${made_ns[@]}"}; do
+        pids=$(ip netns pids "$ns" 2>/dev/null)
+        [ -n "$pids" ] && kill -KILL $pids 2>/dev/null
+        ip netns del "$ns" 2>/dev/null # takes its end of the veth along
     done
+    [ -n "$made_veth" ] && ip link del "$veth_a" 2>/dev/null # not moved yet
     exit "$rc"
 }
-job=''
+job='' made_ns=() made_veth=''
 on_signal() { # end the job first (timeout passes TERM on to mpirun), then clean up
     if [ -n "$job" ]; then
         kill -TERM "$job" 2>/dev/null || true
@@ -76,11 +76,12 @@ trap 'on_signal 130' INT
 trap 'on_signal 143' TERM
 trap 'on_signal 129' HUP
 
-ip netns add "$ns_a"
-ip netns add "$ns_b"
-ip link add "$veth_a" type veth peer name "$veth_b"
+ip netns add "$ns_a"; made_ns+=("$ns_a") # (set -e: only once made)
+ip netns add "$ns_b"; made_ns+=("$ns_b")
+ip link add "$veth_a" type veth peer name "$veth_b"; made_veth=1
 ip link set "$veth_a" netns "$ns_a"
 ip link set "$veth_b" netns "$ns_b"
+made_veth=''
 ip -n "$ns_a" addr add "$addr_a/24" dev "$veth_a"
 ip -n "$ns_b" addr add "$addr_b/24" dev "$veth_b"
 for ns in "$ns_a" "$ns_b"; do ip -n "$ns" link set lo up; done
