@@ -21,7 +21,7 @@ each configuration's spread ((max - min) / median over rounds) is at most
 average before each round (this is a 2-core machine shared with others).
 
 Reported: the median time, GFLOP/s, strong-scaling efficiency T1 / (2 T2)
-(T1: 1 rank), and per rank and step the share of the step spent waiting for
+(T1: 1 rank; also round by round, and against T1 = attn_sdpa), and per rank and step the share of the step spent waiting for
 the next K/V shard after its compute (attn_ring_stats). Also the veth's
 latency and bandwidth (tests/ring/ring_driver pingpong), and the check of
 docs/distributed.md's model: the veth capped (--crossover-rate, tc tbf), shard
@@ -192,8 +192,14 @@ def main():
                             veth_bytes=[rep.get("veth_sent_bytes"), rep.get("veth_received_bytes")]))
     by = {(r["config"], r["causal"]): r for r in results}
     for r in results:
-        t1 = by[("1 rank", r["causal"])]["median_s"]
-        r["efficiency"] = t1 / (r["ranks"] * r["median_s"]) if r["ranks"] > 1 else None
+        r["efficiency"] = r["efficiency_vs_attn_sdpa"] = r["efficiency_rounds"] = None
+        if r["ranks"] > 1:
+            one, sdpa = by[("1 rank", r["causal"])], by[("attn_sdpa", r["causal"])]
+            r["efficiency"] = one["median_s"] / (r["ranks"] * r["median_s"])
+            r["efficiency_vs_attn_sdpa"] = sdpa["median_s"] / (r["ranks"] * r["median_s"])
+            # round by round: launches next to each other saw the same machine
+            r["efficiency_rounds"] = [a / (r["ranks"] * b) for a, b in
+                                      zip(one["round_medians_s"], r["round_medians_s"])]
 
     link = pingpong(args) if net else None
     crossover = None
@@ -267,16 +273,22 @@ def render(doc):
              f"over rounds. 1-min load average before the rounds: "
              f"{', '.join(f'{x:.2f}' for x in loads)}.", "",
              "| case | ranks | time s | spread | GFLOP/s | efficiency T1/(2·T2) | "
-             "wait share per step, rank 0 / rank 1 | CPU/wall |",
-             "|---|---:|---:|---:|---:|---:|---|---:|"]
+             "per round, min–max | T1 = attn_sdpa | wait share per step, rank 0 / rank 1 "
+             "| CPU/wall |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in doc["results"]:
         name = r["config"] + (", causal (zigzag)" if r["causal"] else "")
-        eff = f"**{100 * r['efficiency']:.0f}%**" if r["efficiency"] is not None else ""
+        eff = rng = vs = ""
+        if r["efficiency"] is not None:
+            eff = f"**{100 * r['efficiency']:.0f}%**"
+            rng = (f"{100 * min(r['efficiency_rounds']):.0f}–"
+                   f"{100 * max(r['efficiency_rounds']):.0f}%")
+            vs = f"{100 * r['efficiency_vs_attn_sdpa']:.0f}%"
         waits = " / ".join("[" + ", ".join(fmt_pct(x) for x in w["steps"]) + "]"
                            for w in r["wait_share"]) if r["ranks"] > 1 else ""
         cpu = min(w["cpu_per_wall"] for w in r["wait_share"])
         lines.append(f"| {name} | {r['ranks']} | {r['median_s']:.3f} | {100 * r['spread']:.1f}% | "
-                     f"{r['gflops']:.1f} | {eff} | {waits} | {cpu:.2f} |")
+                     f"{r['gflops']:.1f} | {eff} | {rng} | {vs} | {waits} | {cpu:.2f} |")
     if doc.get("link"):
         res = {x["bytes"]: x for x in doc["link"]["results"]}
         big = res[max(res)]
