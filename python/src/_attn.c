@@ -16,7 +16,8 @@
  * The thin Python layer (attn/__init__.py and friends) normalises arguments
  * and gives PyTorch's signatures; this file maps statuses to exceptions:
  * ATTN_ERR_DTYPE -> TypeError, ATTN_ERR_NOMEM -> MemoryError,
- * ATTN_ERR_UNSUPPORTED -> RuntimeError, everything else -> ValueError; a
+ * ATTN_ERR_UNSUPPORTED and ATTN_ERR_COMM (ring attention: a peer or the
+ * communicator failed) -> RuntimeError, everything else -> ValueError; a
  * SIGINT during a call stops it (ATTN_ERR_CANCELLED) -> KeyboardInterrupt.
  * A library failure carries its fields, not only its text: the exception
  * has `status` (the attn_status), `status_name` ("ATTN_ERR_SHAPE") and
@@ -71,6 +72,7 @@ PyObject *raise_status(attn_status st) {
     case ATTN_ERR_DTYPE: type = PyExc_TypeError; break;
     case ATTN_ERR_NOMEM: type = PyExc_MemoryError; break;
     case ATTN_ERR_UNSUPPORTED: type = PyExc_RuntimeError; break;
+    case ATTN_ERR_COMM: type = PyExc_RuntimeError; break; /* not the caller's arguments */
     default: type = PyExc_ValueError; break;
     }
     const char *msg = attn_last_error();
