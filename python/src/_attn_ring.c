@@ -138,19 +138,19 @@ PyDoc_STRVAR(ring_sdpa_doc,
              "layout: 0 zigzag, 1 contiguous. Collective: every rank of comm calls it.\n"
              "Otherwise as sdpa(); lse is None unless asked for.");
 
-/* out and, when wanted, lse, shaped for this rank's shards. */
+/* out and, when wanted, lse, shaped for this rank's shards; none when the
+ * shards do not fit together (the ring call then reports why, below). */
 static int ring_forward_outputs(ring_call *c, const attn_ring_params *p, PyObject *empty,
                                 int want_lse) {
     int rank;
     int64_t shape[ATTN_MAX_RANK];
-    /* The local shapes alone give the output's; attn_sdpa's checks of them
-     * are the ring's own (it validates every shard like attn_sdpa). */
-    attn_status st = attn_sdpa_out_shape(&c->in[RC_Q].t, &c->in[RC_K].t, &c->in[RC_V].t,
-                                         &p->sdpa, &rank, shape);
-    if (st != ATTN_OK) {
-        raise_status(st);
-        return -1;
-    }
+    /* The local shapes alone give the output's (the ring validates them
+     * the same way). */
+    attn_sdpa_params sp = p->sdpa;
+    sp.attn_mask = p->key_mask;
+    if (attn_sdpa_out_shape(&c->in[RC_Q].t, &c->in[RC_K].t, &c->in[RC_V].t, &sp, &rank,
+                            shape) != ATTN_OK)
+        return 0;
     const attn_dtype dt = c->in[RC_Q].t.dtype;
     c->result[0] = new_output(empty, rank, shape, dt, "out", &c->res[0]);
     if (c->result[0] == NULL) return -1;
@@ -187,16 +187,23 @@ static PyObject *py_ring_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     if (ring_inputs(&c, objs, RC_Q) < 0) goto done;
     if (c.has_mask) p.key_mask = &c.in[RC_MASK].t;
     if (ring_forward_outputs(&c, &p, empty, want_lse) < 0) goto done;
+    /* Even without an out (bad local shapes) the call goes to the ring: it
+     * fails there on every rank together, where returning here would leave
+     * the others waiting for this one until their timeout. */
     interrupt_guard guard;
     interrupt_guard_arm(&guard);
     attn_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = attn_ring_sdpa(comm, &c.in[RC_Q].t, &c.in[RC_K].t, &c.in[RC_V].t, &p, &c.res[0].t,
-                        result_or_null(&c, 1));
+    st = attn_ring_sdpa(comm, &c.in[RC_Q].t, &c.in[RC_K].t, &c.in[RC_V].t, &p,
+                        result_or_null(&c, 0), result_or_null(&c, 1));
     Py_END_ALLOW_THREADS
     if (interrupt_guard_disarm(&guard, st) < 0) goto done;
     if (st != ATTN_OK) {
         raise_status(st);
+        goto done;
+    }
+    if (c.result[0] == NULL) { /* cannot happen: the ring refuses a NULL out */
+        PyErr_SetString(PyExc_RuntimeError, "ring_sdpa: the ring accepted shards without an out");
         goto done;
     }
     result = ring_results(&c, 2);
