@@ -87,8 +87,52 @@ def run_torch(c, inp):
     return res
 
 
+def checks():
+    """The API's own checks, one line each: name -> what happened."""
+    import torch
+
+    x = np.arange(2 * 3 * 10 * 4, dtype=np.float32).reshape(2, 3, 10, 4)
+    kpm = torch.zeros(2, 5, dtype=torch.bool, requires_grad=False)
+    found = {}
+
+    def attempt(name, f):
+        try:
+            f()
+            found[name] = "ok"
+        except Exception as e:
+            found[name] = f"{type(e).__name__}: {e}"
+
+    s = ad.shard(x, RANK, SIZE)
+    attempt("layout", lambda: ad.ring_attention(s, s, s, COMM, layout="striped"))
+    attempt("comm_type", lambda: ad.ring_attention(s, s, s, comm=42))
+    attempt("comm_null", lambda: ad.ring_attention(s, s, s, MPI.COMM_NULL))
+    attempt("timeout", lambda: ad.ring_attention(s, s, s, COMM, timeout=0))
+    attempt("mask_ndim", lambda: ad.ring_attention(s, s, s, COMM,
+                                                   key_padding_mask=np.zeros((1, 1, 5), bool)))
+    grad_mask = torch.zeros(5, requires_grad=True)
+    attempt("mask_grad", lambda: ad.ring_attention(torch.from_numpy(s), s, s, COMM,
+                                                   key_padding_mask=grad_mask))
+    attempt("mask_wrong_length", lambda: ad.ring_attention(s, s, s, COMM,
+                                                           key_padding_mask=kpm[:, :4]))
+    # seed=None: rank 0's seed everywhere; torch.manual_seed repeats it
+    t = torch.from_numpy(s)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(RANK)  # a different generator state on every rank
+        outs.append(ad.ring_attention(t, t, t, COMM, dropout_p=0.5))
+    found["seed_repeats"] = bool(torch.equal(outs[0], outs[1]))
+    found["root_gather"] = repr(type(ad.gather(s, COMM, root=SIZE - 1)))
+    found["whole_gather"] = bool(np.array_equal(ad.gather(s, COMM), x))
+    return found
+
+
 def main():
     d = sys.argv[1]
+    if sys.argv[2:] == ["checks"]:
+        found = checks()
+        with open(os.path.join(d, f"checks.{RANK}.json"), "w") as f:
+            json.dump(found, f)
+        return
     attn.set_num_threads(1)  # the ranks share the machine's cores
     try:
         import torch
