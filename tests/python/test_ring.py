@@ -141,13 +141,15 @@ def reference(c, x):
 # ---------------------------------------------------------------------------
 
 
-def mpirun(n, d, *args):
+def mpirun(n, *argv, cwd=None):
+    """`mpirun -np n python3 argv...`, oversubscribed (more ranks than cores
+    is fine here), as root too when we are root."""
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none")
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n), sys.executable,
-           WORKER, str(d), *args]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+           *map(str, argv)]
+    p = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     return p
 
@@ -171,7 +173,7 @@ def runs(tmp_path_factory):
             n = key if isinstance(key, int) else key[0]
             d = tmp_path_factory.mktemp(f"ring{n}{'b' if key != n else ''}")
             write_cases(d, CASES if key == n else [BY_NAME[m] for m in REPEATED])
-            mpirun(n, d)
+            mpirun(n, WORKER, d)
             done[key] = d
         return done[key]
 
@@ -284,7 +286,7 @@ def test_report_accuracy(runs):
 def test_api_checks(tmp_path):
     """Arguments refused with messages that say what to pass, on 2 ranks;
     seed=None takes rank 0's seed (torch.manual_seed repeats it)."""
-    mpirun(2, tmp_path, "checks")
+    mpirun(2, WORKER, tmp_path, "checks")
     for r in range(2):
         found = json.load(open(tmp_path / f"checks.{r}.json"))
         assert found["layout"].startswith("ValueError: layout is 'striped'"), found
@@ -351,3 +353,23 @@ def test_shard_refusals():
     with pytest.raises(ValueError, match=r"shards\[0\] has shape \(5, 6\); under the zigzag "
                        r"layout rank 0 of 2 holds 3 of the 6 positions"):
         ad.unshard([np.zeros((5, 6)), np.zeros((1, 6))])
+
+
+def test_docs_example(tmp_path):
+    """docs/python.md's attn.distributed example runs on 2 ranks, and its
+    gathered output is the single-process call's."""
+    text = open(os.path.join(HERE, "..", "..", "docs", "python.md")).read()
+    section = text[text.index("### `attn.distributed`"):]
+    code = section.split("```python\n")[1].split("```")[0]
+    check = (
+        "\nimport numpy as np\n"
+        "ref = attn.scaled_dot_product_attention(q, k, v, is_causal=True,\n"
+        "                                        attn_mask=~pad[:, None, None, :])\n"
+        "assert whole.shape == (1, 8, 1024, 64) and qs.grad is not None\n"
+        "assert ks.grad.shape == ks.shape and vs.grad.abs().sum() > 0\n"
+        "assert np.abs(whole.numpy() - ref.numpy()).max() < 1e-5\n"
+        "open(f'ok.{comm.rank}', 'w').close()\n"
+    )
+    (tmp_path / "ring.py").write_text(code + check)
+    mpirun(2, "ring.py", cwd=tmp_path)
+    assert (tmp_path / "ok.0").exists() and (tmp_path / "ok.1").exists()
