@@ -301,6 +301,9 @@ def test_api_checks(tmp_path):
         assert found["root_gather"] == ("<class 'numpy.ndarray'>" if r == 1 else
                                         "<class 'NoneType'>")
         assert found["whole_gather"] is True
+        assert found["other_mpi"].startswith(
+            "RuntimeError: mpi4py runs the MPI library 'MPICH Version: 4.1.2', but attn was "
+            "built with '"), found
 
 
 # shard and unshard need no MPI: they run here, in-process.
