@@ -217,14 +217,18 @@ static attn_status agree(ring_call *c, attn_status local, int kind, const attn_t
     ring_desc mine, *all = attn_alloc(sizeof(ring_desc) * (size_t)N);
     c->Ls = attn_alloc(sizeof(int64_t) * (size_t)N);
     c->Ss = attn_alloc(sizeof(int64_t) * (size_t)N);
-    if (all == NULL || c->Ls == NULL || c->Ss == NULL) {
+    /* First only whether everyone has the room to listen: a rank without it
+     * cannot take part in the exchange below. */
+    attn_status room = ATTN_OK;
+    if (all == NULL || c->Ls == NULL || c->Ss == NULL)
+        room = attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (agreement)");
+    attn_status st = ring_finish(&c->rc, room);
+    if (st != ATTN_OK) {
         attn_free(all);
-        local = attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (agreement)");
-        all = NULL;
+        return st;
     }
     const int count = describe(c, local, kind, g, &mine);
-    if (all == NULL) return local; /* the others time out on this rank: nothing else to do */
-    attn_status st = ring_agree(&c->rc, &mine, count, all);
+    st = ring_agree(&c->rc, &mine, count, all);
     for (int r = 0; r < N && st == ATTN_OK; r++) {
         c->Ls[r] = all[r].L;
         c->Ss[r] = all[r].S;

@@ -9,6 +9,7 @@
 
 #include "attn_ring.h"
 #include "harness.h"
+#include "testutil.h"
 
 static int RANK, NRANKS;
 
@@ -275,13 +276,55 @@ static void test_shard_helpers(void) {
     free(back.data);
 }
 
+/* Allocation n fails on one rank, for every n of a forward and a backward:
+ * that rank gets ATTN_ERR_NOMEM, every other rank an error too (never a
+ * hang, never a success that hides a missing part), and nothing leaks. */
+static void test_allocation_failures(void) {
+    const int64_t qs[3] = {2, 12 * NRANKS, 8};
+    buf q = make(ATTN_DTYPE_F32, 3, qs, 5, 1), k = make(ATTN_DTYPE_F32, 3, qs, 6, 1);
+    buf v = make(ATTN_DTYPE_F32, 3, qs, 7, 1), out = make(ATTN_DTYPE_F32, 3, qs, 0, 0);
+    buf dout = make(ATTN_DTYPE_F32, 3, qs, 8, 1), dq = make(ATTN_DTYPE_F32, 3, qs, 0, 0);
+    buf dk = make(ATTN_DTYPE_F32, 3, qs, 0, 0), dv = make(ATTN_DTYPE_F32, 3, qs, 0, 0);
+    const int64_t ls[2] = {2, 12 * NRANKS};
+    buf lse = make(ATTN_DTYPE_F64, 2, ls, 0, 0);
+    attn_ring_params rp;
+    attn_ring_params_init(&rp);
+    rp.sdpa.causal = ATTN_CAUSAL_TOP_LEFT;
+    rp.timeout = 5; /* a rank that fails before the agreement leaves the others waiting */
+    const int victim = NRANKS - 1;
+    for (int pass = 0; pass < 2; pass++) {
+        for (long n = 1;; n++) {
+            test_failer f;
+            failer_install(&f, RANK == victim ? n : 0, false);
+            attn_status st = pass == 0
+                                 ? attn_ring_sdpa(MPI_COMM_WORLD, &q.t, &k.t, &v.t, &rp, &out.t, &lse.t)
+                                 : attn_ring_sdpa_backward(MPI_COMM_WORLD, &dout.t, &q.t, &k.t, &v.t,
+                                                           &out.t, &lse.t, &rp, &dq.t, &dk.t, &dv.t);
+            attn_set_allocator(NULL);
+            CHECK(f.live == 0, "pass %d, failure %ld: %ld blocks leaked", pass, n, f.live);
+            int failed = RANK == victim ? f.failed > 0 : 0, any = 0;
+            MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+            if (RANK == victim && failed)
+                CHECK(st == ATTN_ERR_NOMEM, "pass %d, failure %ld: status %d (%s)", pass, n, st,
+                      attn_last_error());
+            CHECK((st != ATTN_OK) == (any != 0), "pass %d, failure %ld on rank %d: rank %d says %d",
+                  pass, n, victim, RANK, st);
+            if (!any) break; /* the call allocated fewer than n blocks */
+            MPI_Barrier(MPI_COMM_WORLD);
+        }
+    }
+    buf *all[] = {&q, &k, &v, &out, &dout, &dq, &dk, &dv, &lse};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->data);
+}
+
 int main(int argc, char **argv) {
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     MPI_Comm_rank(MPI_COMM_WORLD, &RANK);
     MPI_Comm_size(MPI_COMM_WORLD, &NRANKS);
     static const harness_test tests[] = {T(test_shard_helpers), T(test_ring_matches_single_process),
-                                         T(test_disagreement_fails_everywhere)};
+                                         T(test_disagreement_fails_everywhere),
+                                         T(test_allocation_failures)};
     if (RANK != 0) { /* one summary, from rank 0; the others speak on failure */
         if (freopen("/dev/null", "w", stdout) == NULL) return 1;
     }
