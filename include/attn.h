@@ -99,7 +99,8 @@ typedef enum attn_status {
     ATTN_ERR_FORMAT = 8,      /* a file is malformed or truncated            */
     ATTN_ERR_UNSUPPORTED = 9, /* valid, but not available in this build/CPU  */
     ATTN_ERR_CANCELLED = 10,  /* stopped by the cancel flag (see below)      */
-    ATTN_ERR_OVERLAP = 11     /* an output shares memory with another operand */
+    ATTN_ERR_OVERLAP = 11,    /* an output shares memory with another operand */
+    ATTN_ERR_COMM = 12        /* a peer or the communicator failed (attn_ring) */
 } attn_status;
 
 /* A fixed English sentence for a status; never NULL (unknown codes get one). */
@@ -241,6 +242,17 @@ typedef struct attn_sdpa_params {
      * the default: lse exact to float64, rounded once. Float32 only (float64
      * calls always give the exact lse, which serves the backward there). */
     int lse_for_backward;
+    /* [attn] This call is a slice of a larger attention: query row i is
+     * position q_offset + i of q_total positions, key j position
+     * k_offset + j of k_total. Causal alignment (bottom-right: to k_total -
+     * q_total) and dropout (the keep mask of the whole (..., q_total,
+     * k_total) weights) are then those of the whole attention, so slices
+     * computed apart (by key ranges, query ranges, ranks of a ring) and
+     * merged with attn_sdpa_merge give the whole call's result. q_total = 0
+     * (the default) means L, k_total = 0 means S; otherwise offset + length
+     * must not exceed the total, and offsets are >= 0. attn_mask,
+     * weights and lse are the slice's own. */
+    int64_t q_offset, k_offset, q_total, k_total;
 } attn_sdpa_params;
 
 /* The defaults: no mask, not causal, default scale, no GQA, no dropout. */
@@ -265,6 +277,23 @@ ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
 ATTN_API attn_status attn_sdpa(const attn_tensor *q, const attn_tensor *k,
                                const attn_tensor *v, const attn_sdpa_params *params,
                                attn_tensor *out, attn_tensor *weights, attn_tensor *lse);
+
+/* [attn] Merges attention over a further set of keys into a result:
+ *   out, lse        a result so far (out normalised over its keys, lse their
+ *                   log-sum-exp; lse = -inf: no key yet, out is then ignored)
+ *   part_out, part_lse  attention of the same queries over other keys
+ * leave out, lse as attention over both key sets:
+ *   lse' = log(exp(lse) + exp(part_lse)),
+ *   out' = exp(lse - lse') · out + exp(part_lse - lse') · part_out
+ * computed in float64 and rounded once per call. A part with lse = -inf
+ * (no key) or whose weight is exactly 0 changes nothing, not even with a
+ * NaN or Inf in its out; a NaN lse gives NaN. out and part_out are
+ * (..., L, Ev), lse and part_lse (..., L) of the same shapes, each float32
+ * or float64 independently (accumulate in float64 for the fewest roundings);
+ * out and lse are read and written in place and must not overlap the parts
+ * or each other. Merging parts in a fixed order gives fixed bits. */
+ATTN_API attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse,
+                                     const attn_tensor *part_out, const attn_tensor *part_lse);
 
 /* The shape `out` must have for these inputs (the weights shape is the same
  * with the last dimension replaced by S; lse drops the last dimension).
@@ -859,6 +888,21 @@ typedef struct attn_allocator {
 } attn_allocator;
 
 ATTN_API void attn_set_allocator(const attn_allocator *allocator);
+
+/* For libraries built on attn (attn_ring) [attn]: memory through the
+ * allocator above (attn_alloc: aligned to 64 bytes, NULL when it fails or
+ * size is 0; attn_free(NULL) is a no-op), and errors through
+ * attn_last_error(): attn_set_error records a printf-style message and the
+ * argument it is about (NULL: none) for the calling thread and returns
+ * `status`, so that `return attn_set_error(...)` reports and fails at once;
+ * attn_clear_error() marks a call's success. */
+ATTN_API void *attn_alloc(size_t size);
+ATTN_API void attn_free(void *ptr);
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+ATTN_API attn_status attn_set_error(attn_status status, const char *arg, const char *fmt, ...);
+ATTN_API void attn_clear_error(void);
 
 #ifdef __cplusplus
 }

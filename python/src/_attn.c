@@ -51,7 +51,8 @@ static const char *status_name(attn_status st) {
         [ATTN_ERR_FORMAT] = "ATTN_ERR_FORMAT",
         [ATTN_ERR_UNSUPPORTED] = "ATTN_ERR_UNSUPPORTED",
         [ATTN_ERR_CANCELLED] = "ATTN_ERR_CANCELLED",
-        [ATTN_ERR_OVERLAP] = "ATTN_ERR_OVERLAP"};
+        [ATTN_ERR_OVERLAP] = "ATTN_ERR_OVERLAP",
+        [ATTN_ERR_COMM] = "ATTN_ERR_COMM"};
     const int i = (int)st;
     const int n = (int)(sizeof names / sizeof names[0]);
     return i >= 0 && i < n && names[i] != NULL ? names[i] : "unknown";

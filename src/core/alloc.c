@@ -75,3 +75,7 @@ void *attn__alloc_array(size_t count, size_t elem_size) {
 void attn__free(void *ptr) {
     if (ptr != NULL) allocator.release(allocator.ctx, ((void **)ptr)[-1]);
 }
+
+/* The public doors to the same allocator (attn.h: for libraries on attn). */
+void *attn_alloc(size_t size) { return size == 0 ? NULL : attn__alloc(size); }
+void attn_free(void *ptr) { attn__free(ptr); }

@@ -22,6 +22,7 @@ const char *attn_strerror(attn_status status) {
     case ATTN_ERR_UNSUPPORTED: return "not supported by this build or CPU";
     case ATTN_ERR_CANCELLED: return "cancelled";
     case ATTN_ERR_OVERLAP: return "an output overlaps another operand in memory";
+    case ATTN_ERR_COMM: return "a peer or the communicator failed";
     }
     return "unknown status code";
 }
@@ -58,6 +59,17 @@ attn_status attn__fail_arg(attn_status status, const char *arg, const char *fmt,
     snprintf(last_arg, sizeof last_arg, "%s", arg != NULL ? arg : "");
     return status;
 }
+
+attn_status attn_set_error(attn_status status, const char *arg, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    snprintf(last_arg, sizeof last_arg, "%s", arg != NULL ? arg : "");
+    return status;
+}
+
+void attn_clear_error(void) { attn__clear_error(); }
 
 attn_status attn__read_params(void *dst, size_t dst_size, size_t first_size, const void *src,
                               const char *name, const char *init_name) {

@@ -43,3 +43,81 @@ enum { FEATURES = 64 }; /* output features accumulated at once, in float64 */
 
 DEFINE_MERGE(float, f)
 DEFINE_MERGE(double, d)
+
+/* ---- attn_sdpa_merge: the public, strided form for two parts ---- */
+
+/* out (..., L, Ev) and lse (..., L) of a result and of a part: one shape,
+ * float dtypes, outputs apart from everything else. */
+static attn_status check_merge(attn_tensor *out, attn_tensor *lse, const attn_tensor *part_out,
+                               const attn_tensor *part_lse) {
+    const attn_tensor *all[4] = {out, lse, part_out, part_lse};
+    const char *names[4] = {"out", "lse", "part_out", "part_lse"};
+    for (int i = 0; i < 4; i++) {
+        attn_status st = attn__check_tensor(all[i], names[i], i % 2 == 0 ? 2 : 1,
+                                            i < 2 ? ATTN__OUTPUT : ATTN__INPUT);
+        if (st != ATTN_OK) return st;
+        if (!attn__is_float(all[i]->dtype))
+            return attn__fail_arg(ATTN_ERR_DTYPE, names[i], "%s is %s; expected float32 or float64",
+                                  names[i], attn_dtype_name(all[i]->dtype));
+    }
+    char a[96], b[96];
+    for (int i = 0; i < 4; i++) {
+        const int want_rank = i % 2 == 0 ? out->rank : out->rank - 1; /* lse: no Ev */
+        bool same = all[i]->rank == want_rank;
+        for (int d = 0; same && d < want_rank; d++) same = all[i]->shape[d] == out->shape[d];
+        if (!same)
+            return attn__fail_arg(ATTN_ERR_SHAPE, names[i],
+                                  "%s has shape %s; out has %s, so %s must be %s", names[i],
+                                  attn__shape_str(a, sizeof a, all[i]->rank, all[i]->shape),
+                                  attn__shape_str(b, sizeof b, out->rank, out->shape), names[i],
+                                  i % 2 == 0 ? "of out's shape" : "out's shape without Ev");
+    }
+    for (int o = 0; o < 2; o++) {
+        attn_status st = attn__check_output_layout(all[o], names[o]);
+        if (st != ATTN_OK) return st;
+        for (int i = o + 1; i < 4; i++)
+            if (attn__views_overlap(all[o], all[i]))
+                return attn__fail_arg(ATTN_ERR_OVERLAP, names[o], "%s overlaps %s in memory",
+                                      names[o], names[i]);
+    }
+    return ATTN_OK;
+}
+
+/* Offset of row `row` (linear over dims [0, nd)) in a view. */
+static int64_t row_offset(const attn_tensor *t, int nd, int64_t row) {
+    int64_t off = 0;
+    for (int d = nd - 1; d >= 0; d--) {
+        off += row % t->shape[d] * t->strides[d];
+        row /= t->shape[d];
+    }
+    return off;
+}
+
+attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse, const attn_tensor *part_out,
+                            const attn_tensor *part_lse) {
+    attn__clear_error();
+    attn_status st = check_merge(out, lse, part_out, part_lse);
+    if (st != ATTN_OK) return st;
+    const int nd = out->rank - 1;
+    int64_t rows = 1;
+    for (int d = 0; d < nd; d++) rows *= out->shape[d];
+    const int64_t Ev = out->shape[nd], ocs = out->strides[nd], pcs = part_out->strides[nd];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t lo = row_offset(lse, nd, r), plo = row_offset(part_lse, nd, r);
+        const int64_t oo = row_offset(out, nd, r), po = row_offset(part_out, nd, r);
+        const double parts[2] = {attn__load(lse->data, lse->dtype, lo),
+                                 attn__load(part_lse->data, part_lse->dtype, plo)};
+        const double total = merged_lse(2, parts, 1);
+        /* A part's weight; exactly 0 (no key, or swamped) takes nothing. */
+        const double w0 = total > -INFINITY ? exp(parts[0] - total) : 0.0;
+        const double w1 = total > -INFINITY ? exp(parts[1] - total) : 0.0;
+        for (int64_t e = 0; e < Ev; e++) {
+            double acc = isnan(total) ? NAN : 0.0;
+            if (w0 != 0) acc += w0 * attn__load(out->data, out->dtype, oo + e * ocs);
+            if (w1 != 0) acc += w1 * attn__load(part_out->data, part_out->dtype, po + e * pcs);
+            attn__store(out->data, out->dtype, oo + e * ocs, acc);
+        }
+        attn__store(lse->data, lse->dtype, lo, total);
+    }
+    return ATTN_OK;
+}

@@ -207,6 +207,9 @@ typedef struct attn__problem_request {
     const char *const *names;
     /* lse as the kernels' own scores give it (attn_sdpa_params.lse_for_backward) */
     bool lse_for_backward;
+    /* A slice of a larger attention (attn_sdpa_params' q_offset ...); all 0:
+     * the whole. */
+    int64_t q_offset, k_offset, q_total, k_total;
 } attn__problem_request;
 
 /* Validates a request into a whole problem (offsets 0, no ragged rows). */

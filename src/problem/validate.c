@@ -278,6 +278,37 @@ static attn_status check_scalars(attn__problem *p, const attn__problem_request *
     return ATTN_OK;
 }
 
+/* Where the problem sits in a larger one (attn_sdpa_params' slice fields):
+ * offsets >= 0, totals 0 (the slice's own length) or reaching past it. */
+static attn_status check_slice(attn__problem *p, const attn__problem_request *r) {
+    const struct { int64_t off, total, len; const char *name, *tname, *what; } dims[2] = {
+        {r->q_offset, r->q_total, p->L, "params.q_offset", "params.q_total", "query rows (L)"},
+        {r->k_offset, r->k_total, p->S, "params.k_offset", "params.k_total", "keys (S)"}};
+    for (int i = 0; i < 2; i++) {
+        const int64_t off = dims[i].off, total = dims[i].total, len = dims[i].len;
+        if (off < 0)
+            return attn__fail_arg(ATTN_ERR_INVALID, dims[i].name, "%s is %lld; expected >= 0",
+                                  dims[i].name, (long long)off);
+        if (total < 0 || (total == 0 && off != 0) ||
+            (total != 0 && (off > total || len > total - off)))
+            return attn__fail_arg(ATTN_ERR_INVALID, dims[i].tname,
+                                  "%s is %lld but the slice holds %s %lld..%lld: the total must "
+                                  "reach past the slice (0: the slice is the whole)",
+                                  dims[i].tname, (long long)total, dims[i].what, (long long)off,
+                                  (long long)(off + len));
+    }
+    p->q_pos0 = r->q_offset;
+    p->k_pos0 = r->k_offset;
+    p->L_total = r->q_total != 0 ? r->q_total : p->L;
+    p->S_total = r->k_total != 0 ? r->k_total : p->S;
+    int64_t cells;
+    if (attn__mul_overflows(p->nbatch, p->L_total, &cells) ||
+        attn__mul_overflows(cells, p->S_total, &cells))
+        return attn__fail_arg(ATTN_ERR_OVERFLOW, "params.q_total",
+                              "batch x q_total x k_total overflows 64 bits (the dropout index)");
+    return ATTN_OK;
+}
+
 /* lse is (B..., L): its last dimension is the row dimension. */
 static void fill_lse(attn__operand *op, const attn_tensor *t, int nb) {
     memset(op, 0, sizeof *op);
@@ -327,7 +358,7 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
     memset(p, 0, sizeof *p);
     attn_status st;
     if ((st = check_inputs(p, r)) != ATTN_OK || (st = batch_dims(p, r)) != ATTN_OK ||
-        (st = check_scalars(p, r)) != ATTN_OK)
+        (st = check_scalars(p, r)) != ATTN_OK || (st = check_slice(p, r)) != ATTN_OK)
         return st;
     p->cancel = attn__cancel_flag();
     for (int i = 0; i < r->nmask; i++) {
@@ -378,6 +409,10 @@ static attn_status request_from_public(attn__problem_request *r, const attn_tens
     r->rng_offset = params.rng_offset;
     r->names = params.arg_names;
     r->lse_for_backward = params.lse_for_backward != 0;
+    r->q_offset = params.q_offset;
+    r->k_offset = params.k_offset;
+    r->q_total = params.q_total;
+    r->k_total = params.k_total;
     return ATTN_OK;
 }
 

@@ -24,7 +24,14 @@
  *
  * Terms with p_j exactly 0 (masked, underflowed) are skipped, and v_j is
  * not read where w_j is 0 (dropped), the forward's rule: a NaN or Inf there
- * reaches no gradient. Each batch index's contributions go to a dense
+ * reaches no gradient.
+ *
+ * A key slice of a larger attention (attn_sdpa_params' k_offset, k_total:
+ * a ring step) sees only some of the row's keys, so neither its own sum
+ * nor its own D is the row's: there the stored lse and D_i = dout_i . out_i
+ * are the only source, and are used.
+ *
+ * Each batch index's contributions go to a dense
  * float64 buffer, folded into the gradients in a fixed order
  * (attn__grad_fold), so the result does not depend on the thread count.
  */
@@ -50,8 +57,9 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
     const double lse = attn__load(p->lse.data, p->lse.dtype,
                                   attn__batch_offset(p, &p->lse, b) + i * p->lse.rs);
     const bool empty = max == -INFINITY || lse == -INFINITY;
+    const bool slice = p->S < p->S_total; /* the row's other keys are elsewhere */
     double ref = lse, sum = 1.0; /* p_j = exp(s_j - ref) / sum */
-    if (!empty && isfinite(max) && isfinite(lse)) { /* the row's own (see above) */
+    if (!empty && !slice && isfinite(max) && isfinite(lse)) { /* the row's own (see above) */
         ref = max;
         sum = 0.0;
         for (int64_t j = 0; j < p->S; j++)
@@ -82,8 +90,15 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
         rb->ds[j] = dp; /* for now */
     }
     double D = 0.0;
-    for (int64_t j = 0; j < p->S; j++)
-        if (rb->p[j] != 0.0) D += rb->p[j] * rb->ds[j];
+    if (slice) {
+        const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
+        for (int64_t e = 0; e < p->Ev && !empty; e++)
+            D += attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs) *
+                 attn__load(p->out.data, p->out.dtype, oo + e * p->out.cs);
+    } else {
+        for (int64_t j = 0; j < p->S; j++)
+            if (rb->p[j] != 0.0) D += rb->p[j] * rb->ds[j];
+    }
     for (int64_t j = 0; j < p->S; j++)
         if (rb->p[j] != 0.0) rb->ds[j] = rb->p[j] * (rb->ds[j] - D);
     return !empty;

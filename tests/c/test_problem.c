@@ -273,5 +273,170 @@ static void test_binding_names_in_messages(void) {
     CHECK(strcmp(attn_last_error_arg(), "output") == 0, "out named: %s", attn_last_error_arg());
 }
 
+
+/* ---- public slices (attn_sdpa_params' q_offset ...) and attn_sdpa_merge ---- */
+
+/* Query rows [q0, q0 + n) of a dense (1, SH, rows, width) tensor. */
+static attn_tensor rows_of(void *data, attn_dtype dt, int64_t rows, int64_t width, int64_t q0,
+                           int64_t n) {
+    enum { SH = 2 };
+    attn_tensor t = view(data, dt, 4, (int64_t[]){1, SH, rows, width});
+    t.data = (char *)data + (size_t)(q0 * width) * attn_dtype_size(dt);
+    t.shape[2] = n;
+    return t;
+}
+
+enum { SH = 2, SL = 37, SS = 53, SE = 16, SEV = 8 };
+
+/* The whole call against a 2 x 3 grid of slices merged in float64: out and
+ * lse within float32 rounding; then the backward over key slices (global
+ * out and lse) summed against the whole backward. */
+static void slices_case(attn_isa isa, attn_causal causal, double dropout_p) {
+    const attn_dtype dt = ATTN_DTYPE_F32;
+    rng r = {harness_seed() ^ (unsigned)(isa * 131 + causal * 17 + (int)(dropout_p * 8))};
+    float *q = malloc(sizeof(float) * SH * SL * SE), *k = malloc(sizeof(float) * SH * SS * SE);
+    float *v = malloc(sizeof(float) * SH * SS * SEV), *out = malloc(sizeof(float) * SH * SL * SEV);
+    float *dout = malloc(sizeof(float) * SH * SL * SEV), *part = malloc(sizeof(float) * SH * SL * SEV);
+    double *lse = malloc(sizeof(double) * SH * SL), *plse = malloc(sizeof(double) * SH * SL);
+    double *acc = malloc(sizeof(double) * SH * SL * SEV), *alse = malloc(sizeof(double) * SH * SL);
+    fill(q, dt, SH * SL * SE, &r);
+    fill(k, dt, SH * SS * SE, &r);
+    fill(v, dt, SH * SS * SEV, &r);
+    fill(dout, dt, SH * SL * SEV, &r);
+    attn_sdpa_params prm;
+    attn_sdpa_params_init(&prm);
+    prm.causal = causal;
+    prm.dropout_p = dropout_p;
+    prm.seed = 99;
+    prm.rng_offset = 3;
+    prm.lse_for_backward = 1;
+    CHECK_OK(attn_set_isa(isa));
+    attn_tensor tq = rows_of(q, dt, SL, SE, 0, SL), tk = rows_of(k, dt, SS, SE, 0, SS);
+    attn_tensor tv = rows_of(v, dt, SS, SEV, 0, SS), to = rows_of(out, dt, SL, SEV, 0, SL);
+    attn_tensor tl = view(lse, ATTN_DTYPE_F64, 3, (int64_t[]){1, SH, SL});
+    CHECK_OK(attn_sdpa(&tq, &tk, &tv, &prm, &to, NULL, &tl));
+
+    const int64_t qcut[3] = {0, 15, SL}, kcut[4] = {0, 20, 41, SS};
+    for (int64_t x = 0; x < SH * SL; x++) alse[x] = -INFINITY;
+    for (int a = 0; a < 2; a++) {
+        const int64_t q0 = qcut[a], nq = qcut[a + 1] - q0;
+        for (int b = 0; b < 3; b++) {
+            const int64_t k0 = kcut[b], nk = kcut[b + 1] - k0;
+            attn_sdpa_params sp = prm;
+            sp.q_offset = q0, sp.q_total = SL, sp.k_offset = k0, sp.k_total = SS;
+            attn_tensor sq = rows_of(q, dt, SL, SE, q0, nq), sk = rows_of(k, dt, SS, SE, k0, nk);
+            attn_tensor sv = rows_of(v, dt, SS, SEV, k0, nk);
+            attn_tensor po = view(part, dt, 4, (int64_t[]){1, SH, nq, SEV});
+            attn_tensor pl = view(plse, ATTN_DTYPE_F64, 3, (int64_t[]){1, SH, nq});
+            CHECK_OK(attn_sdpa(&sq, &sk, &sv, &sp, &po, NULL, &pl));
+            attn_tensor ao = rows_of(acc, ATTN_DTYPE_F64, SL, SEV, q0, nq);
+            attn_tensor al = view(alse + q0, ATTN_DTYPE_F64, 3, (int64_t[]){1, SH, nq});
+            al.strides[1] = SL;
+            CHECK_OK(attn_sdpa_merge(&ao, &al, &po, &pl));
+        }
+    }
+    double worst = 0, worst_lse = 0;
+    for (int64_t x = 0; x < SH * SL * SEV; x++) {
+        const double d = fabs(acc[x] - out[x]) / (1 + fabs(out[x]));
+        worst = d > worst ? d : worst;
+    }
+    for (int64_t x = 0; x < SH * SL; x++)
+        if (!(isinf(lse[x]) && lse[x] == alse[x]))
+            worst_lse = fmax(worst_lse, fabs(alse[x] - lse[x]) / (1 + fabs(lse[x])));
+    CHECK(worst < 4e-6 && worst_lse < 4e-6, "%s causal %d p %g: slices merged differ by %g (lse %g)",
+          attn_isa_name(isa), (int)causal, dropout_p, worst, worst_lse);
+
+    /* Backward: key slices with the whole out and lse sum to the whole dq and
+     * give the whole dk, dv rows. */
+    float *dq = calloc(SH * SL * SE, sizeof(float)), *dk = calloc(SH * SS * SE, sizeof(float));
+    float *dv = calloc(SH * SS * SEV, sizeof(float)), *sdq = calloc(SH * SL * SE, sizeof(float));
+    float *sdk = calloc(SH * SS * SE, sizeof(float)), *sdv = calloc(SH * SS * SEV, sizeof(float));
+    double *dq_sum = calloc(SH * SL * SE, sizeof(double));
+    attn_tensor tdo = rows_of(dout, dt, SL, SEV, 0, SL), tdq = rows_of(dq, dt, SL, SE, 0, SL);
+    attn_tensor tdk = rows_of(dk, dt, SS, SE, 0, SS), tdv = rows_of(dv, dt, SS, SEV, 0, SS);
+    CHECK_OK(attn_sdpa_backward(&tdo, &tq, &tk, &tv, &to, &tl, &prm, &tdq, &tdk, &tdv, NULL));
+    double worst_dq = 0, worst_dkv = 0;
+    for (int b = 0; b < 3; b++) {
+        const int64_t k0 = kcut[b], nk = kcut[b + 1] - k0;
+        attn_sdpa_params sp = prm;
+        sp.k_offset = k0, sp.k_total = SS;
+        attn_tensor sk = rows_of(k, dt, SS, SE, k0, nk), sv = rows_of(v, dt, SS, SEV, k0, nk);
+        attn_tensor gq = rows_of(sdq, dt, SL, SE, 0, SL);
+        attn_tensor gk = rows_of(sdk, dt, SS, SE, k0, nk), gv = rows_of(sdv, dt, SS, SEV, k0, nk);
+        CHECK_OK(attn_sdpa_backward(&tdo, &tq, &sk, &sv, &to, &tl, &sp, &gq, &gk, &gv, NULL));
+        for (int64_t x = 0; x < SH * SL * SE; x++) dq_sum[x] += sdq[x];
+    }
+    for (int64_t x = 0; x < SH * SL * SE; x++)
+        worst_dq = fmax(worst_dq, fabs(dq_sum[x] - dq[x]) / (1 + fabs(dq[x])));
+    for (int64_t x = 0; x < SH * SS * SE; x++)
+        worst_dkv = fmax(worst_dkv, fabs(sdk[x] - dk[x]) / (1 + fabs(dk[x])));
+    for (int64_t x = 0; x < SH * SS * SEV; x++)
+        worst_dkv = fmax(worst_dkv, fabs(sdv[x] - dv[x]) / (1 + fabs(dv[x])));
+    CHECK(worst_dq < 2e-5 && worst_dkv < 2e-5,
+          "%s causal %d p %g: backward over key slices differs: dq %g, dk/dv %g",
+          attn_isa_name(isa), (int)causal, dropout_p, worst_dq, worst_dkv);
+    free(q), free(k), free(v), free(out), free(dout), free(part), free(lse), free(plse);
+    free(acc), free(alse), free(dq), free(dk), free(dv), free(sdq), free(sdk), free(sdv);
+    free(dq_sum);
+}
+
+static void test_public_slices_merge_to_the_whole(void) {
+    const attn_causal causals[3] = {ATTN_CAUSAL_NONE, ATTN_CAUSAL_TOP_LEFT,
+                                    ATTN_CAUSAL_BOTTOM_RIGHT};
+    for (size_t i = 0; i < sizeof ALL / sizeof ALL[0]; i++) {
+        if (!attn_isa_supported(ALL[i])) continue;
+        for (int c = 0; c < 3; c++) {
+            slices_case(ALL[i], causals[c], 0.0);
+            slices_case(ALL[i], causals[c], 0.3);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* Slice fields out of range, and merge operands that do not fit. */
+static void test_slice_and_merge_errors(void) {
+    float q[2 * 4] = {0}, k[3 * 4] = {0}, v[3 * 4] = {0}, o[2 * 4] = {0};
+    double l[2] = {0}, po[2 * 4] = {0}, pl[3] = {0};
+    attn_tensor tq = view(q, ATTN_DTYPE_F32, 2, (int64_t[]){2, 4});
+    attn_tensor tk = view(k, ATTN_DTYPE_F32, 2, (int64_t[]){3, 4});
+    attn_tensor tv = view(v, ATTN_DTYPE_F32, 2, (int64_t[]){3, 4});
+    attn_tensor to = view(o, ATTN_DTYPE_F32, 2, (int64_t[]){2, 4});
+    attn_sdpa_params p;
+    const struct { int64_t qo, ko, qt, kt; const char *arg; } bad[] = {
+        {-1, 0, 4, 0, "params.q_offset"}, {0, -2, 0, 5, "params.k_offset"},
+        {3, 0, 4, 0, "params.q_total"},   {0, 1, 0, 3, "params.k_total"},
+        {1, 0, 0, 0, "params.q_total"},   {0, 0, 0, -1, "params.k_total"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        attn_sdpa_params_init(&p);
+        p.q_offset = bad[i].qo, p.k_offset = bad[i].ko, p.q_total = bad[i].qt, p.k_total = bad[i].kt;
+        CHECK_STATUS(attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL), ATTN_ERR_INVALID);
+        CHECK(strcmp(attn_last_error_arg(), bad[i].arg) == 0, "case %zu names %s, not %s", i,
+              attn_last_error_arg(), bad[i].arg);
+    }
+    attn_sdpa_params_init(&p);
+    p.q_offset = 2, p.q_total = 4, p.k_offset = 1, p.k_total = 4; /* exactly fits */
+    CHECK_OK(attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL));
+
+    attn_tensor tl = view(l, ATTN_DTYPE_F64, 1, (int64_t[]){2});
+    attn_tensor tpo = view(po, ATTN_DTYPE_F64, 2, (int64_t[]){2, 4});
+    attn_tensor tpl = view(pl, ATTN_DTYPE_F64, 1, (int64_t[]){3}); /* one row too many */
+    CHECK_STATUS(attn_sdpa_merge(&to, &tl, &tpo, &tpl), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "part_lse") == 0, "names %s", attn_last_error_arg());
+    tpl.shape[0] = 2;
+    CHECK_STATUS(attn_sdpa_merge(&to, &tl, &to, &tpl), ATTN_ERR_OVERLAP);
+    attn_tensor tb = tq;
+    tb.dtype = ATTN_DTYPE_BOOL;
+    CHECK_STATUS(attn_sdpa_merge(&to, &tl, &tb, &tpl), ATTN_ERR_DTYPE);
+    CHECK_STATUS(attn_sdpa_merge(NULL, &tl, &tpo, &tpl), ATTN_ERR_NULL);
+    /* lse = -inf so far: the part is taken as it is, NaN in the old out ignored */
+    for (int i = 0; i < 8; i++) o[i] = NAN, po[i] = i;
+    l[0] = l[1] = -INFINITY;
+    pl[0] = 0.5, pl[1] = -INFINITY;
+    CHECK_OK(attn_sdpa_merge(&to, &tl, &tpo, &tpl));
+    CHECK(o[0] == 0 && o[3] == 3 && l[0] == 0.5, "first part: out %g %g lse %g", o[0], o[3], l[0]);
+    CHECK(o[4] == 0 && isinf(l[1]) && l[1] < 0, "no keys: out %g lse %g", o[4], l[1]);
+}
+
 HARNESS_MAIN(T(test_dropout_halves_merge_bitwise), T(test_lse_merge_rules),
+             T(test_public_slices_merge_to_the_whole), T(test_slice_and_merge_errors),
              T(test_ragged_batches), T(test_binding_names_in_messages))

@@ -1,0 +1,173 @@
+/* comm.c — the ring's messages. Every wait has a deadline: a peer that is
+ * killed, hung or cut off makes the call fail with ATTN_ERR_COMM, never hang
+ * (MPI's own blocking calls would wait forever for a stopped process). */
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "ring_internal.h"
+
+static void pause_briefly(void) { /* waiting: leave the core to others */
+    const struct timespec ts = {0, 50 * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static attn_status mpi_failed(const ring_comm *rc, int err, const char *what) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(err, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "code %d", err);
+    return attn_set_error(ATTN_ERR_COMM, NULL, "attn_ring: rank %d, step %d: %s failed: %s",
+                          rc->rank, rc->step, what, text);
+}
+
+/* Tests `req` until it completes or `deadline` (MPI_Wtime) passes. */
+static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, double deadline,
+                              const char *what, int peer) {
+    for (;;) {
+        int done = 0;
+        const int err = MPI_Testall(count, req, &done, MPI_STATUSES_IGNORE);
+        if (err != MPI_SUCCESS) return mpi_failed(rc, err, what);
+        if (done) return ATTN_OK;
+        if (MPI_Wtime() > deadline) break;
+        pause_briefly();
+    }
+    /* Withdraw the receives: their buffers are about to be freed. */
+    for (int i = 0; i < count; i++)
+        if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
+    if (peer >= 0)
+        return attn_set_error(ATTN_ERR_COMM, NULL,
+                              "attn_ring: rank %d, ring step %d: no %s from rank %d within "
+                              "%g s; rank %d is dead, hung or cut off (params.timeout)",
+                              rc->rank, rc->step, what, peer, rc->timeout, peer);
+    return attn_set_error(ATTN_ERR_COMM, NULL,
+                          "attn_ring: rank %d: %s not complete within %g s; another rank is "
+                          "dead, hung or not calling (params.timeout)",
+                          rc->rank, what, rc->timeout);
+}
+
+attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
+    memset(rc, 0, sizeof *rc);
+    rc->comm = MPI_COMM_NULL;
+    rc->timeout = timeout;
+    int init = 0, fin = 0;
+    MPI_Initialized(&init);
+    MPI_Finalized(&fin);
+    if (!init || fin)
+        return attn_set_error(ATTN_ERR_INVALID, "comm",
+                              "attn_ring: MPI is %s; call MPI_Init first",
+                              fin ? "finalized" : "not initialised");
+    if (comm == MPI_COMM_NULL)
+        return attn_set_error(ATTN_ERR_INVALID, "comm", "attn_ring: comm is MPI_COMM_NULL");
+    int err = MPI_Comm_rank(comm, &rc->rank);
+    if (err == MPI_SUCCESS) err = MPI_Comm_size(comm, &rc->n);
+    if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Comm_rank");
+    MPI_Request req;
+    err = MPI_Comm_idup(comm, &rc->comm, &req);
+    if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Comm_idup");
+    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + timeout, "duplicating comm", -1);
+    if (st != ATTN_OK) {
+        rc->comm = MPI_COMM_NULL; /* unusable; MPI owns it now */
+        return st;
+    }
+    /* Errors on our own communicator come back as codes, not aborts. */
+    MPI_Comm_set_errhandler(rc->comm, MPI_ERRORS_RETURN);
+    return ATTN_OK;
+}
+
+void ring_comm_close(ring_comm *rc) {
+    if (rc->comm != MPI_COMM_NULL) MPI_Comm_free(&rc->comm);
+}
+
+enum { PIECE = 1 << 30 }; /* bytes per message piece: counts are ints */
+
+static attn_status post(ring_comm *rc, void *buf, size_t bytes, int peer, int tag, ring_msgs *m,
+                        bool send) {
+    m->peer = peer;
+    for (size_t at = 0; at < bytes || (bytes == 0 && at == 0); at += PIECE) {
+        if (m->count == (int)(sizeof m->req / sizeof m->req[0]))
+            return attn_set_error(ATTN_ERR_UNSUPPORTED, NULL,
+                                  "attn_ring: a shard of %zu bytes is too large for one message",
+                                  bytes);
+        const int n = (int)(bytes - at < PIECE ? bytes - at : PIECE);
+        char *p = (char *)buf + at;
+        const int err = send ? MPI_Isend(p, n, MPI_BYTE, peer, tag, rc->comm, &m->req[m->count])
+                             : MPI_Irecv(p, n, MPI_BYTE, peer, tag, rc->comm, &m->req[m->count]);
+        if (err != MPI_SUCCESS) return mpi_failed(rc, err, send ? "MPI_Isend" : "MPI_Irecv");
+        m->count++;
+        if (bytes == 0) break;
+    }
+    return ATTN_OK;
+}
+
+attn_status ring_send(ring_comm *rc, const void *buf, size_t bytes, int peer, int tag,
+                      ring_msgs *m) {
+    return post(rc, (void *)buf, bytes, peer, tag, m, true);
+}
+
+attn_status ring_recv(ring_comm *rc, void *buf, size_t bytes, int peer, int tag, ring_msgs *m) {
+    return post(rc, buf, bytes, peer, tag, m, false);
+}
+
+void ring_progress(ring_msgs *m) {
+    int done;
+    if (m->count > 0) MPI_Testall(m->count, m->req, &done, MPI_STATUSES_IGNORE);
+}
+
+attn_status ring_wait(ring_comm *rc, ring_msgs *m) {
+    attn_status st = ATTN_OK;
+    if (m->count > 0)
+        st = wait_until(rc, m->count, m->req, MPI_Wtime() + rc->timeout, m->what, m->peer);
+    m->count = 0;
+    return st;
+}
+
+/* ---- agreement ---- */
+
+void ring_desc_put(ring_desc *d, int *count, const char *name, int64_t value) {
+    if (*count >= RING_DESC_INTS) return; /* the callers stay below; see ring.c */
+    d->v[*count] = value;
+    snprintf(d->names[*count], sizeof d->names[0], "%s", name);
+    (*count)++;
+}
+
+attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_desc *all) {
+    MPI_Request req;
+    int err = MPI_Iallgather(mine, (int)sizeof *mine, MPI_BYTE, all, (int)sizeof *mine, MPI_BYTE,
+                             rc->comm, &req);
+    if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Iallgather");
+    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + rc->timeout, "the agreement", -1);
+    if (st != ATTN_OK) return st;
+    if (mine->status != ATTN_OK) /* our own message is already set */
+        return attn_set_error((attn_status)mine->status, mine->arg, "%s", mine->msg);
+    for (int r = 0; r < rc->n; r++)
+        if (all[r].status != ATTN_OK)
+            return attn_set_error((attn_status)all[r].status, all[r].arg,
+                                  "attn_ring: rank %d failed: %s", r, all[r].msg);
+    for (int r = 0; r < rc->n; r++)
+        for (int i = 0; i < count; i++)
+            if (all[r].v[i] != mine->v[i])
+                return attn_set_error(ATTN_ERR_INVALID, all[r].names[i],
+                                      "attn_ring: %s is %lld on rank %d but %lld on rank %d: "
+                                      "every rank must make the same call on its shard",
+                                      all[r].names[i], (long long)all[r].v[i], r,
+                                      (long long)mine->v[i], rc->rank);
+    return ATTN_OK;
+}
+
+attn_status ring_finish(ring_comm *rc, attn_status mine) {
+    /* the worst status, and the first rank that failed */
+    int status_in = (int)mine, status = 0;
+    int rank_in = mine != ATTN_OK ? rc->rank : rc->n, lowest = rc->n;
+    MPI_Request req[2];
+    int err = MPI_Iallreduce(&status_in, &status, 1, MPI_INT, MPI_MAX, rc->comm, &req[0]);
+    if (err == MPI_SUCCESS)
+        err = MPI_Iallreduce(&rank_in, &lowest, 1, MPI_INT, MPI_MIN, rc->comm, &req[1]);
+    if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Iallreduce");
+    attn_status st = wait_until(rc, 2, req, MPI_Wtime() + rc->timeout, "the final status", -1);
+    if (st != ATTN_OK || mine != ATTN_OK) return st != ATTN_OK ? st : mine;
+    if (status != ATTN_OK)
+        return attn_set_error((attn_status)status, NULL,
+                              "attn_ring: rank %d failed (%s); see its own message", lowest,
+                              attn_strerror((attn_status)status));
+    return ATTN_OK;
+}

@@ -1,0 +1,514 @@
+/*
+ * ring.c — ring attention: the forward and backward passes (attn_ring.h).
+ *
+ * Step t of N on rank r: the K/V shard of rank o = r - t (mod N) is in
+ * hand; the next one is on its way from r - 1 while this one is sent on to
+ * r + 1. Each pair of a query run of r and a key run of o is an attn_sdpa
+ * call on a slice of the whole attention (q_offset, k_offset: causality and
+ * dropout stay the whole's), cut into pieces of query rows so MPI can move
+ * the messages between them (without a progress thread, MPI moves data only
+ * inside its calls). Parts merge into float64 sums in step order.
+ *
+ * The backward sends each shard's dK/dV sums (float64) along with it: step t
+ * adds rank r's terms to the sums of shard o and passes them on; after step
+ * N - 1 they are one hop from home, and take it.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ring_internal.h"
+
+enum { TAG_KV = 0, TAG_DKV = 1, TAG_HOME = 2, TAGS = 3 };
+enum { PIECES = 8, PIECE_ROWS_MIN = 128 }; /* query rows per call: progress points */
+
+typedef struct ring_call {
+    ring_comm rc;
+    attn_ring_params prm;
+    attn_sdpa_params sdpa;          /* the caller's, slice fields set per call */
+    const attn_tensor *q, *k, *v, *mask;
+    int orank;                      /* out: (B..., Hq, L_shard, Ev) */
+    int64_t oshape[ATTN_MAX_RANK];
+    int64_t Ltot, Stot, Lmax, Smax;
+    int64_t *Ls, *Ss;               /* every rank's shard lengths */
+    ring_runs qruns;
+    char *kv[2];                    /* K/V (+ mask) messages, dense */
+    size_t kv_bytes;                /* room in each */
+    attn_status status;             /* this rank's compute so far */
+    double t_compute, t_wait;
+} ring_call;
+
+/* ---- geometry of a shard's message ---- */
+
+/* `t` with dimension `dim` set to n (a shard of another rank). */
+static attn_tensor resized(const attn_tensor *t, int dim, int64_t n) {
+    attn_tensor r = *t;
+    r.shape[dim] = n;
+    return r;
+}
+
+static size_t align64(size_t x) { return (x + 63) / 64 * 64; }
+
+/* Where K, V and the mask of rank o's shard sit in a message. */
+typedef struct kv_layout {
+    attn_tensor k, v, mask; /* dense views, once `base` is set */
+    size_t bytes;
+} kv_layout;
+
+static kv_layout kv_layout_of(const ring_call *c, int o, char *base) {
+    kv_layout m;
+    memset(&m, 0, sizeof m);
+    const attn_tensor ks = resized(c->k, c->k->rank - 2, c->Ss[o]);
+    const attn_tensor vs = resized(c->v, c->v->rank - 2, c->Ss[o]);
+    const size_t kb = align64(ring_bytes(&ks, c->k->dtype));
+    const size_t vb = align64(ring_bytes(&vs, c->v->dtype));
+    m.k = ring_dense_like(&ks, base, c->k->dtype);
+    m.v = ring_dense_like(&vs, base + kb, c->v->dtype);
+    m.bytes = kb + vb;
+    if (c->mask != NULL) {
+        const attn_tensor ms = resized(c->mask, c->mask->rank - 1, c->Ss[o]);
+        m.mask = ring_dense_like(&ms, base + kb + vb, c->mask->dtype);
+        m.bytes += align64(ring_bytes(&ms, c->mask->dtype));
+    }
+    return m;
+}
+
+/* ---- parameters and local checks ---- */
+
+static attn_status read_params(ring_call *c, const attn_ring_params *user) {
+    attn_ring_params_init(&c->prm);
+    if (user != NULL) {
+        if (user->struct_size < offsetof(attn_ring_params, stats) || user->struct_size > 4096)
+            return attn_set_error(ATTN_ERR_INVALID, "params.struct_size",
+                                  "params.struct_size is %zu: initialise params with "
+                                  "attn_ring_params_init() before setting its fields",
+                                  user->struct_size);
+        memcpy(&c->prm, user,
+               user->struct_size < sizeof c->prm ? user->struct_size : sizeof c->prm);
+    }
+    const size_t ss = c->prm.sdpa.struct_size;
+    if (ss < offsetof(attn_sdpa_params, arg_names) || ss > 4096)
+        return attn_set_error(ATTN_ERR_INVALID, "params.sdpa.struct_size",
+                              "params.sdpa.struct_size is %zu: initialise it with "
+                              "attn_ring_params_init()", ss);
+    attn_sdpa_params_init(&c->sdpa);
+    memcpy(&c->sdpa, &c->prm.sdpa, ss < sizeof c->sdpa ? ss : sizeof c->sdpa);
+    c->sdpa.struct_size = sizeof c->sdpa;
+    if (c->sdpa.attn_mask != NULL)
+        return attn_set_error(ATTN_ERR_INVALID, "params.sdpa.attn_mask",
+                              "attn_ring: params.sdpa.attn_mask must be NULL: a mask over the "
+                              "whole (L, S) does not travel; give the keys' mask as "
+                              "params.key_mask");
+    if (c->sdpa.q_offset || c->sdpa.k_offset || c->sdpa.q_total || c->sdpa.k_total)
+        return attn_set_error(ATTN_ERR_INVALID, "params.sdpa.q_offset",
+                              "attn_ring: the slice fields of params.sdpa must be 0; the ring "
+                              "sets them from the shards");
+    if (c->prm.layout != ATTN_RING_ZIGZAG && c->prm.layout != ATTN_RING_CONTIGUOUS)
+        return attn_set_error(ATTN_ERR_INVALID, "params.layout",
+                              "params.layout is %d; expected ATTN_RING_ZIGZAG or "
+                              "ATTN_RING_CONTIGUOUS", (int)c->prm.layout);
+    if (!(c->prm.timeout > 0) || !isfinite(c->prm.timeout))
+        return attn_set_error(ATTN_ERR_INVALID, "params.timeout",
+                              "params.timeout is %g; expected a number of seconds > 0",
+                              c->prm.timeout);
+    c->mask = c->prm.key_mask;
+    return ATTN_OK;
+}
+
+/* q, k, v, the key mask and out as attn_sdpa would take them on this shard. */
+static attn_status check_local(ring_call *c, const attn_tensor *out, const attn_tensor *lse) {
+    attn_sdpa_params sp = c->sdpa;
+    sp.attn_mask = c->mask;
+    attn_status st = attn_sdpa_out_shape(c->q, c->k, c->v, &sp, &c->orank, c->oshape);
+    if (st != ATTN_OK) {
+        if (strcmp(attn_last_error_arg(), "attn_mask") == 0)
+            return attn_set_error(st, "params.key_mask", "params.key_mask: %s", attn_last_error());
+        return st;
+    }
+    if (c->mask != NULL && c->mask->rank >= 2 && c->mask->shape[c->mask->rank - 2] != 1)
+        return attn_set_error(ATTN_ERR_SHAPE, "params.key_mask",
+                              "params.key_mask.shape[-2] is %lld; a key mask is the same for "
+                              "every query (1 there): it travels with its keys",
+                              (long long)c->mask->shape[c->mask->rank - 2]);
+    const char *which[2] = {"out", "lse"};
+    const attn_tensor *t[2] = {out, lse};
+    for (int i = 0; i < 2; i++) {
+        if (t[i] == NULL) {
+            if (i == 0) return attn_set_error(ATTN_ERR_NULL, "out", "attn_ring: out is NULL");
+            continue;
+        }
+        const int want = c->orank - i;
+        bool ok = t[i]->rank == want && t[i]->data != NULL;
+        for (int d = 0; ok && d < want; d++) ok = t[i]->shape[d] == c->oshape[d];
+        if (!ok)
+            return attn_set_error(ATTN_ERR_SHAPE, which[i], "attn_ring: %s has the wrong shape "
+                                  "or no data: expected (B..., Hq, L_shard%s) of rank %d",
+                                  which[i], i == 0 ? ", Ev" : "", want);
+        const bool dt_ok = t[i]->dtype == c->q->dtype || (i == 1 && t[i]->dtype == ATTN_DTYPE_F64);
+        if (!dt_ok)
+            return attn_set_error(ATTN_ERR_DTYPE, which[i], "attn_ring: %s is %s; expected %s%s",
+                                  which[i], attn_dtype_name(t[i]->dtype),
+                                  attn_dtype_name(c->q->dtype), i == 1 ? " or float64" : "");
+    }
+    return ATTN_OK;
+}
+
+/* ---- agreement ---- */
+
+static void put_shape(ring_desc *d, int *n, const char *name, const attn_tensor *t, int skip) {
+    char key[24];
+    snprintf(key, sizeof key, "%s.rank", name);
+    ring_desc_put(d, n, key, t != NULL ? t->rank : -1);
+    if (t == NULL) return;
+    snprintf(key, sizeof key, "%s.dtype", name);
+    ring_desc_put(d, n, key, t->dtype);
+    for (int i = 0; i < t->rank; i++) {
+        if (i == t->rank + skip) continue; /* the shard's own length */
+        snprintf(key, sizeof key, "%s.shape[%d]", name, i - t->rank);
+        ring_desc_put(d, n, key, t->shape[i]);
+    }
+}
+
+static int64_t bits(double x) {
+    int64_t b;
+    memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+/* This rank's call, for comparison with every other rank's. */
+static int describe(const ring_call *c, attn_status local, int kind, const attn_tensor *const g[5],
+                    ring_desc *d) {
+    memset(d, 0, sizeof *d);
+    int n = 0;
+    d->status = local;
+    if (local != ATTN_OK) {
+        snprintf(d->msg, sizeof d->msg, "%s", attn_last_error());
+        snprintf(d->arg, sizeof d->arg, "%s", attn_last_error_arg());
+        return 0;
+    }
+    d->L = c->q->shape[c->q->rank - 2];
+    d->S = c->k->shape[c->k->rank - 2];
+    ring_desc_put(d, &n, "call", kind);
+    ring_desc_put(d, &n, "params.layout", c->prm.layout);
+    put_shape(d, &n, "q", c->q, -2);
+    put_shape(d, &n, "k", c->k, -2);
+    put_shape(d, &n, "v", c->v, -2);
+    put_shape(d, &n, "params.key_mask", c->mask, -1);
+    ring_desc_put(d, &n, "params.sdpa.causal", c->sdpa.causal);
+    ring_desc_put(d, &n, "params.sdpa.has_scale", c->sdpa.has_scale);
+    ring_desc_put(d, &n, "params.sdpa.scale", c->sdpa.has_scale ? bits(c->sdpa.scale) : 0);
+    ring_desc_put(d, &n, "params.sdpa.enable_gqa", c->sdpa.enable_gqa != 0);
+    ring_desc_put(d, &n, "params.sdpa.dropout_p", bits(c->sdpa.dropout_p));
+    ring_desc_put(d, &n, "params.sdpa.seed", (int64_t)c->sdpa.seed);
+    ring_desc_put(d, &n, "params.sdpa.rng_offset", (int64_t)c->sdpa.rng_offset);
+    ring_desc_put(d, &n, "params.sdpa.lse_for_backward", c->sdpa.lse_for_backward != 0);
+    static const char *const grad_names[5] = {"out", "lse", "dq", "dk", "dv"};
+    for (int i = 0; i < 5; i++) {
+        char key[24];
+        snprintf(key, sizeof key, "%s.dtype", grad_names[i]);
+        ring_desc_put(d, &n, key, g[i] != NULL ? (int64_t)g[i]->dtype : -1);
+    }
+    return n;
+}
+
+/* Exchanges the descriptions; the totals, runs and message room. */
+static attn_status agree(ring_call *c, attn_status local, int kind, const attn_tensor *const g[5]) {
+    const int N = c->rc.n;
+    ring_desc mine, *all = attn_alloc(sizeof(ring_desc) * (size_t)N);
+    c->Ls = attn_alloc(sizeof(int64_t) * (size_t)N);
+    c->Ss = attn_alloc(sizeof(int64_t) * (size_t)N);
+    if (all == NULL || c->Ls == NULL || c->Ss == NULL) {
+        attn_free(all);
+        local = attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (agreement)");
+        all = NULL;
+    }
+    const int count = describe(c, local, kind, g, &mine);
+    if (all == NULL) return local; /* the others time out on this rank: nothing else to do */
+    attn_status st = ring_agree(&c->rc, &mine, count, all);
+    for (int r = 0; r < N && st == ATTN_OK; r++) {
+        c->Ls[r] = all[r].L;
+        c->Ss[r] = all[r].S;
+    }
+    attn_free(all);
+    if (st != ATTN_OK) return st;
+    c->Ltot = c->Stot = c->Lmax = c->Smax = 0;
+    for (int r = 0; r < N; r++) {
+        c->Ltot += c->Ls[r], c->Stot += c->Ss[r];
+        c->Lmax = c->Ls[r] > c->Lmax ? c->Ls[r] : c->Lmax;
+        c->Smax = c->Ss[r] > c->Smax ? c->Ss[r] : c->Smax;
+    }
+    for (int r = 0; r < N && c->prm.layout == ATTN_RING_ZIGZAG; r++) {
+        ring_runs qr, kr;
+        ring_runs_of(ATTN_RING_ZIGZAG, c->Ltot, N, r, NULL, &qr);
+        ring_runs_of(ATTN_RING_ZIGZAG, c->Stot, N, r, NULL, &kr);
+        const int64_t lq = qr.len[0] + (qr.n > 1 ? qr.len[1] : 0);
+        const int64_t lk = kr.len[0] + (kr.n > 1 ? kr.len[1] : 0);
+        if (c->Ltot < 2 * N || c->Stot < 2 * N || lq != c->Ls[r] || lk != c->Ss[r])
+            return attn_set_error(ATTN_ERR_SHAPE, lq != c->Ls[r] ? "q" : "k",
+                                  "attn_ring: rank %d holds %lld queries and %lld keys, but the "
+                                  "zigzag layout of %lld and %lld over %d ranks gives it %lld "
+                                  "and %lld (attn_ring_shard_runs; at least 2 per rank)",
+                                  r, (long long)c->Ls[r], (long long)c->Ss[r], (long long)c->Ltot,
+                                  (long long)c->Stot, N, (long long)lq, (long long)lk);
+    }
+    ring_runs_of(c->prm.layout, c->Ltot, N, c->rc.rank, c->Ls, &c->qruns);
+    for (int r = 0; r < N; r++) {
+        const size_t b = kv_layout_of(c, r, NULL).bytes;
+        c->kv_bytes = b > c->kv_bytes ? b : c->kv_bytes;
+    }
+    return ATTN_OK;
+}
+
+/* ---- the steps ---- */
+
+/* Whether any query of run [q0, q0 + nq) sees a key of [k0, ...): causal
+ * over the whole lengths (bottom-right: aligned to the last key). */
+static bool pair_visible(const ring_call *c, int64_t q0, int64_t nq, int64_t k0) {
+    if (c->sdpa.causal == ATTN_CAUSAL_NONE) return true;
+    const int64_t shift = c->sdpa.causal == ATTN_CAUSAL_BOTTOM_RIGHT ? c->Stot - c->Ltot : 0;
+    return q0 + nq - 1 + shift >= k0;
+}
+
+static int64_t piece_rows(int64_t n) {
+    const int64_t rows = (n + PIECES - 1) / PIECES;
+    return rows > PIECE_ROWS_MIN ? rows : PIECE_ROWS_MIN;
+}
+
+/* The sdpa parameters of one piece: query rows from q0, keys from k0. */
+static attn_sdpa_params slice_params(const ring_call *c, int64_t q0, int64_t k0,
+                                     const attn_tensor *mask) {
+    attn_sdpa_params sp = c->sdpa;
+    sp.q_offset = q0;
+    sp.q_total = c->Ltot;
+    sp.k_offset = k0;
+    sp.k_total = c->Stot;
+    sp.attn_mask = mask;
+    return sp;
+}
+
+/* One piece of the forward: attention of query rows [row, row + n) of this
+ * rank on key run b of origin o, merged into the sums. */
+typedef struct fwd_bufs {
+    attn_tensor acc, acc_lse;   /* (B..., Hq, L_shard, Ev) and (..., L_shard), float64 */
+    void *part, *part_lse;      /* room for L_shard rows */
+} fwd_bufs;
+
+static attn_status forward_piece(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
+                                 int a, int64_t p0, int64_t np, fwd_bufs *f) {
+    const int ld = c->q->rank - 2, od = c->orank - 2;
+    const attn_tensor q = ring_rows(c->q, ld, c->qruns.row[a] + p0, np);
+    const attn_tensor k = ring_rows(&m->k, m->k.rank - 2, kr->row[b], kr->len[b]);
+    const attn_tensor v = ring_rows(&m->v, m->v.rank - 2, kr->row[b], kr->len[b]);
+    attn_tensor mask;
+    if (c->mask != NULL) mask = ring_rows(&m->mask, m->mask.rank - 1, kr->row[b], kr->len[b]);
+    const attn_sdpa_params sp = slice_params(c, c->qruns.start[a] + p0, kr->start[b],
+                                             c->mask != NULL ? &mask : NULL);
+    attn_tensor acc = ring_rows(&f->acc, od, c->qruns.row[a] + p0, np);
+    attn_tensor acc_lse = ring_rows(&f->acc_lse, od, c->qruns.row[a] + p0, np);
+    attn_tensor part = ring_dense_like(&acc, f->part, c->q->dtype);
+    attn_tensor part_lse = ring_dense_like(&acc_lse, f->part_lse, ATTN_DTYPE_F64);
+    attn_status st = attn_sdpa(&q, &k, &v, &sp, &part, NULL, &part_lse);
+    if (st == ATTN_OK) st = attn_sdpa_merge(&acc, &acc_lse, &part, &part_lse);
+    return st;
+}
+
+/* Every piece of rank o's shard for this rank, MPI moving `pending` between
+ * pieces. `piece` is forward_piece or the backward's. */
+typedef attn_status (*piece_fn)(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
+                                int a, int64_t p0, int64_t np, void *ctx);
+
+static void compute_step(ring_call *c, int o, const kv_layout *m, piece_fn piece, void *ctx,
+                         ring_msgs *pending, int npending) {
+    const double t0 = MPI_Wtime();
+    ring_runs kr;
+    ring_runs_of(c->prm.layout, c->Stot, c->rc.n, o, c->Ss, &kr);
+    for (int a = 0; a < c->qruns.n && c->status == ATTN_OK; a++)
+        for (int b = 0; b < kr.n && c->status == ATTN_OK; b++) {
+            if (!pair_visible(c, c->qruns.start[a], c->qruns.len[a], kr.start[b])) continue;
+            const int64_t rows = piece_rows(c->qruns.len[a]);
+            for (int64_t p0 = 0; p0 < c->qruns.len[a] && c->status == ATTN_OK; p0 += rows) {
+                const int64_t np = c->qruns.len[a] - p0 < rows ? c->qruns.len[a] - p0 : rows;
+                c->status = piece(c, m, &kr, b, a, p0, np, ctx);
+                for (int i = 0; i < npending; i++) ring_progress(&pending[i]);
+            }
+        }
+    const double dt = MPI_Wtime() - t0;
+    c->t_compute += dt;
+    if (c->prm.stats != NULL && c->rc.step < 64) c->prm.stats->step_compute[c->rc.step] = dt;
+}
+
+/* Waits for the step's messages, timing it. */
+static attn_status wait_step(ring_call *c, ring_msgs *msgs, int n) {
+    const double t0 = MPI_Wtime();
+    attn_status st = ATTN_OK;
+    for (int i = 0; i < n && st == ATTN_OK; i++) st = ring_wait(&c->rc, &msgs[i]);
+    const double dt = MPI_Wtime() - t0;
+    c->t_wait += dt;
+    if (c->prm.stats != NULL && c->rc.step < 64) c->prm.stats->step_wait[c->rc.step] += dt;
+    return st;
+}
+
+/* Posts step t's K/V traffic: this shard on to r + 1, the next from r - 1. */
+static attn_status post_kv(ring_call *c, int t, ring_msgs *m) {
+    const int N = c->rc.n, r = c->rc.rank, next = (r + 1) % N, prev = (r + N - 1) % N;
+    const int o = (r - t + 2 * N) % N, o_next = (r - t - 1 + 2 * N) % N;
+    memset(m, 0, sizeof *m);
+    m->what = "K/V shard";
+    if (t == N - 1) return ATTN_OK;
+    const size_t in = kv_layout_of(c, o_next, NULL).bytes, out = kv_layout_of(c, o, NULL).bytes;
+    attn_status st = ring_recv(&c->rc, c->kv[(t + 1) % 2], in, prev, t * TAGS + TAG_KV, m);
+    if (st == ATTN_OK) st = ring_send(&c->rc, c->kv[t % 2], out, next, t * TAGS + TAG_KV, m);
+    if (c->prm.stats != NULL) c->prm.stats->bytes_sent += (int64_t)out;
+    return st;
+}
+
+/* Packs this rank's K, V and mask into the first message buffer. */
+static void pack_own(ring_call *c) {
+    const kv_layout m = kv_layout_of(c, c->rc.rank, c->kv[0]);
+    ring_copy(c->k, &m.k);
+    ring_copy(c->v, &m.v);
+    if (c->mask != NULL) ring_copy(c->mask, &m.mask);
+}
+
+/* ---- set-up shared by both passes ---- */
+
+/* Reads the parameters and opens the ring's communicator. A bad argument
+ * is not returned at once: it goes into the agreement (*local), so that the
+ * other ranks fail with it instead of waiting for this one. */
+static attn_status begin(ring_call *c, MPI_Comm comm, const attn_ring_params *params,
+                         const attn_tensor *q, const attn_tensor *k, const attn_tensor *v,
+                         attn_status *local) {
+    memset(c, 0, sizeof *c);
+    c->rc.comm = MPI_COMM_NULL;
+    c->q = q, c->k = k, c->v = v;
+    *local = read_params(c, params);
+    if (*local == ATTN_OK && (q == NULL || k == NULL || v == NULL))
+        *local = attn_set_error(ATTN_ERR_NULL, q == NULL ? "q" : k == NULL ? "k" : "v",
+                                "attn_ring: %s is NULL", q == NULL ? "q" : k == NULL ? "k" : "v");
+    if (*local == ATTN_OK && c->prm.stats != NULL) memset(c->prm.stats, 0, sizeof *c->prm.stats);
+    const double timeout = c->prm.timeout > 0 && isfinite(c->prm.timeout) ? c->prm.timeout : 60.0;
+    char msg[RING_MSG], arg[RING_ARG]; /* opening the communicator clears nothing, but keep them */
+    snprintf(msg, sizeof msg, "%s", attn_last_error());
+    snprintf(arg, sizeof arg, "%s", attn_last_error_arg());
+    attn_status st = ring_comm_open(comm, timeout, &c->rc);
+    if (st == ATTN_OK && *local != ATTN_OK) attn_set_error(*local, arg, "%s", msg);
+    return st;
+}
+
+static attn_status alloc_kv(ring_call *c) {
+    c->kv[0] = attn_alloc(c->kv_bytes);
+    c->kv[1] = c->rc.n > 1 ? attn_alloc(c->kv_bytes) : NULL;
+    if (c->kv[0] == NULL || (c->rc.n > 1 && c->kv[1] == NULL))
+        return attn_set_error(ATTN_ERR_NOMEM, NULL,
+                              "attn_ring: out of memory for two K/V messages of %zu bytes",
+                              c->kv_bytes);
+    return ATTN_OK;
+}
+
+static void end(ring_call *c, double t0) {
+    attn_free(c->kv[0]);
+    attn_free(c->kv[1]);
+    attn_free(c->Ls);
+    attn_free(c->Ss);
+    if (c->prm.stats != NULL) {
+        c->prm.stats->steps = c->rc.n;
+        c->prm.stats->compute = c->t_compute;
+        c->prm.stats->wait = c->t_wait;
+        c->prm.stats->total = MPI_Wtime() - t0;
+    }
+    ring_comm_close(&c->rc);
+}
+
+/* ---- forward ---- */
+
+void attn_ring_params_init(attn_ring_params *params) {
+    if (params == NULL) return;
+    memset(params, 0, sizeof *params);
+    params->struct_size = sizeof *params;
+    attn_sdpa_params_init(&params->sdpa);
+    params->layout = ATTN_RING_ZIGZAG;
+    params->timeout = 60.0;
+}
+
+static attn_status forward_piece_fn(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
+                                    int a, int64_t p0, int64_t np, void *ctx) {
+    return forward_piece(c, m, kr, b, a, p0, np, ctx);
+}
+
+/* The N steps of the forward into f's sums. */
+static attn_status forward_steps(ring_call *c, fwd_bufs *f) {
+    const int N = c->rc.n;
+    for (int t = 0; t < N; t++) {
+        c->rc.step = t;
+        const int o = (c->rc.rank - t + N) % N;
+        ring_msgs msgs;
+        attn_status st = post_kv(c, t, &msgs);
+        if (st != ATTN_OK) return st;
+        const kv_layout m = kv_layout_of(c, o, c->kv[t % 2]);
+        compute_step(c, o, &m, forward_piece_fn, f, &msgs, 1);
+        if ((st = wait_step(c, &msgs, 1)) != ATTN_OK) return st;
+    }
+    return ATTN_OK;
+}
+
+/* The forward's float64 sums and part buffers, shaped like out. */
+static attn_status forward_alloc(const attn_tensor *out, fwd_bufs *f) {
+    const size_t obytes = ring_bytes(out, ATTN_DTYPE_F64);
+    const size_t lbytes = obytes / (size_t)out->shape[out->rank - 1];
+    void *acc = attn_alloc(obytes), *acc_lse = attn_alloc(lbytes);
+    f->part = attn_alloc(obytes);
+    f->part_lse = attn_alloc(lbytes);
+    f->acc = ring_dense_like(out, acc, ATTN_DTYPE_F64);
+    attn_tensor rows = *out; /* lse: out's shape without Ev */
+    rows.rank--;
+    f->acc_lse = ring_dense_like(&rows, acc_lse, ATTN_DTYPE_F64);
+    if (acc == NULL || acc_lse == NULL || f->part == NULL || f->part_lse == NULL)
+        return attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory for the sums");
+    memset(acc, 0, obytes);
+    for (size_t i = 0; i < lbytes / sizeof(double); i++)
+        ((double *)acc_lse)[i] = -INFINITY; /* no key yet */
+    return ATTN_OK;
+}
+
+static void forward_free(fwd_bufs *f) {
+    attn_free(f->acc.data);
+    attn_free(f->acc_lse.data);
+    attn_free(f->part);
+    attn_free(f->part_lse);
+}
+
+attn_status attn_ring_sdpa(MPI_Comm comm, const attn_tensor *q, const attn_tensor *k,
+                           const attn_tensor *v, const attn_ring_params *params, attn_tensor *out,
+                           attn_tensor *lse) {
+    attn_clear_error();
+    const double t0 = MPI_Wtime();
+    ring_call c;
+    fwd_bufs f;
+    memset(&f, 0, sizeof f);
+    attn_status local;
+    attn_status st = begin(&c, comm, params, q, k, v, &local);
+    if (st == ATTN_OK) {
+        const double ta = MPI_Wtime();
+        const attn_tensor *g[5] = {out, lse, NULL, NULL, NULL};
+        if (local == ATTN_OK) local = check_local(&c, out, lse);
+        st = agree(&c, local, 0, g);
+        if (c.prm.stats != NULL) c.prm.stats->agree = MPI_Wtime() - ta;
+    }
+    if (st == ATTN_OK) { /* every rank has its buffers, or all stop here */
+        attn_status mine = alloc_kv(&c);
+        if (mine == ATTN_OK) mine = forward_alloc(out, &f);
+        st = ring_finish(&c.rc, mine);
+    }
+    if (st == ATTN_OK) {
+        pack_own(&c);
+        st = forward_steps(&c, &f);
+        if (st == ATTN_OK) st = ring_finish(&c.rc, c.status);
+    }
+    if (st == ATTN_OK) {
+        ring_copy(&f.acc, out);
+        if (lse != NULL) ring_copy(&f.acc_lse, lse);
+    }
+    forward_free(&f);
+    end(&c, t0);
+    return st;
+}
