@@ -76,22 +76,22 @@ static int fail(ring *r, const char *fmt, ...) {
 
 static void collect(const char *message) { note(current, message); }
 
-/* "[rank 2] " or "[ranks 0, 1, 3] ": the ranks whose message is all[i]'s. */
+/* "[rank 2] " or "[ranks 0, 1, 3] ": the ranks whose message is all[i]'s
+ * (marked done); "" when that is every rank. */
 static void rank_list(const char *all, int n, int i, bool *done, char *out, size_t size) {
     const char *mine = all + (size_t)i * MSG_SIZE;
+    char ranks[160] = "";
     int count = 0;
     size_t used = 0;
     for (int j = i; j < n; j++) {
         if (done[j] || strcmp(all + (size_t)j * MSG_SIZE, mine) != 0) continue;
         done[j] = true;
-        if (++count <= 16 && used < size)
-            used += (size_t)snprintf(out + used, size - used, "%s%d", count > 1 ? ", " : "", j);
-        else if (count == 17 && used < size)
-            used += (size_t)snprintf(out + used, size - used, ", ...");
+        if (++count <= 16 && used < sizeof ranks)
+            used += (size_t)snprintf(ranks + used, sizeof ranks - used, "%s%d",
+                                     count > 1 ? ", " : "", j);
+        else if (count == 17 && used < sizeof ranks)
+            used += (size_t)snprintf(ranks + used, sizeof ranks - used, ", ...");
     }
-    char ranks[512];
-    snprintf(ranks, sizeof ranks, "%s", out);
-    /* The same message from every rank needs no names. */
     if (count == n)
         out[0] = '\0';
     else
@@ -166,8 +166,9 @@ static void set_threads(ring *r, const sdpa_args *a) {
     }
 }
 
-/* Resolves this rank's view of the outputs (outputs_add). */
-static int add_outputs_here(ring *r, const sdpa_args *a) {
+/* Every rank resolves the outputs' folders (outputs_add): each must see
+ * the folder in which rank 0 will create the temporaries. */
+static int add_outputs(ring *r, const sdpa_args *a) {
     int rc = outputs_add("-o", a->out);
     if (rc == CLI_OK && a->lse) rc = outputs_add("--lse", a->lse);
     const char *opts[2] = {"-o", "--lse"}, *paths[2] = {a->out, a->lse};
@@ -177,15 +178,6 @@ static int add_outputs_here(ring *r, const sdpa_args *a) {
                       "attn: writing %s '%s': --ring writes its output by offset, into a "
                       "regular file; this is a device or FIFO",
                       opts[i], paths[i]);
-    return rc;
-}
-
-/* Rank 0 first, so that a missing folder is reported once; then the others,
- * which must see the same folder to write into rank 0's temporary. */
-static int add_outputs(ring *r, const sdpa_args *a) {
-    int rc = r->rank == 0 ? add_outputs_here(r, a) : CLI_OK;
-    rc = agree(r, rc);
-    if (rc == CLI_OK && r->rank != 0) rc = add_outputs_here(r, a);
     return agree(r, rc);
 }
 
