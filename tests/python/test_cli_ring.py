@@ -211,7 +211,7 @@ def test_help():
     r = subprocess.run([MPIRUN, "-np", "2", CLI, "sdpa", "--ring", "--help"],
                        capture_output=True, text=True, timeout=60, env=ENV)
     assert r.returncode == 0 and r.stdout.count("usage: attn sdpa") == 1, r.stderr
-    assert "--ring-timeout SECONDS" in r.stdout and "--layout zigzag|contiguous" in r.stdout
+    assert "--ring-timeout SECONDS" in r.stdout and "--layout L" in r.stdout
 
 
 def old_target(folder):
@@ -262,6 +262,22 @@ def test_files_differ_between_ranks(tmp_path):
     assert ("[rank 2] attn: reading -k: 'k.npy' holds float32 (2, 3, 41, 16) on this rank but "
             "float32 (2, 3, 40, 16) on rank 0") in r.stderr, r.stderr
     assert_untouched(target)
+
+
+@needs_mpirun
+def test_output_folder_differs_between_ranks(tmp_path):
+    """A relative -o names another folder on rank 1 (no shared file system):
+    rank 1 cannot open rank 0's temporary, and nothing is written anywhere."""
+    d = rank_folders(tmp_path, 2)
+    for folder in d:
+        make_inputs(folder, "plain")
+    targets = [old_target(folder) for folder in d]
+    r = mpirun_per_rank(d, "-q", "q.npy", "-k", "k.npy", "-v", "v.npy", "-o", "out.npy")
+    assert r.returncode == 1, r.stderr
+    assert "[rank 1] attn: writing -o 'out.npy': cannot open the temporary file" in r.stderr
+    assert "(every rank must see the same folder)" in r.stderr, r.stderr
+    for target in targets:
+        assert_untouched(target)
 
 
 @needs_mpirun
