@@ -450,9 +450,6 @@ def test_rank_killed_mid_ring(tmp_path):
 
 
 @needs_mpirun
-@pytest.mark.xfail(reason="attn_ring's wait_until cancels a request Open MPI cannot cancel "
-                          "(MPI_ERR_REQUEST, fatal) before it returns ATTN_ERR_COMM",
-                   strict=False)
 def test_rank_hung_mid_ring(tmp_path):
     """A rank that stops answering (SIGSTOP) is given up after --ring-timeout:
     rank 0 says what it waited for and ends the job with MPI_Abort."""
