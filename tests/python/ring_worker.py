@@ -132,8 +132,37 @@ def checks():
     return found
 
 
+def hang(d):
+    """The last rank never joins; the others give up after the timeout and
+    end the job, as attn_ring.h says to."""
+    x = np.ones((1, 1, 4 * SIZE, 8), dtype=np.float32)
+    s = ad.shard(x, RANK, SIZE)
+    if RANK == SIZE - 1:
+        time.sleep(60)  # hung: Abort ends it sooner
+        return
+    t0 = time.monotonic()
+    try:
+        ad.ring_attention(s, s, s, COMM, timeout=2.0)
+        found = {"type": None}
+    except Exception as e:
+        found = {"type": type(e).__name__, "msg": str(e),
+                 "status_name": getattr(e, "status_name", None)}
+    found["seconds"] = time.monotonic() - t0
+    with open(os.path.join(d, f"hang.{RANK}.json"), "w") as f:
+        json.dump(found, f)
+    if RANK == 0:  # once every waiting rank has written (no collective: one rank is hung)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(d, f"hang.{r}.json")) for r in range(SIZE - 1)):
+            time.sleep(0.05)
+        COMM.Abort(3)
+    time.sleep(60)
+
+
 def main():
     d = sys.argv[1]
+    if sys.argv[2:] == ["hang"]:
+        return hang(d)
     if sys.argv[2:] == ["checks"]:
         found = checks()
         with open(os.path.join(d, f"checks.{RANK}.json"), "w") as f:

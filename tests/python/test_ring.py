@@ -141,16 +141,16 @@ def reference(c, x):
 # ---------------------------------------------------------------------------
 
 
-def mpirun(n, *argv, cwd=None):
+def mpirun(n, *argv, cwd=None, check=True):
     """`mpirun -np n python3 argv...`, oversubscribed (more ranks than cores
-    is fine here), as root too when we are root."""
+    is fine here), as root too when we are root; `check`: it must succeed."""
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none")
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n), sys.executable,
            *map(str, argv)]
     p = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    assert p.returncode == 0 or not check, f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     return p
 
 
@@ -377,3 +377,16 @@ def test_docs_example(tmp_path):
     (tmp_path / "ring.py").write_text(code + check)
     mpirun(2, "ring.py", cwd=tmp_path)
     assert (tmp_path / "ok.0").exists() and (tmp_path / "ok.1").exists()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_hung_rank_gives_up_after_timeout(tmp_path, n):
+    """A rank that never joins: the others raise RuntimeError (ATTN_ERR_COMM)
+    after the 2 s timeout, never hang; rank 0 then ends the job (Abort)."""
+    p = mpirun(n, WORKER, tmp_path, "hang", check=False)
+    assert p.returncode != 0  # ended by MPI_Abort
+    for r in range(n - 1):
+        found = json.load(open(tmp_path / f"hang.{r}.json"))
+        assert found["type"] == "RuntimeError" and found["status_name"] == "ATTN_ERR_COMM", found
+        assert 1.5 < found["seconds"] < 15, found
+        assert f"rank {n - 1}" in found["msg"] or "timeout" in found["msg"], found
