@@ -50,8 +50,13 @@ def _require_ring():
         )
 
 
+def _version(s):
+    """An MPI library version string without the NUL Open MPI counts in."""
+    return s.rstrip("\0").strip()
+
+
 def _first_line(s):
-    return s.strip().splitlines()[0] if s.strip() else "(empty)"
+    return _version(s).splitlines()[0] if _version(s) else "(empty)"
 
 
 def _mpi():
@@ -68,7 +73,7 @@ def _mpi():
         ) from e
     if not _library_checked:
         ours, theirs = _attn.mpi_library_version(), MPI.Get_library_version()
-        if ours.strip() != theirs.strip():
+        if _version(ours) != _version(theirs):
             raise RuntimeError(
                 f"mpi4py runs the MPI library '{_first_line(theirs)}', but attn was built with "
                 f"'{_first_line(ours)}': both must use the same one (reinstall mpi4py for the "

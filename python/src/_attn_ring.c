@@ -325,7 +325,9 @@ static PyObject *py_mpi_library_version(PyObject *self, PyObject *noargs) {
         PyErr_SetString(PyExc_RuntimeError, "MPI_Get_library_version failed");
         return NULL;
     }
-    return PyUnicode_DecodeUTF8(version, len, "replace");
+    /* Open MPI counts the terminating NUL in len */
+    const char *nul = memchr(version, '\0', (size_t)len);
+    return PyUnicode_DecodeUTF8(version, nul != NULL ? nul - version : len, "replace");
 }
 
 static PyMethodDef ring_methods[] = {
