@@ -166,7 +166,7 @@ def _key_mask(mask, q):
     )
 
 
-def ring_error(e):
+def _ring_error(e):
     """A library failure with ``arg`` in this module's names."""
     e = library_error(e)
     arg = getattr(e, "arg", None)
@@ -176,16 +176,16 @@ def ring_error(e):
     return e
 
 
-def forward(q, k, v, opts, want_lse, for_backward):
+def _forward(q, k, v, opts, want_lse, for_backward):
     """attn_ring_sdpa on NumPy views: (out, lse or None)."""
     try:
         return _attn.ring_sdpa(q, k, v, empty=np.empty, want_lse=want_lse,
                                lse_for_backward=for_backward, **opts)
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        raise ring_error(e) from None
+        raise _ring_error(e) from None
 
 
-def backward(dout, q, k, v, out, lse, opts, want):
+def _backward(dout, q, k, v, out, lse, opts, want):
     """attn_ring_sdpa_backward on NumPy views: (dq, dk, dv), None where not
     wanted."""
     try:
@@ -193,7 +193,7 @@ def backward(dout, q, k, v, out, lse, opts, want):
                                         want_dq=want[0], want_dk=want[1], want_dv=want[2],
                                         **opts)
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        raise ring_error(e) from None
+        raise _ring_error(e) from None
 
 
 def ring_attention(query, key, value, comm=None, *, key_padding_mask=None, dropout_p=0.0,
@@ -248,7 +248,7 @@ def ring_attention(query, key, value, comm=None, *, key_padding_mask=None, dropo
 
         out, lse = _ring_torch.run(a, query, key, value, opts)
     else:
-        out, lse = forward(a.q, a.k, a.v, opts, a.want_lse, for_backward=False)
+        out, lse = _forward(a.q, a.k, a.v, opts, a.want_lse, for_backward=False)
     return (out, lse) if a.want_lse else out
 
 

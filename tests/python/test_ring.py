@@ -150,7 +150,8 @@ def mpirun(n, *argv, cwd=None, check=True):
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n), sys.executable,
            *map(str, argv)]
     p = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 or not check, f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    if check:
+        assert p.returncode == 0, f"{' '.join(cmd)}: {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p
 
 
