@@ -2,6 +2,8 @@
 run in-process) and the error of an attn built without MPI. The ring itself
 is tests/python/test_ring.py."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -72,3 +74,13 @@ def test_shard_refusals():
     with pytest.raises(ValueError, match=r"shards\[0\] has shape \(5, 6\); under the zigzag "
                        r"layout rank 0 of 2 holds 3 of the 6 positions"):
         ad.unshard([np.zeros((5, 6)), np.zeros((1, 6))])
+
+
+@needs_ring
+def test_without_mpi4py_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    x = np.zeros((1, 8, 4), dtype=np.float32)
+    with pytest.raises(ImportError, match="attn.distributed needs mpi4py, an optional "
+                       "dependency: pip install mpi4py"):
+        ad.ring_attention(x, x, x)
