@@ -1,5 +1,5 @@
 """attn.distributed without mpirun: shard and unshard (no MPI needed: they
-run in-process) and the error of an attn built without MPI. The ring itself
+run in-process) and the errors without MPI in the build or without mpi4py. The ring itself
 is tests/python/test_ring.py."""
 
 import sys
