@@ -148,7 +148,12 @@ attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_des
     for (int r = 0; r < rc->n; r++)
         for (int i = 0; i < count; i++)
             if (all[r].v[i] != mine->v[i])
-                return attn_set_error(ATTN_ERR_INVALID, all[r].names[i],
+                return attn_set_error(strstr(all[r].names[i], "dtype") != NULL ? ATTN_ERR_DTYPE
+                                      : strstr(all[r].names[i], "shape") != NULL ||
+                                              strstr(all[r].names[i], ".rank") != NULL
+                                          ? ATTN_ERR_SHAPE
+                                          : ATTN_ERR_INVALID,
+                                      all[r].names[i],
                                       "attn_ring: %s is %lld on rank %d but %lld on rank %d: "
                                       "every rank must make the same call on its shard",
                                       all[r].names[i], (long long)all[r].v[i], r,
