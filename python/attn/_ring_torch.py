@@ -6,26 +6,15 @@ Loaded only once ring_attention has been handed a torch tensor (torch is
 then imported already), like attn/_torch.py.
 """
 
-import numpy as np
 import torch
 
 from . import distributed
+from ._torch import _tensor  # one rule for non-tensor inputs
 
 
 def _array(t):
     """A NumPy view of a plain CPU tensor (checked by ring_attention)."""
     return t.detach().resolve_conj().resolve_neg().numpy()
-
-
-def _tensor(x, checked):
-    """The Function's argument for one input: the tensor itself (autograd
-    needs it), or a tensor holding the checked array of a non-tensor."""
-    if isinstance(x, torch.Tensor):
-        return x
-    try:
-        return torch.from_numpy(checked)
-    except ValueError:  # negative strides: torch has none
-        return torch.from_numpy(np.ascontiguousarray(checked))
 
 
 class _Ring(torch.autograd.Function):
