@@ -189,7 +189,12 @@ static const ring_case CASES[] = {
 };
 
 static void test_ring_matches_single_process(void) {
+    test_failer count; /* fails nothing: counts attn's blocks, which must all come back */
+    failer_install(&count, 0, false);
     for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) run_case(&CASES[i]);
+    attn_set_allocator(NULL);
+    CHECK(count.live == 0 && count.allocs > 0, "%ld of attn's %ld blocks not freed", count.live,
+          count.allocs);
 }
 
 /* A call that differs on one rank fails on all of them, before compute. */
