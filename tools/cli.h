@@ -22,6 +22,10 @@ int cli_heatmap(int argc, char **argv);
 extern const char cli_heatmap_options[];
 extern const char cli_heatmap_support[];
 
+/* A line for `attn info` saying whether `attn sdpa --ring` is built, and
+ * with which MPI (ring_cmd.c; ring_none.c without MPI). */
+const char *cli_ring_support(void);
+
 /* Prints "attn: <what>: <library message>" and returns CLI_RUNTIME. */
 int cli_fail(const char *what, attn_status status);
 
@@ -47,6 +51,19 @@ typedef const char *(*output_writer)(int fd, const void *ctx);
 int outputs_stage_with(const char *option, output_writer write, const void *ctx);
 int outputs_commit(void);
 void outputs_abort(void);
+/* For a file that several processes write (attn sdpa --ring): one of them
+ * stages it (outputs_stage_with: a header and the full size), tells the
+ * others outputs_temp_name, and each opens that temporary in its own
+ * resolution of the target's folder with outputs_open_temp (CLI_RUNTIME,
+ * reported, when it cannot) to write its part by offset. outputs_in_place
+ * says whether the target is an existing device or FIFO, which is written
+ * in place and cannot be written by offset. */
+const char *outputs_temp_name(const char *option);
+int outputs_open_temp(const char *option, const char *temp, int *fd);
+int outputs_in_place(const char *option);
+/* Sends outputs.c's messages (each ending in a newline) to `report`
+ * instead of stderr; NULL restores stderr. */
+void outputs_set_reporter(void (*report)(const char *message));
 
 /* "(3, 30, 128)" */
 const char *cli_shape(const attn_tensor *t, char *buf, size_t size);

@@ -1,4 +1,5 @@
-/* main.c — the attn command-line tool: dispatches to demo, sdpa, mha, heatmap, info. */
+/* main.c — the attn command-line tool: dispatches to demo, sdpa (and sdpa
+ * --ring), mha, heatmap, info. */
 #include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -10,6 +11,8 @@ static const char usage[] =
     "usage: attn [demo]                 run the embedded demo (the default)\n"
     "       attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n"
     "                                   scaled dot-product attention on .npy files\n"
+    "       mpirun -np N attn sdpa --ring -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n"
+    "                                   the same, the sequence split over N MPI ranks\n"
     "       attn mha --weights M.safetensors [--prefix P] --num-heads H -q Q.npy -o OUT.npy\n"
     "                [options]          multi-head attention with a checkpoint's weights\n"
     "       attn heatmap -w WEIGHTS.npy -o OUT.png [options]\n"
@@ -31,6 +34,7 @@ static int info(void) {
     const char *blas = attn_blas_info();
     printf("\nBLAS (MHA projections): %s\n", blas);
     printf("heatmap: %s\n", cli_heatmap_support);
+    printf("ring (sdpa --ring): %s\n", cli_ring_support());
     /* An OpenBLAS older than the CPU falls back to SSE3 kernels. */
     const bool avx512 = attn_isa_supported(ATTN_ISA_AVX512);
     if (strstr(blas, "core Prescott") != NULL && (avx512 || attn_isa_supported(ATTN_ISA_AVX2)))

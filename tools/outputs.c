@@ -13,6 +13,10 @@
  * Like attn_npy_save, a symbolic link is followed (the file it points to is
  * replaced) and an existing target that is not a regular file (/dev/null, a
  * FIFO) is written in place, at commit time, before the renames.
+ *
+ * A file several processes write (attn sdpa --ring) is staged by one of
+ * them, which alone creates, commits or removes the temporary; the others
+ * open it by name (outputs_open_temp) to write their parts.
  */
 #define _XOPEN_SOURCE 700 /* openat, renameat, unlinkat, fsync, sigaction; realpath */
 #include <errno.h>
@@ -20,6 +24,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -48,6 +53,27 @@ typedef struct output {
 /* Static, so that the signal handler can reach the temporaries' names. */
 static output outputs[MAX_OUTPUTS];
 static volatile sig_atomic_t count;
+
+/* Where messages go: stderr, or the ring's collector (outputs_set_reporter). */
+static void (*reporter)(const char *message);
+
+void outputs_set_reporter(void (*report)(const char *message)) { reporter = report; }
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 1, 2)))
+#endif
+static void say(const char *fmt, ...) {
+    char msg[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    if (reporter == NULL) {
+        vfprintf(stderr, fmt, ap);
+    } else {
+        vsnprintf(msg, sizeof msg, fmt, ap);
+        reporter(msg);
+    }
+    va_end(ap);
+}
 
 static const int handled[3] = {SIGINT, SIGTERM, SIGHUP};
 static pthread_t main_thread; /* the one that stages and commits */
@@ -146,7 +172,7 @@ static bool same_file(const output *a, const output *b) {
 int outputs_add(const char *option, const char *path) {
     if (count == 0) install_handlers();
     if (count == MAX_OUTPUTS) {
-        fprintf(stderr, "attn: more than %d outputs\n", MAX_OUTPUTS);
+        say("attn: more than %d outputs\n", MAX_OUTPUTS);
         return CLI_USAGE;
     }
     output *o = &outputs[count];
@@ -157,13 +183,13 @@ int outputs_add(const char *option, const char *path) {
     int err = resolve(path, o);
     if (err != 0) {
         if (o->dir_fd >= 0) close(o->dir_fd);
-        fprintf(stderr, "attn: writing %s '%s': %s\n", option, path, strerror(err));
+        say("attn: writing %s '%s': %s\n", option, path, strerror(err));
         return CLI_RUNTIME;
     }
     for (int i = 0; i < count; i++) {
         if (!same_file(&outputs[i], o)) continue;
         close(o->dir_fd);
-        fprintf(stderr,
+        say(
                 "attn: %s and %s name the same file ('%s', '%s'); each output needs its own\n"
                 "(see attn --help)\n",
                 outputs[i].option, option, outputs[i].path, path);
@@ -217,7 +243,7 @@ int outputs_stage_with(const char *option, output_writer write, const void *ctx)
     if (o->in_place) return CLI_OK; /* written at commit */
     int fd, err = create_temp(o, &fd);
     if (err != 0) {
-        fprintf(stderr, "attn: writing %s '%s': cannot create a temporary file beside it: %s\n",
+        say("attn: writing %s '%s': cannot create a temporary file beside it: %s\n",
                 option, o->path, strerror(err));
         return CLI_RUNTIME;
     }
@@ -234,8 +260,48 @@ int outputs_stage_with(const char *option, output_writer write, const void *ctx)
     if (failed == NULL && fsync(fd) != 0) err = errno; /* on disk before any rename */
     if (close(fd) != 0 && failed == NULL && err == 0) err = errno;
     if (failed != NULL || err != 0) {
-        fprintf(stderr, "attn: writing %s '%s': %s\n", option, o->path,
+        say("attn: writing %s '%s': %s\n", option, o->path,
                 failed != NULL ? failed : strerror(err));
+        return CLI_RUNTIME;
+    }
+    return CLI_OK;
+}
+
+const char *outputs_temp_name(const char *option) {
+    const output *o = find(option);
+    return o != NULL && o->temp_exists ? o->temp : NULL;
+}
+
+int outputs_in_place(const char *option) {
+    const output *o = find(option);
+    return o != NULL && o->in_place;
+}
+
+/* The name came from another process: only a temporary's name, in the
+ * target's folder ("." NAME "." 8 hex digits ".tmp"), is opened. */
+static bool is_temp_of(const output *o, const char *temp) {
+    const size_t n = strlen(temp), name = strlen(o->name);
+    return n < sizeof o->temp && strchr(temp, '/') == NULL && temp[0] == '.' && n > 14 &&
+           strncmp(temp + 1, o->name, name < 200 ? name : 200) == 0 &&
+           strcmp(temp + n - 4, ".tmp") == 0;
+}
+
+int outputs_open_temp(const char *option, const char *temp, int *fd) {
+    output *o = find(option);
+    *fd = -1;
+    if (o == NULL || temp == NULL || !is_temp_of(o, temp)) {
+        say("attn: writing %s '%s': '%s' is not its temporary file\n", option,
+                o != NULL ? o->path : "", temp != NULL ? temp : "(none)");
+        return CLI_RUNTIME;
+    }
+    /* Not O_CREAT: a folder that is another one here (no shared file
+     * system) must fail, not receive a part of the file. */
+    *fd = openat(o->dir_fd, temp, O_WRONLY | O_CLOEXEC);
+    if (*fd < 0) {
+        say(
+                "attn: writing %s '%s': cannot open the temporary file '%s' beside it: %s "
+                "(every rank must see the same folder)\n",
+                option, o->path, temp, strerror(errno));
         return CLI_RUNTIME;
     }
     return CLI_OK;
@@ -264,7 +330,7 @@ int outputs_commit(void) {
         int fd = open(o->path, O_WRONLY | O_TRUNC | O_CLOEXEC);
         const char *failed = fd < 0 ? strerror(errno) : o->write(fd, o->ctx);
         if (failed != NULL) {
-            fprintf(stderr, "attn: writing %s '%s': %s\n", o->option, o->path, failed);
+            say("attn: writing %s '%s': %s\n", o->option, o->path, failed);
             if (fd >= 0) close(fd);
             outputs_abort();
             return CLI_RUNTIME;
@@ -278,7 +344,7 @@ int outputs_commit(void) {
         output *o = &outputs[i];
         if (!o->temp_exists) continue;
         if (renameat(o->dir_fd, o->temp, o->dir_fd, o->name) != 0) {
-            fprintf(stderr, "attn: writing %s '%s': cannot rename the temporary file over it: %s\n",
+            say("attn: writing %s '%s': cannot rename the temporary file over it: %s\n",
                     o->option, o->path, strerror(errno));
             rc = CLI_RUNTIME;
             break;

@@ -8,13 +8,7 @@
 #include <time.h>
 
 #include "cli.h"
-
-typedef struct sdpa_args {
-    const char *q, *k, *v, *mask, *out, *weights, *lse;
-    attn_sdpa_params params;
-    int threads;
-    int seed_given;
-} sdpa_args;
+#include "sdpa_args.h"
 
 const char cli_sdpa_options[] =
     "sdpa options:\n"
@@ -30,35 +24,96 @@ const char cli_sdpa_options[] =
     "  --lse LSE.npy           also write the log-sum-exp per row (..., L)\n"
     "  --threads N             threads, 1 to attn_max_threads() (default:\n"
     "                          ATTN_NUM_THREADS or all cores)\n"
+    "  --ring                  ring attention over MPI ranks, run under mpirun -np N\n"
+    "                          (attn info says whether this attn has MPI)\n"
+    "  --layout L              --ring: how the sequence is split, zigzag (default: an\n"
+    "                          early and a late chunk per rank, balanced for\n"
+    "                          --causal) or contiguous\n"
+    "  --ring-timeout SECONDS  --ring: how long a rank waits for a peer (default 60)\n"
     "  -h, --help              this text\n"
     "\n"
     "Outputs are all written or none: each goes to a temporary file beside its\n"
     "target and is renamed over it only when every output is complete.\n"
+    "With --ring, each rank reads only its rows of the inputs (C-order float32 or\n"
+    "float64 in this machine's byte order) and writes them into the one output\n"
+    "file; every rank must see the same files and folders. --mask and --weights\n"
+    "are not available. Each rank uses --threads, else ATTN_NUM_THREADS, else its\n"
+    "share of its machine's cores.\n"
     "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
 
-/* parse_args's answer to -h/--help. */
-enum { PARSED_HELP = -1 };
+/* Where a usage error goes: stderr, or this buffer (sdpa_parse_args). */
+static char *usage_buf;
+static size_t usage_size;
 
 #if defined(__GNUC__)
 __attribute__((format(printf, 1, 2)))
 #endif
 static int usage_error(const char *fmt, ...) {
+    char msg[1024];
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "attn sdpa: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(see attn sdpa --help)\n");
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    if (usage_buf != NULL)
+        snprintf(usage_buf, usage_size, "attn sdpa: %s\n(see attn sdpa --help)", msg);
+    else
+        fprintf(stderr, "attn sdpa: %s\n(see attn sdpa --help)\n", msg);
     return CLI_USAGE;
 }
 
-/* Returns CLI_OK, CLI_USAGE or PARSED_HELP. */
-static int parse_args(int argc, char **argv, sdpa_args *a) {
+static bool takes_value(const char *opt) {
+    static const char *const with_value[] = {
+        "-q",     "-k",      "-v",        "--mask",    "-o",      "--weights",     "--lse",
+        "--scale", "--dropout", "--seed", "--threads", "--layout", "--ring-timeout"};
+    for (size_t i = 0; i < sizeof with_value / sizeof with_value[0]; i++)
+        if (strcmp(opt, with_value[i]) == 0) return true;
+    return false;
+}
+
+/* --ring's own options; CLI_OK when opt is none of them. */
+static int parse_ring_option(const char *opt, const char *val, sdpa_args *a, bool *taken) {
+    *taken = true;
+    if (strcmp(opt, "--ring") == 0) {
+        a->ring = 1;
+    } else if (strcmp(opt, "--layout") == 0) {
+        if (strcmp(val, "zigzag") != 0 && strcmp(val, "contiguous") != 0)
+            return usage_error("--layout: '%s' is not zigzag or contiguous", val);
+        a->layout = strcmp(val, "contiguous") == 0;
+    } else if (strcmp(opt, "--ring-timeout") == 0) {
+        if (!cli_parse_double(val, &a->ring_timeout) || !(a->ring_timeout > 0))
+            return usage_error("--ring-timeout: '%s' is not a positive number of seconds", val);
+    } else {
+        *taken = false;
+    }
+    return CLI_OK;
+}
+
+/* What --ring cannot do, and ring options given without it. */
+static int check_ring_args(int argc, char **argv, const sdpa_args *a) {
+    for (int i = 0; i < argc; i++) {
+        const char *opt = argv[i];
+        const bool ring_only = strcmp(opt, "--layout") == 0 || strcmp(opt, "--ring-timeout") == 0;
+        if (!a->ring && ring_only) return usage_error("%s needs --ring", opt);
+        if (a->ring && strcmp(opt, "--mask") == 0)
+            return usage_error("--mask is not available with --ring: a mask of every query "
+                               "and key cannot be split by the ranks' keys");
+        if (a->ring && strcmp(opt, "--weights") == 0)
+            return usage_error("--weights is not available with --ring: no rank holds a "
+                               "row's weights for every key at once");
+        if (takes_value(opt)) i++;
+    }
+    return CLI_OK;
+}
+
+int sdpa_parse_args(int argc, char **argv, sdpa_args *a, char *err, size_t err_size) {
+    usage_buf = err;
+    usage_size = err_size;
+    if (err != NULL && err_size > 0) err[0] = '\0';
     memset(a, 0, sizeof *a);
     attn_sdpa_params_init(&a->params);
     for (int i = 0; i < argc; i++) {
         const char *opt = argv[i];
-        if (strcmp(opt, "--help") == 0 || strcmp(opt, "-h") == 0) return PARSED_HELP;
+        if (strcmp(opt, "--help") == 0 || strcmp(opt, "-h") == 0) return SDPA_PARSED_HELP;
         /* Options that take a value: -x VALUE. */
         const char **path = strcmp(opt, "-q") == 0           ? &a->q
                             : strcmp(opt, "-k") == 0         ? &a->k
@@ -68,11 +123,12 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
                             : strcmp(opt, "--weights") == 0  ? &a->weights
                             : strcmp(opt, "--lse") == 0      ? &a->lse
                                                              : NULL;
-        bool takes_value = path != NULL || strcmp(opt, "--scale") == 0 ||
-                           strcmp(opt, "--dropout") == 0 || strcmp(opt, "--seed") == 0 ||
-                           strcmp(opt, "--threads") == 0;
-        if (takes_value && i + 1 >= argc) return usage_error("%s needs a value", opt);
-        const char *val = takes_value ? argv[++i] : NULL;
+        if (takes_value(opt) && i + 1 >= argc) return usage_error("%s needs a value", opt);
+        const char *val = takes_value(opt) ? argv[++i] : NULL;
+        bool ring_option;
+        int rc = parse_ring_option(opt, val, a, &ring_option);
+        if (rc != CLI_OK) return rc;
+        if (ring_option) continue;
         if (path != NULL) {
             *path = val;
         } else if (strcmp(opt, "--scale") == 0) {
@@ -114,7 +170,23 @@ static int parse_args(int argc, char **argv, sdpa_args *a) {
         return usage_error("%s", "-o OUT.npy is required");
     if (a->params.dropout_p > 0 && !a->seed_given)
         return usage_error("%s", "--dropout needs --seed N, so that the result is reproducible");
-    return CLI_OK;
+    return check_ring_args(argc, argv, a);
+}
+
+void sdpa_print_help(void) {
+    printf("usage: attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n"
+           "       mpirun -np N attn sdpa --ring -q Q.npy -k K.npy -v V.npy -o OUT.npy "
+           "[options]\n\n%s",
+           cli_sdpa_options);
+}
+
+/* Whether the options hold --ring (as an option, not as a value). */
+static bool wants_ring(int argc, char **argv) {
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--ring") == 0) return true;
+        if (takes_value(argv[i])) i++;
+    }
+    return false;
 }
 
 /* What a run holds: inputs, outputs, the kernel's time. */
@@ -200,11 +272,12 @@ static int write_outputs(const sdpa_run *r) {
 }
 
 int cli_sdpa(int argc, char **argv) {
+    /* Before any parsing: the ring parses once MPI says which rank prints. */
+    if (wants_ring(argc, argv)) return cli_sdpa_ring(argc, argv);
     sdpa_args a;
-    int rc = parse_args(argc, argv, &a);
-    if (rc == PARSED_HELP) {
-        printf("usage: attn sdpa -q Q.npy -k K.npy -v V.npy -o OUT.npy [options]\n\n%s",
-               cli_sdpa_options);
+    int rc = sdpa_parse_args(argc, argv, &a, NULL, 0);
+    if (rc == SDPA_PARSED_HELP) {
+        sdpa_print_help();
         return CLI_OK;
     }
     if (rc != CLI_OK) return rc;

@@ -14,7 +14,9 @@ torch.compile) for torch inputs; attn.patch_torch() routes torch's own
 scaled_dot_product_attention through attn. The GIL is released while the
 kernels run. attn.load_safetensors / attn.save_safetensors read and write
 checkpoints (safetensors files) as dicts of NumPy arrays; attn.plot_attention
-draws attention weights (needs matplotlib). See docs/python.md.
+draws attention weights (needs matplotlib). attn.distributed.ring_attention
+splits one attention's sequence over MPI ranks (needs mpi4py and an attn built
+with MPI). See docs/python.md.
 """
 
 from . import _attn  # libattn picks OpenBLAS's kernels for this CPU as it loads
@@ -44,11 +46,12 @@ __all__ = [
 
 
 def __getattr__(name):
-    # attn.nn needs torch: imported on first use, so `import attn` works without it.
-    if name == "nn":
+    # attn.nn needs torch, attn.distributed mpi4py: imported on first use, so
+    # `import attn` works without them.
+    if name in ("nn", "distributed"):
         import importlib
 
-        return importlib.import_module(".nn", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'attn' has no attribute {name!r}")
 
 

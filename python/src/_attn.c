@@ -16,22 +16,21 @@
  * The thin Python layer (attn/__init__.py and friends) normalises arguments
  * and gives PyTorch's signatures; this file maps statuses to exceptions:
  * ATTN_ERR_DTYPE -> TypeError, ATTN_ERR_NOMEM -> MemoryError,
- * ATTN_ERR_UNSUPPORTED -> RuntimeError, everything else -> ValueError; a
+ * ATTN_ERR_UNSUPPORTED and ATTN_ERR_COMM (ring attention: a peer or the
+ * communicator failed) -> RuntimeError, everything else -> ValueError; a
  * SIGINT during a call stops it (ATTN_ERR_CANCELLED) -> KeyboardInterrupt.
  * A library failure carries its fields, not only its text: the exception
  * has `status` (the attn_status), `status_name` ("ATTN_ERR_SHAPE") and
  * `arg` (attn_last_error_arg(), the C name), which the Python layer maps to
  * its own argument names.
+ *
+ * The helpers the extension's other C files use (buffer views, outputs,
+ * errors, Ctrl-C) are declared in _attn_shared.h; ring attention over MPI
+ * lives in _attn_ring.c, compiled in when CMake found MPI.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_attn_shared.h" /* Python.h first, as CPython asks */
 
-#include <signal.h>
-#include <stdbool.h>
-#include <stdint.h>
 #include <string.h>
-
-#include "attn.h"
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -67,12 +66,13 @@ static int set_field(PyObject *exc, const char *name, PyObject *value) {
 
 /* Raises the exception for a failed library call, with the message and the
  * structured fields (status, status_name, arg) of this thread's error. */
-static PyObject *raise_status(attn_status st) {
+PyObject *raise_status(attn_status st) {
     PyObject *type;
     switch (st) {
     case ATTN_ERR_DTYPE: type = PyExc_TypeError; break;
     case ATTN_ERR_NOMEM: type = PyExc_MemoryError; break;
     case ATTN_ERR_UNSUPPORTED: type = PyExc_RuntimeError; break;
+    case ATTN_ERR_COMM: type = PyExc_RuntimeError; break; /* not the caller's arguments */
     default: type = PyExc_ValueError; break;
     }
     const char *msg = attn_last_error();
@@ -108,13 +108,8 @@ static void on_sigint(int sig) {
     interrupt_flag = 1;
 }
 
-typedef struct interrupt_guard {
-    bool armed;
-    struct sigaction saved;
-} interrupt_guard;
-
 /* With the GIL held, before the call. */
-static void interrupt_guard_arm(interrupt_guard *g) {
+void interrupt_guard_arm(interrupt_guard *g) {
     g->armed = false;
     if (getsignal == NULL || PyThread_get_thread_ident() != main_thread_id) return;
     PyObject *h = PyObject_CallFunction(getsignal, "i", SIGINT);
@@ -134,7 +129,7 @@ static void interrupt_guard_arm(interrupt_guard *g) {
 
 /* With the GIL held, after the call: -1 with KeyboardInterrupt set when a
  * SIGINT came during it (whether or not it stopped the call early). */
-static int interrupt_guard_disarm(interrupt_guard *g, attn_status st) {
+int interrupt_guard_disarm(interrupt_guard *g, attn_status st) {
     if (!g->armed) return 0;
     attn_set_cancel_flag(NULL);
     sigaction(SIGINT, &g->saved, NULL);
@@ -169,14 +164,6 @@ static int interrupt_guard_init(void) {
 /* Buffers as attn_tensor views                                              */
 /* ------------------------------------------------------------------------ */
 
-typedef struct buffer_view {
-    Py_buffer buf;
-    int held;                           /* buf must be released */
-    void *copy;                         /* PyMem block when the buffer was copied */
-    Py_ssize_t strides[ATTN_MAX_RANK];  /* byte strides (buf's, or C order) */
-    attn_tensor t;
-} buffer_view;
-
 /* Stands in for the data pointer of a buffer that has none (an empty
  * buffer), so the library reports the empty shape rather than a NULL. */
 static double empty_data;
@@ -209,7 +196,7 @@ static attn_dtype dtype_from_format(const char *fmt, Py_ssize_t itemsize) {
     return 0;
 }
 
-static void view_release(buffer_view *v) {
+void view_release(buffer_view *v) {
     if (v->held) PyBuffer_Release(&v->buf);
     v->held = 0;
     PyMem_Free(v->copy);
@@ -250,7 +237,7 @@ static int copy_contiguous(buffer_view *v, Py_ssize_t numel) {
  * their layout cannot be expressed in elements; outputs (writable) never are.
  * On failure an exception is set and nothing is held.
  */
-static int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
+int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
     memset(v, 0, sizeof *v);
     if (PyObject_GetBuffer(obj, &v->buf, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
         PyErr_Clear();
@@ -334,7 +321,7 @@ fail:
 }
 
 /* An optional input: Py_None leaves *present at 0. */
-static int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present) {
+int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present) {
     *present = 0;
     memset(v, 0, sizeof *v);
     if (obj == Py_None) return 0;
@@ -362,8 +349,8 @@ static PyObject *shape_tuple(int rank, const int64_t *shape) {
 }
 
 /* Calls empty(shape, dtype_name) and takes a writable view of the result. */
-static PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
-                            const char *name, buffer_view *v) {
+PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
+                     const char *name, buffer_view *v) {
     PyObject *shp = shape_tuple(rank, shape);
     if (shp == NULL) return NULL;
     PyObject *arr = PyObject_CallFunction(empty, "Os", shp, attn_dtype_name(dt));
@@ -389,14 +376,14 @@ static PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, att
 /* ------------------------------------------------------------------------ */
 
 /* `empty`, the output allocator every call takes as a required keyword. */
-static int require_empty(PyObject *empty, const char *fn) {
+int require_empty(PyObject *empty, const char *fn) {
     if (empty != NULL) return 0;
     PyErr_Format(PyExc_TypeError, "%s() missing required keyword-only argument: 'empty'", fn);
     return -1;
 }
 
 /* A uint64 from any Python int in [0, 2**64). */
-static int convert_u64(PyObject *obj, void *out) {
+int convert_u64(PyObject *obj, void *out) {
     if (!PyLong_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "expected an int, not %.200s", Py_TYPE(obj)->tp_name);
         return 0;
@@ -430,15 +417,7 @@ PyDoc_STRVAR(sdpa_doc,
 /* What the library's messages call attn_sdpa's operands: Python's names. */
 static const char *const SDPA_ARG_NAMES[6] = {"query", "key", "value", "out", "weights", "lse"};
 
-/* The forward's options, parsed once for both entry points. */
-typedef struct sdpa_options {
-    PyObject *mask, *scale;
-    int causal, gqa;
-    double dropout_p;
-    uint64_t seed, rng_offset;
-} sdpa_options;
-
-static int sdpa_params_from(const sdpa_options *o, attn_sdpa_params *p) {
+int sdpa_params_from(const sdpa_options *o, attn_sdpa_params *p) {
     attn_sdpa_params_init(p);
     p->causal = (attn_causal)o->causal;
     p->enable_gqa = o->gqa;
@@ -1744,9 +1723,22 @@ PyMODINIT_FUNC PyInit__attn(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddObject(m, "MHA", (PyObject *)&MHAType) < 0 ||
-        PyModule_AddStringConstant(m, "__version__", attn_version()) < 0) {
+    if (PyModule_AddObject(m, "MHA", (PyObject *)&MHAType) < 0) {
         Py_DECREF(&MHAType);
+        Py_DECREF(m);
+        return NULL;
+    }
+#ifdef ATTN_HAVE_RING
+    const int has_ring = 1;
+    if (ring_add_functions(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+#else
+    const int has_ring = 0; /* attn.distributed says so at its first call */
+#endif
+    if (PyModule_AddStringConstant(m, "__version__", attn_version()) < 0 ||
+        PyModule_AddIntConstant(m, "has_ring", has_ring) < 0) {
         Py_DECREF(m);
         return NULL;
     }

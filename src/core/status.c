@@ -61,11 +61,16 @@ attn_status attn__fail_arg(attn_status status, const char *arg, const char *fmt,
 }
 
 attn_status attn_set_error(attn_status status, const char *arg, const char *fmt, ...) {
+    /* Through copies: a caller may pass attn_last_error() or
+     * attn_last_error_arg() itself, to add to the message. */
+    char msg[ATTN__MESSAGE_SIZE], name[sizeof last_arg];
+    snprintf(name, sizeof name, "%s", arg != NULL ? arg : "");
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    snprintf(last_arg, sizeof last_arg, "%s", arg != NULL ? arg : "");
+    memcpy(last_error, msg, sizeof last_error);
+    memcpy(last_arg, name, sizeof last_arg);
     return status;
 }
 

@@ -1,7 +1,9 @@
 /*
  * io.h — what the file formats share: whole writes to a descriptor, the
- * atomic replacement of a file (atomic.c), and the safetensors dtype table
- * and view checks (safetensors.c) that its writer reuses.
+ * atomic replacement of a file (atomic.c), the .npy preamble read from and
+ * written to a descriptor (npy.c, npy_write.c: for readers and writers of
+ * parts of a file, such as `attn sdpa --ring`), and the safetensors dtype
+ * table and view checks (safetensors.c) that its writer reuses.
  */
 #ifndef ATTN_IO_IO_H
 #define ATTN_IO_IO_H
@@ -23,6 +25,36 @@ typedef int (*attn__file_writer)(int fd, const void *ctx);
  * step, the path and the system's reason; path is then as it was and the
  * temporary removed. */
 attn_status attn__save_atomic(const char *path, attn__file_writer writer, const void *ctx);
+
+/* ---- .npy (npy.c, npy_write.c) ---- */
+
+/* What a .npy file's preamble says. */
+typedef struct attn__npy_header {
+    attn_dtype dtype;
+    bool big_endian;
+    bool fortran;
+    int rank; /* 0 for a 0-d array */
+    int64_t shape[ATTN_MAX_RANK];
+    int64_t numel;
+    int64_t data_offset; /* where the data starts */
+} attn__npy_header;
+
+/* Reads the preamble of the .npy file open on fd (by pread from offset 0:
+ * fd's position is not used), and no more than the preamble, and checks
+ * that fd is a regular file whose data is the size the header promises, so
+ * that a reader of parts of the data can trust every offset. `path` names
+ * the file in messages. ATTN_ERR_FORMAT / _DTYPE / _SHAPE as attn_npy_load,
+ * ATTN_ERR_IO for a failed read. */
+attn_status attn__npy_read_header_fd(int fd, const char *path, attn__npy_header *h);
+
+/* The longest preamble attn__npy_preamble writes. */
+#define ATTN__NPY_MAX_PREAMBLE 512
+
+/* The preamble attn writes before the data of a little-endian, C-order
+ * array (float32, float64 or bool) of this shape: into out, which holds at
+ * least ATTN__NPY_MAX_PREAMBLE bytes; returns its length (a multiple of 64,
+ * as NumPy pads it). */
+size_t attn__npy_preamble(attn_dtype dtype, int rank, const int64_t *shape, unsigned char *out);
 
 /* ---- safetensors (safetensors.c) ---- */
 

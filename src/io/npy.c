@@ -11,28 +11,22 @@
  *           'shape': (3, 4), } padded with spaces and ended by '\n'
  *   data:   numel * itemsize bytes
  */
-#define _POSIX_C_SOURCE 200809L /* fstat, fileno */
+#define _POSIX_C_SOURCE 200809L /* fstat, fileno, pread */
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
-#include "../core/internal.h"
+#include "io.h"
 
 enum {
     MAGIC_LEN = 6,
     MAX_HEADER = 1 << 20 /* far more than any array attn reads needs */
 };
 
-typedef struct npy_info {
-    attn_dtype dtype;
-    bool big_endian;
-    bool fortran;
-    int rank; /* 0 for a 0-d array */
-    int64_t shape[ATTN_MAX_RANK];
-    int64_t numel;
-} npy_info;
+typedef attn__npy_header npy_info; /* data_offset: set by the readers */
 
 /* ---- header dictionary grammar ---- */
 
@@ -354,6 +348,79 @@ attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, int *rank,
     *dtype = info.dtype;
     *rank = info.rank;
     memcpy(shape, info.shape, sizeof(int64_t) * (size_t)info.rank);
+    return ATTN_OK;
+}
+
+/* How long the preamble in b[0, size) says it is (magic, version, length
+ * and header), when it says so plausibly; else 0 (parse_preamble then
+ * names what is wrong). */
+static size_t preamble_length(const unsigned char *b, size_t size) {
+    if (size < MAGIC_LEN + 2 || memcmp(b, "\x93NUMPY", MAGIC_LEN) != 0 || b[6] < 1 || b[6] > 3)
+        return 0;
+    size_t start = b[6] == 1 ? 10 : 12;
+    if (size < start) return 0;
+    size_t hlen = (size_t)b[8] | (size_t)b[9] << 8;
+    if (start == 12) hlen |= (size_t)b[10] << 16 | (size_t)b[11] << 24;
+    return hlen > MAX_HEADER ? 0 : start + hlen;
+}
+
+/* pread until n bytes or the end of the file; *got says how many. Returns
+ * 0 or an errno value. */
+static int pread_upto(int fd, unsigned char *buf, size_t n, off_t at, size_t *got) {
+    *got = 0;
+    while (*got < n) {
+        ssize_t r = pread(fd, buf + *got, n - *got, at + (off_t)*got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return errno;
+        if (r == 0) break;
+        *got += (size_t)r;
+    }
+    return 0;
+}
+
+/* The preamble's bytes into *buf (attn__free), read in two steps: the
+ * fixed part, then the length it states, never more. */
+static attn_status read_preamble_fd(int fd, const char *path, unsigned char **buf, size_t *got) {
+    char shown[ATTN__MESSAGE_PATH];
+    unsigned char lead[12];
+    int err = pread_upto(fd, lead, sizeof lead, 0, got);
+    size_t want = err == 0 ? preamble_length(lead, *got) : 0;
+    *buf = attn__alloc(want > *got ? want : sizeof lead);
+    if (*buf == NULL) return ATTN_ERR_NOMEM;
+    if (err == 0 && want > *got)
+        err = pread_upto(fd, *buf, want, 0, got);
+    else
+        memcpy(*buf, lead, *got);
+    if (err != 0) {
+        attn__free(*buf);
+        *buf = NULL;
+        return attn__fail(ATTN_ERR_IO, "cannot read '%s': %s", attn__message_path(path, shown),
+                          strerror(err));
+    }
+    return ATTN_OK;
+}
+
+attn_status attn__npy_read_header_fd(int fd, const char *path, attn__npy_header *h) {
+    attn__clear_error();
+    char shown[ATTN__MESSAGE_PATH];
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        return attn__fail(ATTN_ERR_IO, "cannot read '%s': not a regular file",
+                          attn__message_path(path, shown));
+    unsigned char *buf;
+    size_t size = 0, offset = 0;
+    attn_status s = read_preamble_fd(fd, path, &buf, &size);
+    if (s != ATTN_OK) return s;
+    s = parse_preamble(buf, size, h, &offset);
+    attn__free(buf);
+    if (s != ATTN_OK) return name_the_file(s, path);
+    h->data_offset = (int64_t)offset;
+    /* numel * 8 fits in 64 bits (parse_header_dict checked). */
+    const int64_t need = h->numel * (int64_t)attn_dtype_size(h->dtype);
+    if ((int64_t)st.st_size - h->data_offset != need)
+        return attn__fail(ATTN_ERR_FORMAT, "'%s': .npy data is %lld bytes; the header promises %lld",
+                          attn__message_path(path, shown),
+                          (long long)((int64_t)st.st_size - h->data_offset), (long long)need);
     return ATTN_OK;
 }
 

@@ -9,16 +9,17 @@
 #include "io.h"
 
 /* The header: magic, version 1.0, length, then the dictionary padded with
- * spaces so that the data starts on a 64-byte boundary (as NumPy does). */
-static size_t make_header(const attn_tensor *t, unsigned char *out, size_t size) {
-    const char *descr = t->dtype == ATTN_DTYPE_F32   ? "<f4"
-                        : t->dtype == ATTN_DTYPE_F64 ? "<f8"
-                                                     : "|b1";
-    char shape[256];
-    attn__shape_str(shape, sizeof shape, t->rank, t->shape);
+ * spaces so that the data starts on a 64-byte boundary (as NumPy does).
+ * Eight dimensions of 19 digits fit in ATTN__NPY_MAX_PREAMBLE bytes. */
+size_t attn__npy_preamble(attn_dtype dtype, int rank, const int64_t *shape, unsigned char *out) {
+    const char *descr = dtype == ATTN_DTYPE_F32   ? "<f4"
+                        : dtype == ATTN_DTYPE_F64 ? "<f8"
+                                                  : "|b1";
+    char shape_text[256];
+    attn__shape_str(shape_text, sizeof shape_text, rank, shape);
     char *dict = (char *)out + 10;
-    int n = snprintf(dict, size - 10, "{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
-                     descr, shape);
+    int n = snprintf(dict, ATTN__NPY_MAX_PREAMBLE - 10,
+                     "{'descr': '%s', 'fortran_order': False, 'shape': %s, }", descr, shape_text);
     size_t total = 10 + (size_t)n + 1;
     size_t pad = (64 - total % 64) % 64;
     memset(dict + n, ' ', pad);
@@ -34,7 +35,7 @@ static size_t make_header(const attn_tensor *t, unsigned char *out, size_t size)
  * little-endian, in 16 KiB writes. Returns 0 or an errno value. */
 static int write_npy(int fd, const attn_tensor *t) {
     unsigned char chunk[1 << 14];
-    size_t used = make_header(t, chunk, sizeof chunk);
+    size_t used = attn__npy_preamble(t->dtype, t->rank, t->shape, chunk);
     size_t es = attn_dtype_size(t->dtype);
     int64_t numel = attn_tensor_numel(t), idx[ATTN_MAX_RANK] = {0};
     const bool big = *(const unsigned char *)&(uint16_t){1} == 0;

@@ -31,14 +31,16 @@ static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, 
         if (MPI_Wtime() > deadline) break;
         pause_briefly();
     }
-    /* Withdraw the receives: their buffers are about to be freed. */
-    for (int i = 0; i < count; i++)
-        if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
-    if (peer >= 0)
+    if (peer >= 0) {
+        /* Withdraw the receives: their buffers are about to be freed.
+         * (Collectives cannot be cancelled; theirs are the ring's own.) */
+        for (int i = 0; i < count; i++)
+            if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
         return attn_set_error(ATTN_ERR_COMM, NULL,
                               "attn_ring: rank %d, ring step %d: no %s from rank %d within "
                               "%g s; rank %d is dead, hung or cut off (params.timeout)",
                               rc->rank, rc->step, what, peer, rc->timeout, peer);
+    }
     return attn_set_error(ATTN_ERR_COMM, NULL,
                           "attn_ring: rank %d: %s not complete within %g s; another rank is "
                           "dead, hung or not calling (params.timeout)",
@@ -146,7 +148,12 @@ attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_des
     for (int r = 0; r < rc->n; r++)
         for (int i = 0; i < count; i++)
             if (all[r].v[i] != mine->v[i])
-                return attn_set_error(ATTN_ERR_INVALID, all[r].names[i],
+                return attn_set_error(strstr(all[r].names[i], "dtype") != NULL ? ATTN_ERR_DTYPE
+                                      : strstr(all[r].names[i], "shape") != NULL ||
+                                              strstr(all[r].names[i], ".rank") != NULL
+                                          ? ATTN_ERR_SHAPE
+                                          : ATTN_ERR_INVALID,
+                                      all[r].names[i],
                                       "attn_ring: %s is %lld on rank %d but %lld on rank %d: "
                                       "every rank must make the same call on its shard",
                                       all[r].names[i], (long long)all[r].v[i], r,

@@ -217,14 +217,18 @@ static attn_status agree(ring_call *c, attn_status local, int kind, const attn_t
     ring_desc mine, *all = attn_alloc(sizeof(ring_desc) * (size_t)N);
     c->Ls = attn_alloc(sizeof(int64_t) * (size_t)N);
     c->Ss = attn_alloc(sizeof(int64_t) * (size_t)N);
-    if (all == NULL || c->Ls == NULL || c->Ss == NULL) {
+    /* First only whether everyone has the room to listen: a rank without it
+     * cannot take part in the exchange below. */
+    attn_status room = ATTN_OK;
+    if (all == NULL || c->Ls == NULL || c->Ss == NULL)
+        room = attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (agreement)");
+    attn_status st = ring_finish(&c->rc, room);
+    if (st != ATTN_OK) {
         attn_free(all);
-        local = attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (agreement)");
-        all = NULL;
+        return st;
     }
     const int count = describe(c, local, kind, g, &mine);
-    if (all == NULL) return local; /* the others time out on this rank: nothing else to do */
-    attn_status st = ring_agree(&c->rc, &mine, count, all);
+    st = ring_agree(&c->rc, &mine, count, all);
     for (int r = 0; r < N && st == ATTN_OK; r++) {
         c->Ls[r] = all[r].L;
         c->Ss[r] = all[r].S;
@@ -509,6 +513,239 @@ attn_status attn_ring_sdpa(MPI_Comm comm, const attn_tensor *q, const attn_tenso
         if (lse != NULL) ring_copy(&f.acc_lse, lse);
     }
     forward_free(&f);
+    end(&c, t0);
+    return st;
+}
+
+/* ---- backward ---- */
+
+typedef struct bwd_bufs {
+    const attn_tensor *dout, *out, *lse;
+    attn_tensor acc_dq;          /* float64, q's shape                          */
+    void *part_dq, *part_dk, *part_dv; /* one piece's gradients, compute dtype   */
+    void *step;                  /* this step's dK, dV terms (float64)         */
+    char *dkv[2];                /* travelling dK, dV sums (float64)           */
+    size_t dkv_bytes;
+    bool want_dq, want_dkv;
+} bwd_bufs;
+
+/* dK and dV sums of rank o's shard, float64, in a buffer at `base`. */
+static void dkv_views(const ring_call *c, int o, void *base, attn_tensor *dk, attn_tensor *dv) {
+    const attn_tensor ks = resized(c->k, c->k->rank - 2, c->Ss[o]);
+    const attn_tensor vs = resized(c->v, c->v->rank - 2, c->Ss[o]);
+    *dk = ring_dense_like(&ks, base, ATTN_DTYPE_F64);
+    *dv = ring_dense_like(&vs, (char *)base + align64(ring_bytes(&ks, ATTN_DTYPE_F64)),
+                          ATTN_DTYPE_F64);
+}
+
+static size_t dkv_bytes_of(const ring_call *c, int o) {
+    const attn_tensor ks = resized(c->k, c->k->rank - 2, c->Ss[o]);
+    const attn_tensor vs = resized(c->v, c->v->rank - 2, c->Ss[o]);
+    return align64(ring_bytes(&ks, ATTN_DTYPE_F64)) + ring_bytes(&vs, ATTN_DTYPE_F64);
+}
+
+/* One piece of the backward: gradients of query rows [row, row + np) on key
+ * run b of origin o, added to dq's sums and this step's dK, dV terms. */
+static attn_status backward_piece(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
+                                  int a, int64_t p0, int64_t np, void *ctx) {
+    bwd_bufs *w = ctx;
+    const int ld = c->q->rank - 2, od = c->orank - 2;
+    const int64_t row = c->qruns.row[a] + p0;
+    const attn_tensor q = ring_rows(c->q, ld, row, np);
+    const attn_tensor dout = ring_rows(w->dout, od, row, np), out = ring_rows(w->out, od, row, np);
+    const attn_tensor lse = ring_rows(w->lse, od, row, np);
+    const attn_tensor k = ring_rows(&m->k, m->k.rank - 2, kr->row[b], kr->len[b]);
+    const attn_tensor v = ring_rows(&m->v, m->v.rank - 2, kr->row[b], kr->len[b]);
+    attn_tensor mask;
+    if (c->mask != NULL) mask = ring_rows(&m->mask, m->mask.rank - 1, kr->row[b], kr->len[b]);
+    const attn_sdpa_params sp = slice_params(c, c->qruns.start[a] + p0, kr->start[b],
+                                             c->mask != NULL ? &mask : NULL);
+    attn_tensor gq = ring_dense_like(&q, w->part_dq, c->q->dtype);
+    attn_tensor gk = ring_dense_like(&k, w->part_dk, c->q->dtype);
+    attn_tensor gv = ring_dense_like(&v, w->part_dv, c->q->dtype);
+    attn_status st = attn_sdpa_backward(&dout, &q, &k, &v, &out, &lse, &sp,
+                                        w->want_dq ? &gq : NULL, w->want_dkv ? &gk : NULL,
+                                        w->want_dkv ? &gv : NULL, NULL);
+    if (st != ATTN_OK) return st;
+    if (w->want_dq) {
+        const attn_tensor acc = ring_rows(&w->acc_dq, ld, row, np);
+        ring_add(&gq, &acc);
+    }
+    if (w->want_dkv) {
+        attn_tensor dk, dv;
+        dkv_views(c, (c->rc.rank - c->rc.step + c->rc.n) % c->rc.n, w->step, &dk, &dv);
+        const attn_tensor sk = ring_rows(&dk, dk.rank - 2, kr->row[b], kr->len[b]);
+        const attn_tensor sv = ring_rows(&dv, dv.rank - 2, kr->row[b], kr->len[b]);
+        ring_add(&gk, &sk);
+        ring_add(&gv, &sv);
+    }
+    return ATTN_OK;
+}
+
+/* Posts, at the start of step t, the receive of the dK, dV sums this rank
+ * works on next: shard o - 1's from r - 1 after its step t, or after the
+ * last step our own shard's, coming home. Posted a step ahead, so that a
+ * rank finishing step t finds its send's receiver waiting (a rendezvous
+ * send completes only then): no cycle of ranks waiting on each other. */
+static attn_status post_dkv_recv(ring_call *c, bwd_bufs *w, int t, ring_msgs *in) {
+    const int N = c->rc.n, r = c->rc.rank, prev = (r + N - 1) % N;
+    memset(in, 0, sizeof *in);
+    in->what = "dK/dV sums";
+    if (N == 1 || !w->want_dkv) return ATTN_OK;
+    const int o_next = t < N - 1 ? (r - t - 1 + 2 * N) % N : r;
+    const int tag = t < N - 1 ? t * TAGS + TAG_DKV : TAG_HOME;
+    return ring_recv(&c->rc, w->dkv[(t + 1) % 2], dkv_bytes_of(c, o_next), prev, tag, in);
+}
+
+/* After step t's compute: the sums of shard o (received, or zero at step 0)
+ * take this rank's terms and go on to r + 1 (home after the last step). */
+static attn_status pass_dkv(ring_call *c, bwd_bufs *w, int t, ring_msgs *in, ring_msgs *out) {
+    const int N = c->rc.n, r = c->rc.rank, o = (r - t + N) % N, next = (r + 1) % N;
+    attn_status st = t > 0 ? wait_step(c, in, 1) : ATTN_OK;
+    if (st != ATTN_OK) return st;
+    char *sums = w->dkv[t % 2];
+    const size_t bytes = dkv_bytes_of(c, o);
+    if (t == 0) memset(sums, 0, bytes);
+    const double *terms = w->step;
+    for (size_t i = 0; i < bytes / sizeof(double); i++) ((double *)sums)[i] += terms[i];
+    memset(out, 0, sizeof *out);
+    out->what = "dK/dV sums";
+    if (N == 1) return ATTN_OK;
+    const int tag = t < N - 1 ? t * TAGS + TAG_DKV : TAG_HOME;
+    if (c->prm.stats != NULL) c->prm.stats->bytes_sent += (int64_t)bytes;
+    return ring_send(&c->rc, sums, bytes, next, tag, out);
+}
+
+static attn_status backward_piece_fn(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
+                                     int a, int64_t p0, int64_t np, void *ctx) {
+    return backward_piece(c, m, kr, b, a, p0, np, ctx);
+}
+
+/* The N steps of the backward; the own shard's dK, dV sums end in
+ * w->dkv[N % 2] (received home after the last step; w->dkv[0] for one
+ * rank, where they never left). */
+static attn_status backward_steps(ring_call *c, bwd_bufs *w) {
+    const int N = c->rc.n;
+    ring_msgs dkv_in; /* the sums this step adds to, posted a step ahead */
+    memset(&dkv_in, 0, sizeof dkv_in);
+    for (int t = 0; t < N; t++) {
+        c->rc.step = t;
+        const int o = (c->rc.rank - t + N) % N;
+        ring_msgs msgs[3]; /* K/V in and out, the next sums in, the sums out */
+        attn_status st = post_kv(c, t, &msgs[0]);
+        if (st == ATTN_OK) st = post_dkv_recv(c, w, t, &msgs[1]);
+        if (st != ATTN_OK) return st;
+        if (w->want_dkv) memset(w->step, 0, dkv_bytes_of(c, o));
+        const kv_layout m = kv_layout_of(c, o, c->kv[t % 2]);
+        compute_step(c, o, &m, backward_piece_fn, w, msgs, 2);
+        memset(&msgs[2], 0, sizeof msgs[2]);
+        if (w->want_dkv && (st = pass_dkv(c, w, t, &dkv_in, &msgs[2])) != ATTN_OK) return st;
+        if ((st = wait_step(c, &msgs[0], 1)) != ATTN_OK ||
+            (st = wait_step(c, &msgs[2], 1)) != ATTN_OK)
+            return st;
+        dkv_in = msgs[1];
+    }
+    return wait_step(c, &dkv_in, 1); /* our own sums, home */
+}
+
+/* dout like out; dq, dk, dv like q, k, v in q's dtype; lse required. */
+static attn_status check_backward(ring_call *c, const attn_tensor *dout, const attn_tensor *out,
+                                  const attn_tensor *lse, const attn_tensor *const g[3]) {
+    if (lse == NULL)
+        return attn_set_error(ATTN_ERR_NULL, "lse", "attn_ring_sdpa_backward: lse is NULL");
+    attn_status st = check_local(c, out, lse);
+    if (st != ATTN_OK) return st;
+    const attn_tensor *like[4] = {out, c->q, c->k, c->v};
+    const attn_tensor *mine[4] = {dout, g[0], g[1], g[2]};
+    static const char *const names[4] = {"dout", "dq", "dk", "dv"};
+    for (int i = 0; i < 4; i++) {
+        if (mine[i] == NULL) {
+            if (i == 0) return attn_set_error(ATTN_ERR_NULL, "dout", "attn_ring: dout is NULL");
+            continue;
+        }
+        bool ok = mine[i]->rank == like[i]->rank && mine[i]->data != NULL;
+        for (int d = 0; ok && d < like[i]->rank; d++) ok = mine[i]->shape[d] == like[i]->shape[d];
+        if (!ok)
+            return attn_set_error(ATTN_ERR_SHAPE, names[i],
+                                  "attn_ring: %s must have the shape of %s (and data)", names[i],
+                                  i == 0 ? "out" : i == 1 ? "q" : i == 2 ? "k" : "v");
+        if (mine[i]->dtype != c->q->dtype)
+            return attn_set_error(ATTN_ERR_DTYPE, names[i], "attn_ring: %s is %s; expected %s",
+                                  names[i], attn_dtype_name(mine[i]->dtype),
+                                  attn_dtype_name(c->q->dtype));
+    }
+    return ATTN_OK;
+}
+
+static attn_status backward_alloc(ring_call *c, bwd_bufs *w) {
+    size_t dkv = 0;
+    for (int r = 0; r < c->rc.n; r++) dkv = dkv_bytes_of(c, r) > dkv ? dkv_bytes_of(c, r) : dkv;
+    const attn_tensor kmax = resized(c->k, c->k->rank - 2, c->Smax);
+    const attn_tensor vmax = resized(c->v, c->v->rank - 2, c->Smax);
+    void *acc = attn_alloc(ring_bytes(c->q, ATTN_DTYPE_F64));
+    w->acc_dq = ring_dense_like(c->q, acc, ATTN_DTYPE_F64);
+    w->part_dq = attn_alloc(ring_bytes(c->q, c->q->dtype));
+    w->part_dk = attn_alloc(ring_bytes(&kmax, c->q->dtype));
+    w->part_dv = attn_alloc(ring_bytes(&vmax, c->q->dtype));
+    w->step = attn_alloc(dkv);
+    w->dkv[0] = attn_alloc(dkv);
+    w->dkv[1] = attn_alloc(dkv);
+    w->dkv_bytes = dkv;
+    if (!acc || !w->part_dq || !w->part_dk || !w->part_dv || !w->step || !w->dkv[0] || !w->dkv[1])
+        return attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (backward sums)");
+    memset(acc, 0, ring_bytes(c->q, ATTN_DTYPE_F64));
+    return ATTN_OK;
+}
+
+static void backward_free(bwd_bufs *w) {
+    attn_free(w->acc_dq.data);
+    attn_free(w->part_dq);
+    attn_free(w->part_dk);
+    attn_free(w->part_dv);
+    attn_free(w->step);
+    attn_free(w->dkv[0]);
+    attn_free(w->dkv[1]);
+}
+
+attn_status attn_ring_sdpa_backward(MPI_Comm comm, const attn_tensor *dout, const attn_tensor *q,
+                                    const attn_tensor *k, const attn_tensor *v,
+                                    const attn_tensor *out, const attn_tensor *lse,
+                                    const attn_ring_params *params, attn_tensor *dq,
+                                    attn_tensor *dk, attn_tensor *dv) {
+    attn_clear_error();
+    const double t0 = MPI_Wtime();
+    ring_call c;
+    bwd_bufs w;
+    memset(&w, 0, sizeof w);
+    w.dout = dout, w.out = out, w.lse = lse;
+    w.want_dq = dq != NULL;
+    w.want_dkv = dk != NULL || dv != NULL;
+    attn_status local;
+    attn_status st = begin(&c, comm, params, q, k, v, &local);
+    if (st == ATTN_OK) {
+        const attn_tensor *const g[3] = {dq, dk, dv};
+        const attn_tensor *gd[5] = {out, lse, dq, dk, dv};
+        if (local == ATTN_OK) local = check_backward(&c, dout, out, lse, g);
+        st = agree(&c, local, 1, gd);
+    }
+    if (st == ATTN_OK) {
+        attn_status mine = alloc_kv(&c);
+        if (mine == ATTN_OK) mine = backward_alloc(&c, &w);
+        st = ring_finish(&c.rc, mine);
+    }
+    if (st == ATTN_OK) {
+        pack_own(&c);
+        st = backward_steps(&c, &w);
+        if (st == ATTN_OK) st = ring_finish(&c.rc, c.status);
+    }
+    if (st == ATTN_OK) {
+        if (dq != NULL) ring_copy(&w.acc_dq, dq);
+        attn_tensor sk, sv;
+        dkv_views(&c, c.rc.rank, w.dkv[c.rc.n == 1 ? 0 : c.rc.n % 2], &sk, &sv);
+        if (dk != NULL) ring_copy(&sk, dk);
+        if (dv != NULL) ring_copy(&sv, dv);
+    }
+    backward_free(&w);
     end(&c, t0);
     return st;
 }

@@ -98,31 +98,37 @@ static void row_start(const attn_tensor *a, const attn_tensor *b, int64_t row, i
     }
 }
 
-void ring_copy(const attn_tensor *src, const attn_tensor *dst) {
+/* dst = src, or dst += src (dst float64), row by row. */
+static void copy_rows(const attn_tensor *src, const attn_tensor *dst, bool add) {
     const size_t ss = attn_dtype_size(src->dtype), ds = attn_dtype_size(dst->dtype);
-    const bool same = src->dtype == dst->dtype;
+    const bool same = src->dtype == dst->dtype && !add;
     int64_t n = 1;
     for (int d = 0; d < src->rank; d++) n *= src->shape[d];
     const int last = src->rank - 1;
-    const int64_t width = src->shape[last];
+    const int64_t width = src->shape[last], scs = src->strides[last], dcs = dst->strides[last];
     for (int64_t row = 0; row < n / width; row++) {
         int64_t so, dof;
         row_start(src, dst, row, &so, &dof);
         const char *s = (const char *)src->data + (ptrdiff_t)so * (ptrdiff_t)ss;
         char *t = (char *)dst->data + (ptrdiff_t)dof * (ptrdiff_t)ds;
-        if (same && src->strides[last] == 1 && dst->strides[last] == 1) {
+        if (same && scs == 1 && dcs == 1) {
             memcpy(t, s, (size_t)width * ss);
             continue;
         }
         for (int64_t e = 0; e < width; e++) {
-            const char *se = s + (ptrdiff_t)(e * src->strides[last]) * (ptrdiff_t)ss;
-            char *te = t + (ptrdiff_t)(e * dst->strides[last]) * (ptrdiff_t)ds;
-            if (same) memcpy(te, se, ss);
+            const char *se = s + (ptrdiff_t)(e * scs) * (ptrdiff_t)ss;
+            char *te = t + (ptrdiff_t)(e * dcs) * (ptrdiff_t)ds;
+            if (add) *(double *)te += load(se, src->dtype);
+            else if (same) memcpy(te, se, ss);
             else if (dst->dtype == ATTN_DTYPE_F32) *(float *)te = (float)load(se, src->dtype);
             else *(double *)te = load(se, src->dtype);
         }
     }
 }
+
+void ring_copy(const attn_tensor *src, const attn_tensor *dst) { copy_rows(src, dst, false); }
+
+void ring_add(const attn_tensor *src, const attn_tensor *dst) { copy_rows(src, dst, true); }
 
 /* ---- attn_ring_shard / attn_ring_unshard ---- */
 
@@ -183,19 +189,3 @@ attn_status attn_ring_unshard(const attn_tensor *shard, int dim, attn_ring_layou
     return shard_copy(whole, shard, dim, layout, nranks, rank, false);
 }
 
-void ring_add(const attn_tensor *src, const attn_tensor *dst) {
-    const size_t ss = attn_dtype_size(src->dtype);
-    int64_t n = 1;
-    for (int d = 0; d < src->rank; d++) n *= src->shape[d];
-    const int last = src->rank - 1;
-    const int64_t width = src->shape[last];
-    for (int64_t row = 0; row < n / width; row++) {
-        int64_t so, dof;
-        row_start(src, dst, row, &so, &dof);
-        const char *s = (const char *)src->data + (ptrdiff_t)so * (ptrdiff_t)ss;
-        double *t = (double *)dst->data + dof;
-        for (int64_t e = 0; e < width; e++)
-            t[e * dst->strides[last]] += load(s + (ptrdiff_t)(e * src->strides[last]) * (ptrdiff_t)ss,
-                                              src->dtype);
-    }
-}

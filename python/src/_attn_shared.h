@@ -1,0 +1,66 @@
+/*
+ * _attn_shared.h — what _attn.c lends the extension's other C files
+ * (_attn_ring.c): buffers as attn_tensor views, outputs from the Python
+ * allocator, library failures as exceptions, Ctrl-C during a call, and the
+ * parsing of attn_sdpa's options. Internal to the extension: the symbols are
+ * hidden in the module (CMake's C_VISIBILITY_PRESET hidden). See _attn.c for
+ * what each one does.
+ */
+#ifndef ATTN_PY_SHARED_H
+#define ATTN_PY_SHARED_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "attn.h"
+
+/* An input or output buffer seen as an attn_tensor (see view_get). */
+typedef struct buffer_view {
+    Py_buffer buf;
+    int held;                           /* buf must be released */
+    void *copy;                         /* PyMem block when the buffer was copied */
+    Py_ssize_t strides[ATTN_MAX_RANK];  /* byte strides (buf's, or C order) */
+    attn_tensor t;
+} buffer_view;
+
+int view_get(PyObject *obj, const char *name, int writable, buffer_view *v);
+int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present);
+void view_release(buffer_view *v);
+PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
+                     const char *name, buffer_view *v);
+
+/* Always NULL, with the exception for a failed library call set. */
+PyObject *raise_status(attn_status st);
+
+/* SIGINT during a call sets the library's cancel flag (main thread only). */
+typedef struct interrupt_guard {
+    bool armed;
+    struct sigaction saved;
+} interrupt_guard;
+
+void interrupt_guard_arm(interrupt_guard *g);
+int interrupt_guard_disarm(interrupt_guard *g, attn_status st);
+
+int require_empty(PyObject *empty, const char *fn);
+int convert_u64(PyObject *obj, void *out); /* a PyArg "O&" converter */
+
+/* attn_sdpa's options as the entry points parse them. */
+typedef struct sdpa_options {
+    PyObject *mask, *scale;
+    int causal, gqa;
+    double dropout_p;
+    uint64_t seed, rng_offset;
+} sdpa_options;
+
+int sdpa_params_from(const sdpa_options *o, attn_sdpa_params *p);
+
+#ifdef ATTN_HAVE_RING
+/* Adds the ring functions (_attn_ring.c) to the module. */
+int ring_add_functions(PyObject *module);
+#endif
+
+#endif /* ATTN_PY_SHARED_H */
