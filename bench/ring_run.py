@@ -115,7 +115,8 @@ def wait_for_quiet(limit_s, load):
 
 
 def pingpong(args, rate=None):
-    if not args.driver or not os.path.exists(args.driver):
+    if not os.path.exists(args.driver):
+        log(f"no {args.driver}: the link is not measured")
         return None
     cmd = [os.path.join(ROOT, "scripts", "ring_netns.sh"), "--timeout", "300"]
     if rate:
@@ -151,9 +152,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     args.ring_bench = os.path.join(args.build, "bench", "ring_bench")
-    args.driver = os.path.join(args.build, "tests", "ring_driver")
-    if not os.path.exists(args.driver):
-        args.driver = os.path.join(args.build, "tests", "ring", "ring_driver")
+    args.driver = os.path.join(args.build, "tests", "ring", "ring_driver")  # for the ping-pong
     if not os.path.exists(args.ring_bench):
         sys.exit(f"no {args.ring_bench}: build with MPI found (attn_ring)")
     net = not args.no_net and os.geteuid() == 0
@@ -299,7 +298,8 @@ def render(doc):
     c = doc.get("crossover")
     if c:
         lines += ["", f"The model on a slow link: the veth capped at {c['rate']} (tc tbf; measured "
-                  f"{c['link_bytes_per_s'] * 8 / 1e6:.0f} Mbit/s one way), 2 ranks, non-causal, H = {s['H']}, E = {s['E']}. One rank computes "
+                  f"{c['link_bytes_per_s'] * 8 / 1e6:.0f} Mbit/s one way), 2 ranks, non-causal, "
+                  f"H = {s['H']}, E = {s['E']}. One rank computes "
                   f"{c['compute_flops_per_s'] / 1e9:.1f} GFLOP/s (uncapped 2-rank run), so the "
                   f"model's shortest shard that hides its transfer is L* = R·b / (2·BW) = "
                   f"{c['lstar_model']:.0f}. Step 0 computes on the own shard while the other "

@@ -9,6 +9,11 @@ if(ATTN_LIBM)
   target_link_libraries(ring_driver PRIVATE ${ATTN_LIBM})
 endif()
 
+# They test the transport and the faults, not memory: a sanitizer build
+# (unoptimised kernels, minutes per case) leaves them to test_ring.
+if(ATTN_SANITIZE)
+  return()
+endif()
 set(ATTN_RING_FAULTS ${CMAKE_CURRENT_LIST_DIR}/faults.sh)
 set(ATTN_RING_EXTRA_TESTS ring_netns)
 add_test(NAME ring_netns COMMAND ${CMAKE_CURRENT_LIST_DIR}/netns.sh $<TARGET_FILE:ring_driver>)
@@ -24,3 +29,6 @@ endforeach()
 # Each ends well inside a minute; the timeout only bounds a hang.
 set_tests_properties(${ATTN_RING_EXTRA_TESTS} PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 120
                      LABELS ring)
+if(DEFINED ATTN_MPI_TEST_ENV) # tests/ring/CMakeLists.txt's: root allowed, one thread
+  set_tests_properties(${ATTN_RING_EXTRA_TESTS} PROPERTIES ENVIRONMENT "${ATTN_MPI_TEST_ENV}")
+endif()

@@ -165,8 +165,8 @@ stop)
     ;;
 mismatch-*)
     what=${case#mismatch-}
-    # attn_ring.h: SHAPE or INVALID for a shape, INVALID for a parameter
-    expect=SHAPE,INVALID
+    # attn_ring.h: a shape that differs is ATTN_ERR_SHAPE, a parameter INVALID
+    expect=SHAPE
     [ "$what" = causal ] && expect=INVALID
     # big enough that one step's compute (~0.2 s) dwarfs a refusal
     start_job check --no-check -H 8 -L 8192 -E 64 --mismatch "$what" --mismatch-rank $((np - 1)) \
