@@ -304,11 +304,11 @@ def render(doc):
                   f"model's shortest shard that hides its transfer is L* = R·b / (2·BW) = "
                   f"{c['lstar_model']:.0f}. Step 0 computes on the own shard while the other "
                   f"travels:", "",
-                  "| shard | L*/shard | K/V bytes | step-0 compute ms | transfer ms (model) | "
+                  "| shard | shard / L* | K/V bytes | step-0 compute ms | transfer ms (model) | "
                   "wait ms, model | wait ms, measured (rank 0 / 1) |",
                   "|---:|---:|---:|---:|---:|---:|---|"]
         for p in c["points"]:
-            lines.append(f"| {p['shard']} | {c['lstar_model'] / p['shard']:.2f} | {p['kv_bytes']} | "
+            lines.append(f"| {p['shard']} | {p['shard'] / c['lstar_model']:.2f} | {p['kv_bytes']} | "
                          f"{1e3 * statistics.mean(p['step0_compute_s']):.1f} | "
                          f"{1e3 * p['transfer_model_s']:.1f} | "
                          f"{1e3 * statistics.mean(p['wait_model_s']):.1f} | "
