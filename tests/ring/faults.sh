@@ -7,7 +7,9 @@
 #   stop       SIGSTOP one rank mid-ring (a hung peer; params.timeout 3 s):
 #              the others must fail with ATTN_ERR_COMM naming the peer, the
 #              step and the timeout, and the job end (the driver then calls
-#              MPI_Abort); the stopped process is killed afterwards
+#              MPI_Abort); the stopped process is killed afterwards. Where
+#              the stop lands (a K/V wait, the final status) varies: every
+#              wait must name the rank it waits on
 #   mismatch-seq | mismatch-heads | mismatch-E | mismatch-causal
 #              one rank calls with a different shard length / head count /
 #              feature size / causal flag: every rank must be refused
