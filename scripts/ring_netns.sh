@@ -96,11 +96,11 @@ if [ -n "$rate" ]; then
     done
 fi
 
-stat() { # NS DEV FIELD
+counter() { # NS DEV FIELD
     ip netns exec "$1" cat "/sys/class/net/$2/statistics/$3"
 }
-tx0=$(stat "$ns_a" "$veth_a" tx_bytes) rx0=$(stat "$ns_a" "$veth_a" rx_bytes)
-txp0=$(stat "$ns_a" "$veth_a" tx_packets) rxp0=$(stat "$ns_a" "$veth_a" rx_packets)
+tx0=$(counter "$ns_a" "$veth_a" tx_bytes) rx0=$(counter "$ns_a" "$veth_a" rx_bytes)
+txp0=$(counter "$ns_a" "$veth_a" tx_packets) rxp0=$(counter "$ns_a" "$veth_a" rx_packets)
 
 export ATTN_NETNS_HOSTS="$addr_a=$ns_a=$host_a $addr_b=$ns_b=$host_b"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -128,8 +128,8 @@ job=$!
 wait "$job" || rc=$?
 job=''
 
-tx=$(($(stat "$ns_a" "$veth_a" tx_bytes) - tx0)) rx=$(($(stat "$ns_a" "$veth_a" rx_bytes) - rx0))
-txp=$(($(stat "$ns_a" "$veth_a" tx_packets) - txp0)) rxp=$(($(stat "$ns_a" "$veth_a" rx_packets) - rxp0))
+tx=$(($(counter "$ns_a" "$veth_a" tx_bytes) - tx0)) rx=$(($(counter "$ns_a" "$veth_a" rx_bytes) - rx0))
+txp=$(($(counter "$ns_a" "$veth_a" tx_packets) - txp0)) rxp=$(($(counter "$ns_a" "$veth_a" rx_packets) - rxp0))
 echo "ring_netns.sh: veth $veth_a ($host_a $addr_a) <-> $veth_b ($host_b $addr_b):" \
     "sent $tx bytes ($txp packets), received $rx bytes ($rxp packets); mpirun exit $rc" >&2
 if [ -n "$counters" ]; then
