@@ -62,6 +62,8 @@ for part in "${want[@]}"; do
         # Open MPI itself, not just any mpirun: attn_ring is tested against it.
         need_pkg openmpi-bin command -v ompi_info
         need_pkg libopenmpi-dev pkg-config --exists ompi-c
+        # The two-host tests: network namespaces, a veth pair, a rate cap.
+        need_pkg iproute2 command -v ip
         ;;
     python | bench) ;;
     *) say "unknown part '$part'"; exit 2 ;;

@@ -22,7 +22,7 @@ static attn_status mpi_failed(const ring_comm *rc, int err, const char *what) {
 
 /* Tests `req` until it completes or `deadline` (MPI_Wtime) passes. */
 static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, double deadline,
-                              const char *what, int peer) {
+                              const char *what, int peer, const int *peers) {
     for (;;) {
         int done = 0;
         const int err = MPI_Testall(count, req, &done, MPI_STATUSES_IGNORE);
@@ -30,6 +30,28 @@ static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, 
         if (done) return ATTN_OK;
         if (MPI_Wtime() > deadline) break;
         pause_briefly();
+    }
+    if (peers != NULL) {
+        /* the peer of the first request still open: a receive before a send */
+        int from = -1, to = -1;
+        for (int i = 0; i < count; i++) {
+            int flag = 1;
+            if (req[i] != MPI_REQUEST_NULL) MPI_Test(&req[i], &flag, MPI_STATUS_IGNORE);
+            if (!flag && peers[i] < 0 && from < 0) from = -1 - peers[i];
+            if (!flag && peers[i] >= 0 && to < 0) to = peers[i];
+        }
+        for (int i = 0; i < count; i++)
+            if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
+        if (from >= 0 || to < 0)
+            return attn_set_error(ATTN_ERR_COMM, NULL,
+                                  "attn_ring: rank %d, ring step %d: no %s from rank %d within "
+                                  "%g s; rank %d is dead, hung or cut off (params.timeout)",
+                                  rc->rank, rc->step, what, from >= 0 ? from : peer, rc->timeout,
+                                  from >= 0 ? from : peer);
+        return attn_set_error(ATTN_ERR_COMM, NULL,
+                              "attn_ring: rank %d, ring step %d: rank %d took no %s within %g s; "
+                              "it is dead, hung or cut off (params.timeout)",
+                              rc->rank, rc->step, to, what, rc->timeout);
     }
     if (peer >= 0) {
         /* Withdraw the receives: their buffers are about to be freed.
@@ -66,7 +88,7 @@ attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
     MPI_Request req;
     err = MPI_Comm_idup(comm, &rc->comm, &req);
     if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Comm_idup");
-    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + timeout, "duplicating comm", -1);
+    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + timeout, "duplicating comm", -1, NULL);
     if (st != ATTN_OK) {
         rc->comm = MPI_COMM_NULL; /* unusable; MPI owns it now */
         return st;
@@ -95,6 +117,7 @@ static attn_status post(ring_comm *rc, void *buf, size_t bytes, int peer, int ta
         const int err = send ? MPI_Isend(p, n, MPI_BYTE, peer, tag, rc->comm, &m->req[m->count])
                              : MPI_Irecv(p, n, MPI_BYTE, peer, tag, rc->comm, &m->req[m->count]);
         if (err != MPI_SUCCESS) return mpi_failed(rc, err, send ? "MPI_Isend" : "MPI_Irecv");
+        m->peers[m->count] = send ? peer : -1 - peer;
         m->count++;
         if (bytes == 0) break;
     }
@@ -118,7 +141,8 @@ void ring_progress(ring_msgs *m) {
 attn_status ring_wait(ring_comm *rc, ring_msgs *m) {
     attn_status st = ATTN_OK;
     if (m->count > 0)
-        st = wait_until(rc, m->count, m->req, MPI_Wtime() + rc->timeout, m->what, m->peer);
+        st = wait_until(rc, m->count, m->req, MPI_Wtime() + rc->timeout, m->what, m->peer,
+                        m->peers);
     m->count = 0;
     return st;
 }
@@ -137,7 +161,7 @@ attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_des
     int err = MPI_Iallgather(mine, (int)sizeof *mine, MPI_BYTE, all, (int)sizeof *mine, MPI_BYTE,
                              rc->comm, &req);
     if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Iallgather");
-    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + rc->timeout, "the agreement", -1);
+    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + rc->timeout, "the agreement", -1, NULL);
     if (st != ATTN_OK) return st;
     if (mine->status != ATTN_OK) /* our own message is already set */
         return attn_set_error((attn_status)mine->status, mine->arg, "%s", mine->msg);
@@ -162,19 +186,27 @@ attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_des
 }
 
 attn_status ring_finish(ring_comm *rc, attn_status mine) {
-    /* the worst status, and the first rank that failed */
-    int status_in = (int)mine, status = 0;
-    int rank_in = mine != ATTN_OK ? rc->rank : rc->n, lowest = rc->n;
-    MPI_Request req[2];
-    int err = MPI_Iallreduce(&status_in, &status, 1, MPI_INT, MPI_MAX, rc->comm, &req[0]);
-    if (err == MPI_SUCCESS)
-        err = MPI_Iallreduce(&rank_in, &lowest, 1, MPI_INT, MPI_MIN, rc->comm, &req[1]);
-    if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Iallreduce");
-    attn_status st = wait_until(rc, 2, req, MPI_Wtime() + rc->timeout, "the final status", -1);
+    /* the worst status and the first rank that failed, passed round the
+     * ring (N - 1 hops): a wait that times out names the rank before */
+    int acc[2] = {(int)mine, mine != ATTN_OK ? rc->rank : rc->n}, in[2];
+    const int next = (rc->rank + 1) % rc->n, prev = (rc->rank + rc->n - 1) % rc->n;
+    attn_status st = ATTN_OK;
+    for (int hop = 0; hop < rc->n - 1 && st == ATTN_OK; hop++) {
+        ring_msgs m;
+        memset(&m, 0, sizeof m);
+        m.what = "final status";
+        st = ring_recv(rc, in, sizeof in, prev, 1 << 20 | hop, &m);
+        if (st == ATTN_OK) st = ring_send(rc, acc, sizeof acc, next, 1 << 20 | hop, &m);
+        if (st == ATTN_OK) st = ring_wait(rc, &m);
+        if (st == ATTN_OK) {
+            acc[0] = in[0] > acc[0] ? in[0] : acc[0];
+            acc[1] = in[1] < acc[1] ? in[1] : acc[1];
+        }
+    }
     if (st != ATTN_OK || mine != ATTN_OK) return st != ATTN_OK ? st : mine;
-    if (status != ATTN_OK)
-        return attn_set_error((attn_status)status, NULL,
-                              "attn_ring: rank %d failed (%s); see its own message", lowest,
-                              attn_strerror((attn_status)status));
+    if (acc[0] != ATTN_OK)
+        return attn_set_error((attn_status)acc[0], NULL,
+                              "attn_ring: rank %d failed (%s); see its own message", acc[1],
+                              attn_strerror((attn_status)acc[0]));
     return ATTN_OK;
 }

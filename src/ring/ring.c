@@ -287,6 +287,10 @@ static attn_sdpa_params slice_params(const ring_call *c, int64_t q0, int64_t k0,
     sp.k_offset = k0;
     sp.k_total = c->Stot;
     sp.attn_mask = mask;
+    /* A part's lse as its kernel scored it, which is what its out is
+     * normalised by: the merge then weighs each part by its own sum (the
+     * exact-lse tracking cost a third of the forward). */
+    sp.lse_for_backward = 1;
     return sp;
 }
 
