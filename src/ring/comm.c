@@ -20,9 +20,11 @@ static attn_status mpi_failed(const ring_comm *rc, int err, const char *what) {
                           rc->rank, rc->step, what, text);
 }
 
-/* Tests `req` until it completes or `deadline` (MPI_Wtime) passes. */
+/* Tests `req` until it completes or `deadline` (MPI_Wtime) passes.
+ * `peers` gives each request's peer (receives as -1 - peer), NULL for a
+ * collective: a timeout then names the silent peer, a receive's first. */
 static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, double deadline,
-                              const char *what, int peer, const int *peers) {
+                              const char *what, const int *peers) {
     for (;;) {
         int done = 0;
         const int err = MPI_Testall(count, req, &done, MPI_STATUSES_IGNORE);
@@ -31,42 +33,31 @@ static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, 
         if (MPI_Wtime() > deadline) break;
         pause_briefly();
     }
-    if (peers != NULL) {
-        /* the peer of the first request still open: a receive before a send */
-        int from = -1, to = -1;
-        for (int i = 0; i < count; i++) {
-            int flag = 1;
-            if (req[i] != MPI_REQUEST_NULL) MPI_Test(&req[i], &flag, MPI_STATUS_IGNORE);
-            if (!flag && peers[i] < 0 && from < 0) from = -1 - peers[i];
-            if (!flag && peers[i] >= 0 && to < 0) to = peers[i];
-        }
-        for (int i = 0; i < count; i++)
-            if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
-        if (from >= 0 || to < 0)
-            return attn_set_error(ATTN_ERR_COMM, NULL,
-                                  "attn_ring: rank %d, ring step %d: no %s from rank %d within "
-                                  "%g s; rank %d is dead, hung or cut off (params.timeout)",
-                                  rc->rank, rc->step, what, from >= 0 ? from : peer, rc->timeout,
-                                  from >= 0 ? from : peer);
+    if (peers == NULL) /* a collective's request cannot be cancelled */
         return attn_set_error(ATTN_ERR_COMM, NULL,
-                              "attn_ring: rank %d, ring step %d: rank %d took no %s within %g s; "
-                              "it is dead, hung or cut off (params.timeout)",
-                              rc->rank, rc->step, to, what, rc->timeout);
+                              "attn_ring: rank %d: %s not complete within %g s; another rank is "
+                              "dead, hung or not calling (params.timeout)",
+                              rc->rank, what, rc->timeout);
+    int from = -1, to = -1;
+    for (int i = 0; i < count; i++) {
+        int flag = 1;
+        if (req[i] != MPI_REQUEST_NULL) MPI_Test(&req[i], &flag, MPI_STATUS_IGNORE);
+        if (!flag && peers[i] < 0 && from < 0) from = -1 - peers[i];
+        if (!flag && peers[i] >= 0 && to < 0) to = peers[i];
     }
-    if (peer >= 0) {
-        /* Withdraw the receives: their buffers are about to be freed.
-         * (Collectives cannot be cancelled; theirs are the ring's own.) */
-        for (int i = 0; i < count; i++)
-            if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
+    if (from < 0 && to < 0) return ATTN_OK; /* the last ones came in as time ran out */
+    /* Withdraw what is open: the buffers are about to be freed. */
+    for (int i = 0; i < count; i++)
+        if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
+    if (from >= 0)
         return attn_set_error(ATTN_ERR_COMM, NULL,
                               "attn_ring: rank %d, ring step %d: no %s from rank %d within "
                               "%g s; rank %d is dead, hung or cut off (params.timeout)",
-                              rc->rank, rc->step, what, peer, rc->timeout, peer);
-    }
+                              rc->rank, rc->step, what, from, rc->timeout, from);
     return attn_set_error(ATTN_ERR_COMM, NULL,
-                          "attn_ring: rank %d: %s not complete within %g s; another rank is "
-                          "dead, hung or not calling (params.timeout)",
-                          rc->rank, what, rc->timeout);
+                          "attn_ring: rank %d, ring step %d: rank %d took no %s within %g s; "
+                          "it is dead, hung or cut off (params.timeout)",
+                          rc->rank, rc->step, to, what, rc->timeout);
 }
 
 attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
@@ -88,7 +79,7 @@ attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
     MPI_Request req;
     err = MPI_Comm_idup(comm, &rc->comm, &req);
     if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Comm_idup");
-    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + timeout, "duplicating comm", -1, NULL);
+    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + timeout, "duplicating comm", NULL);
     if (st != ATTN_OK) {
         rc->comm = MPI_COMM_NULL; /* unusable; MPI owns it now */
         return st;
@@ -106,7 +97,6 @@ enum { PIECE = 1 << 30 }; /* bytes per message piece: counts are ints */
 
 static attn_status post(ring_comm *rc, void *buf, size_t bytes, int peer, int tag, ring_msgs *m,
                         bool send) {
-    m->peer = peer;
     for (size_t at = 0; at < bytes || (bytes == 0 && at == 0); at += PIECE) {
         if (m->count == (int)(sizeof m->req / sizeof m->req[0]))
             return attn_set_error(ATTN_ERR_UNSUPPORTED, NULL,
@@ -141,8 +131,7 @@ void ring_progress(ring_msgs *m) {
 attn_status ring_wait(ring_comm *rc, ring_msgs *m) {
     attn_status st = ATTN_OK;
     if (m->count > 0)
-        st = wait_until(rc, m->count, m->req, MPI_Wtime() + rc->timeout, m->what, m->peer,
-                        m->peers);
+        st = wait_until(rc, m->count, m->req, MPI_Wtime() + rc->timeout, m->what, m->peers);
     m->count = 0;
     return st;
 }
@@ -161,7 +150,7 @@ attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_des
     int err = MPI_Iallgather(mine, (int)sizeof *mine, MPI_BYTE, all, (int)sizeof *mine, MPI_BYTE,
                              rc->comm, &req);
     if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Iallgather");
-    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + rc->timeout, "the agreement", -1, NULL);
+    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + rc->timeout, "the agreement", NULL);
     if (st != ATTN_OK) return st;
     if (mine->status != ATTN_OK) /* our own message is already set */
         return attn_set_error((attn_status)mine->status, mine->arg, "%s", mine->msg);

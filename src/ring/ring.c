@@ -29,7 +29,7 @@ typedef struct ring_call {
     const attn_tensor *q, *k, *v, *mask;
     int orank;                      /* out: (B..., Hq, L_shard, Ev) */
     int64_t oshape[ATTN_MAX_RANK];
-    int64_t Ltot, Stot, Lmax, Smax;
+    int64_t Ltot, Stot, Smax;
     int64_t *Ls, *Ss;               /* every rank's shard lengths */
     ring_runs qruns;
     char *kv[2];                    /* K/V (+ mask) messages, dense */
@@ -235,10 +235,9 @@ static attn_status agree(ring_call *c, attn_status local, int kind, const attn_t
     }
     attn_free(all);
     if (st != ATTN_OK) return st;
-    c->Ltot = c->Stot = c->Lmax = c->Smax = 0;
+    c->Ltot = c->Stot = c->Smax = 0;
     for (int r = 0; r < N; r++) {
         c->Ltot += c->Ls[r], c->Stot += c->Ss[r];
-        c->Lmax = c->Ls[r] > c->Lmax ? c->Ls[r] : c->Lmax;
         c->Smax = c->Ss[r] > c->Smax ? c->Ss[r] : c->Smax;
     }
     for (int r = 0; r < N && c->prm.layout == ATTN_RING_ZIGZAG; r++) {
@@ -297,12 +296,14 @@ static attn_sdpa_params slice_params(const ring_call *c, int64_t q0, int64_t k0,
 /* One piece of the forward: attention of query rows [row, row + n) of this
  * rank on key run b of origin o, merged into the sums. */
 typedef struct fwd_bufs {
+    const attn_tensor *out;     /* the caller's, for the shapes            */
     attn_tensor acc, acc_lse;   /* (B..., Hq, L_shard, Ev) and (..., L_shard), float64 */
     void *part, *part_lse;      /* room for L_shard rows */
 } fwd_bufs;
 
 static attn_status forward_piece(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
-                                 int a, int64_t p0, int64_t np, fwd_bufs *f) {
+                                 int a, int64_t p0, int64_t np, void *ctx) {
+    fwd_bufs *f = ctx;
     const int ld = c->q->rank - 2, od = c->orank - 2;
     const attn_tensor q = ring_rows(c->q, ld, c->qruns.row[a] + p0, np);
     const attn_tensor k = ring_rows(&m->k, m->k.rank - 2, kr->row[b], kr->len[b]);
@@ -395,12 +396,7 @@ static attn_status begin(ring_call *c, MPI_Comm comm, const attn_ring_params *pa
                                 "attn_ring: %s is NULL", q == NULL ? "q" : k == NULL ? "k" : "v");
     if (*local == ATTN_OK && c->prm.stats != NULL) memset(c->prm.stats, 0, sizeof *c->prm.stats);
     const double timeout = c->prm.timeout > 0 && isfinite(c->prm.timeout) ? c->prm.timeout : 60.0;
-    char msg[RING_MSG], arg[RING_ARG]; /* opening the communicator clears nothing, but keep them */
-    snprintf(msg, sizeof msg, "%s", attn_last_error());
-    snprintf(arg, sizeof arg, "%s", attn_last_error_arg());
-    attn_status st = ring_comm_open(comm, timeout, &c->rc);
-    if (st == ATTN_OK && *local != ATTN_OK) attn_set_error(*local, arg, "%s", msg);
-    return st;
+    return ring_comm_open(comm, timeout, &c->rc); /* sets no message when it succeeds */
 }
 
 static attn_status alloc_kv(ring_call *c) {
@@ -427,6 +423,29 @@ static void end(ring_call *c, double t0) {
     ring_comm_close(&c->rc);
 }
 
+/* The course of a call once begin() has opened the ring: the agreement
+ * (this rank's own checks in `local`), every rank's buffers or none, the
+ * steps, and the final status, which makes every rank fail when one did. */
+typedef attn_status (*stage_fn)(ring_call *c, void *ctx);
+
+static attn_status run(ring_call *c, attn_status local, int kind, const attn_tensor *const g[5],
+                       stage_fn alloc, stage_fn steps, void *ctx) {
+    const double ta = MPI_Wtime();
+    attn_status st = agree(c, local, kind, g);
+    if (c->prm.stats != NULL) c->prm.stats->agree = MPI_Wtime() - ta;
+    if (st == ATTN_OK) {
+        attn_status mine = alloc_kv(c);
+        if (mine == ATTN_OK) mine = alloc(c, ctx);
+        st = ring_finish(&c->rc, mine);
+    }
+    if (st == ATTN_OK) {
+        pack_own(c);
+        st = steps(c, ctx);
+        if (st == ATTN_OK) st = ring_finish(&c->rc, c->status);
+    }
+    return st;
+}
+
 /* ---- forward ---- */
 
 void attn_ring_params_init(attn_ring_params *params) {
@@ -438,13 +457,9 @@ void attn_ring_params_init(attn_ring_params *params) {
     params->timeout = 60.0;
 }
 
-static attn_status forward_piece_fn(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
-                                    int a, int64_t p0, int64_t np, void *ctx) {
-    return forward_piece(c, m, kr, b, a, p0, np, ctx);
-}
-
 /* The N steps of the forward into f's sums. */
-static attn_status forward_steps(ring_call *c, fwd_bufs *f) {
+static attn_status forward_steps(ring_call *c, void *ctx) {
+    fwd_bufs *f = ctx;
     const int N = c->rc.n;
     for (int t = 0; t < N; t++) {
         c->rc.step = t;
@@ -453,14 +468,17 @@ static attn_status forward_steps(ring_call *c, fwd_bufs *f) {
         attn_status st = post_kv(c, t, &msgs);
         if (st != ATTN_OK) return st;
         const kv_layout m = kv_layout_of(c, o, c->kv[t % 2]);
-        compute_step(c, o, &m, forward_piece_fn, f, &msgs, 1);
+        compute_step(c, o, &m, forward_piece, f, &msgs, 1);
         if ((st = wait_step(c, &msgs, 1)) != ATTN_OK) return st;
     }
     return ATTN_OK;
 }
 
 /* The forward's float64 sums and part buffers, shaped like out. */
-static attn_status forward_alloc(const attn_tensor *out, fwd_bufs *f) {
+static attn_status forward_alloc(ring_call *c, void *ctx) {
+    (void)c;
+    fwd_bufs *f = ctx;
+    const attn_tensor *out = f->out;
     const size_t obytes = ring_bytes(out, ATTN_DTYPE_F64);
     const size_t lbytes = obytes / (size_t)out->shape[out->rank - 1];
     void *acc = attn_alloc(obytes), *acc_lse = attn_alloc(lbytes);
@@ -493,24 +511,13 @@ attn_status attn_ring_sdpa(MPI_Comm comm, const attn_tensor *q, const attn_tenso
     ring_call c;
     fwd_bufs f;
     memset(&f, 0, sizeof f);
+    f.out = out;
     attn_status local;
     attn_status st = begin(&c, comm, params, q, k, v, &local);
     if (st == ATTN_OK) {
-        const double ta = MPI_Wtime();
         const attn_tensor *g[5] = {out, lse, NULL, NULL, NULL};
         if (local == ATTN_OK) local = check_local(&c, out, lse);
-        st = agree(&c, local, 0, g);
-        if (c.prm.stats != NULL) c.prm.stats->agree = MPI_Wtime() - ta;
-    }
-    if (st == ATTN_OK) { /* every rank has its buffers, or all stop here */
-        attn_status mine = alloc_kv(&c);
-        if (mine == ATTN_OK) mine = forward_alloc(out, &f);
-        st = ring_finish(&c.rc, mine);
-    }
-    if (st == ATTN_OK) {
-        pack_own(&c);
-        st = forward_steps(&c, &f);
-        if (st == ATTN_OK) st = ring_finish(&c.rc, c.status);
+        st = run(&c, local, 0, g, forward_alloc, forward_steps, &f);
     }
     if (st == ATTN_OK) {
         ring_copy(&f.acc, out);
@@ -620,15 +627,11 @@ static attn_status pass_dkv(ring_call *c, bwd_bufs *w, int t, ring_msgs *in, rin
     return ring_send(&c->rc, sums, bytes, next, tag, out);
 }
 
-static attn_status backward_piece_fn(ring_call *c, const kv_layout *m, const ring_runs *kr, int b,
-                                     int a, int64_t p0, int64_t np, void *ctx) {
-    return backward_piece(c, m, kr, b, a, p0, np, ctx);
-}
-
 /* The N steps of the backward; the own shard's dK, dV sums end in
  * w->dkv[N % 2] (received home after the last step; w->dkv[0] for one
  * rank, where they never left). */
-static attn_status backward_steps(ring_call *c, bwd_bufs *w) {
+static attn_status backward_steps(ring_call *c, void *ctx) {
+    bwd_bufs *w = ctx;
     const int N = c->rc.n;
     ring_msgs dkv_in; /* the sums this step adds to, posted a step ahead */
     memset(&dkv_in, 0, sizeof dkv_in);
@@ -641,7 +644,7 @@ static attn_status backward_steps(ring_call *c, bwd_bufs *w) {
         if (st != ATTN_OK) return st;
         if (w->want_dkv) memset(w->step, 0, dkv_bytes_of(c, o));
         const kv_layout m = kv_layout_of(c, o, c->kv[t % 2]);
-        compute_step(c, o, &m, backward_piece_fn, w, msgs, 2);
+        compute_step(c, o, &m, backward_piece, w, msgs, 2);
         memset(&msgs[2], 0, sizeof msgs[2]);
         if (w->want_dkv && (st = pass_dkv(c, w, t, &dkv_in, &msgs[2])) != ATTN_OK) return st;
         if ((st = wait_step(c, &msgs[0], 1)) != ATTN_OK ||
@@ -681,7 +684,8 @@ static attn_status check_backward(ring_call *c, const attn_tensor *dout, const a
     return ATTN_OK;
 }
 
-static attn_status backward_alloc(ring_call *c, bwd_bufs *w) {
+static attn_status backward_alloc(ring_call *c, void *ctx) {
+    bwd_bufs *w = ctx;
     size_t dkv = 0;
     for (int r = 0; r < c->rc.n; r++) dkv = dkv_bytes_of(c, r) > dkv ? dkv_bytes_of(c, r) : dkv;
     const attn_tensor kmax = resized(c->k, c->k->rank - 2, c->Smax);
@@ -730,17 +734,7 @@ attn_status attn_ring_sdpa_backward(MPI_Comm comm, const attn_tensor *dout, cons
         const attn_tensor *const g[3] = {dq, dk, dv};
         const attn_tensor *gd[5] = {out, lse, dq, dk, dv};
         if (local == ATTN_OK) local = check_backward(&c, dout, out, lse, g);
-        st = agree(&c, local, 1, gd);
-    }
-    if (st == ATTN_OK) {
-        attn_status mine = alloc_kv(&c);
-        if (mine == ATTN_OK) mine = backward_alloc(&c, &w);
-        st = ring_finish(&c.rc, mine);
-    }
-    if (st == ATTN_OK) {
-        pack_own(&c);
-        st = backward_steps(&c, &w);
-        if (st == ATTN_OK) st = ring_finish(&c.rc, c.status);
+        st = run(&c, local, 1, gd, backward_alloc, backward_steps, &w);
     }
     if (st == ATTN_OK) {
         if (dq != NULL) ring_copy(&w.acc_dq, dq);

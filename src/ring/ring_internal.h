@@ -50,12 +50,11 @@ typedef struct ring_comm {
     int step;             /* for messages: the ring step under way */
 } ring_comm;
 
-/* A set of outstanding non-blocking operations with one peer. */
+/* A set of outstanding non-blocking operations. */
 typedef struct ring_msgs {
     MPI_Request req[64];
     int peers[64]; /* each request's peer; receives are negative: -1 - peer */
     int count;
-    int peer;
     const char *what;     /* "K/V shard", "dK/dV sums", ... for messages */
 } ring_msgs;
 
