@@ -322,6 +322,81 @@ static void test_allocation_failures(void) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->data);
 }
 
+/* Every argument out of range, on every rank: a clear error naming it. */
+#define CHECK_ARG(call, status, name)                                                         \
+    do {                                                                                      \
+        CHECK_STATUS(call, status);                                                           \
+        CHECK(strcmp(attn_last_error_arg(), name) == 0, "%s: names '%s', not '%s' (%s)",      \
+              #call, attn_last_error_arg(), name, attn_last_error());                         \
+    } while (0)
+
+static void test_hostile_arguments(void) {
+    const int64_t qs[3] = {2, 4 * NRANKS, 8}, ls[2] = {2, 4 * NRANKS};
+    buf q = make(ATTN_DTYPE_F32, 3, qs, 5, 1), k = make(ATTN_DTYPE_F32, 3, qs, 6, 1);
+    buf v = make(ATTN_DTYPE_F32, 3, qs, 7, 1), out = make(ATTN_DTYPE_F32, 3, qs, 0, 0);
+    buf lse = make(ATTN_DTYPE_F64, 2, ls, 0, 0), blse = make(ATTN_DTYPE_BOOL, 2, ls, 0, 0);
+    const int64_t ms_bad[3] = {2, 2, 4 * NRANKS}, ms_wide[3] = {2, 1, 4 * NRANKS + 1};
+    buf mask2 = make(ATTN_DTYPE_BOOL, 3, ms_bad, 1, 1), maskw = make(ATTN_DTYPE_BOOL, 3, ms_wide, 1, 1);
+    const int64_t small[3] = {2, 4 * NRANKS, 4};
+    buf dsmall = make(ATTN_DTYPE_F32, 3, small, 0, 0), d64 = make(ATTN_DTYPE_F64, 3, qs, 0, 0);
+    const MPI_Comm W = MPI_COMM_WORLD;
+    attn_ring_params rp;
+
+    attn_ring_params_init(&rp);
+    rp.struct_size = 0;
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
+              "params.struct_size");
+    attn_ring_params_init(&rp);
+    rp.sdpa.struct_size = 0;
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
+              "params.sdpa.struct_size");
+    attn_ring_params_init(&rp);
+    rp.layout = (attn_ring_layout)7;
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
+              "params.layout");
+    attn_ring_params_init(&rp);
+    rp.timeout = NAN;
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
+              "params.timeout");
+    attn_ring_params_init(&rp);
+    rp.sdpa.k_offset = 3;
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
+              "params.sdpa.q_offset");
+    attn_ring_params_init(&rp);
+    rp.key_mask = &mask2.t; /* differs per query: cannot travel with the keys */
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_SHAPE,
+              "params.key_mask");
+    rp.key_mask = &maskw.t; /* one key too many */
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_SHAPE,
+              "params.key_mask");
+    CHECK(strstr(attn_last_error(), "params.key_mask: params.key_mask") == NULL,
+          "message repeats itself: %s", attn_last_error());
+    attn_ring_params_init(&rp);
+    CHECK_ARG(attn_ring_sdpa(W, NULL, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_NULL, "q");
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, NULL, NULL), ATTN_ERR_NULL, "out");
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &dsmall.t, NULL), ATTN_ERR_SHAPE, "out");
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &d64.t, NULL), ATTN_ERR_DTYPE, "out");
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, &blse.t), ATTN_ERR_DTYPE, "lse");
+    CHECK_ARG(attn_ring_sdpa(MPI_COMM_NULL, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
+              "comm");
+    /* the backward's own */
+    CHECK_ARG(attn_ring_sdpa_backward(W, &out.t, &q.t, &k.t, &v.t, &out.t, NULL, &rp, NULL, NULL,
+                                      NULL), ATTN_ERR_NULL, "lse");
+    CHECK_ARG(attn_ring_sdpa_backward(W, NULL, &q.t, &k.t, &v.t, &out.t, &lse.t, &rp, NULL, NULL,
+                                      NULL), ATTN_ERR_NULL, "dout");
+    CHECK_ARG(attn_ring_sdpa_backward(W, &out.t, &q.t, &k.t, &v.t, &out.t, &lse.t, &rp, &dsmall.t,
+                                      NULL, NULL), ATTN_ERR_SHAPE, "dq");
+    CHECK_ARG(attn_ring_sdpa_backward(W, &out.t, &q.t, &k.t, &v.t, &out.t, &lse.t, &rp, NULL,
+                                      &d64.t, NULL), ATTN_ERR_DTYPE, "dk");
+    /* the shard helpers */
+    CHECK_ARG(attn_ring_shard(&q.t, 3, ATTN_RING_ZIGZAG, 1, 0, &out.t), ATTN_ERR_INVALID, "dim");
+    CHECK_ARG(attn_ring_shard(&q.t, 1, ATTN_RING_ZIGZAG, 1, 0, &d64.t), ATTN_ERR_DTYPE, "shard");
+    CHECK_ARG(attn_ring_shard(NULL, 1, ATTN_RING_ZIGZAG, 1, 0, &out.t), ATTN_ERR_NULL, "whole");
+    CHECK_ARG(attn_ring_unshard(&out.t, 1, ATTN_RING_ZIGZAG, 2, 2, &q.t), ATTN_ERR_INVALID, "rank");
+    buf *all[] = {&q, &k, &v, &out, &lse, &blse, &mask2, &maskw, &dsmall, &d64};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->data);
+}
+
 int main(int argc, char **argv) {
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
@@ -329,7 +404,7 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &NRANKS);
     static const harness_test tests[] = {T(test_shard_helpers), T(test_ring_matches_single_process),
                                          T(test_disagreement_fails_everywhere),
-                                         T(test_allocation_failures)};
+                                         T(test_allocation_failures), T(test_hostile_arguments)};
     if (RANK != 0) { /* one summary, from rank 0; the others speak on failure */
         if (freopen("/dev/null", "w", stdout) == NULL) return 1;
     }
