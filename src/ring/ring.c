@@ -293,6 +293,22 @@ static attn_sdpa_params slice_params(const ring_call *c, int64_t q0, int64_t k0,
     return sp;
 }
 
+/* Key run b of a message as one piece sees it, and the piece's parameters:
+ * its query rows start at row p0 of this rank's run a. */
+typedef struct piece_keys {
+    attn_tensor k, v, mask;
+    attn_sdpa_params sp; /* sp.attn_mask points at mask */
+} piece_keys;
+
+static void piece_keys_of(const ring_call *c, const kv_layout *m, const ring_runs *kr, int b, int a,
+                          int64_t p0, piece_keys *pk) {
+    pk->k = ring_rows(&m->k, m->k.rank - 2, kr->row[b], kr->len[b]);
+    pk->v = ring_rows(&m->v, m->v.rank - 2, kr->row[b], kr->len[b]);
+    if (c->mask != NULL) pk->mask = ring_rows(&m->mask, m->mask.rank - 1, kr->row[b], kr->len[b]);
+    pk->sp = slice_params(c, c->qruns.start[a] + p0, kr->start[b],
+                          c->mask != NULL ? &pk->mask : NULL);
+}
+
 /* One piece of the forward: attention of query rows [row, row + n) of this
  * rank on key run b of origin o, merged into the sums. */
 typedef struct fwd_bufs {
@@ -306,17 +322,13 @@ static attn_status forward_piece(ring_call *c, const kv_layout *m, const ring_ru
     fwd_bufs *f = ctx;
     const int ld = c->q->rank - 2, od = c->orank - 2;
     const attn_tensor q = ring_rows(c->q, ld, c->qruns.row[a] + p0, np);
-    const attn_tensor k = ring_rows(&m->k, m->k.rank - 2, kr->row[b], kr->len[b]);
-    const attn_tensor v = ring_rows(&m->v, m->v.rank - 2, kr->row[b], kr->len[b]);
-    attn_tensor mask;
-    if (c->mask != NULL) mask = ring_rows(&m->mask, m->mask.rank - 1, kr->row[b], kr->len[b]);
-    const attn_sdpa_params sp = slice_params(c, c->qruns.start[a] + p0, kr->start[b],
-                                             c->mask != NULL ? &mask : NULL);
+    piece_keys pk;
+    piece_keys_of(c, m, kr, b, a, p0, &pk);
     attn_tensor acc = ring_rows(&f->acc, od, c->qruns.row[a] + p0, np);
     attn_tensor acc_lse = ring_rows(&f->acc_lse, od, c->qruns.row[a] + p0, np);
     attn_tensor part = ring_dense_like(&acc, f->part, c->q->dtype);
     attn_tensor part_lse = ring_dense_like(&acc_lse, f->part_lse, ATTN_DTYPE_F64);
-    attn_status st = attn_sdpa(&q, &k, &v, &sp, &part, NULL, &part_lse);
+    attn_status st = attn_sdpa(&q, &pk.k, &pk.v, &pk.sp, &part, NULL, &part_lse);
     if (st == ATTN_OK) st = attn_sdpa_merge(&acc, &acc_lse, &part, &part_lse);
     return st;
 }
@@ -565,16 +577,12 @@ static attn_status backward_piece(ring_call *c, const kv_layout *m, const ring_r
     const attn_tensor q = ring_rows(c->q, ld, row, np);
     const attn_tensor dout = ring_rows(w->dout, od, row, np), out = ring_rows(w->out, od, row, np);
     const attn_tensor lse = ring_rows(w->lse, od, row, np);
-    const attn_tensor k = ring_rows(&m->k, m->k.rank - 2, kr->row[b], kr->len[b]);
-    const attn_tensor v = ring_rows(&m->v, m->v.rank - 2, kr->row[b], kr->len[b]);
-    attn_tensor mask;
-    if (c->mask != NULL) mask = ring_rows(&m->mask, m->mask.rank - 1, kr->row[b], kr->len[b]);
-    const attn_sdpa_params sp = slice_params(c, c->qruns.start[a] + p0, kr->start[b],
-                                             c->mask != NULL ? &mask : NULL);
+    piece_keys pk;
+    piece_keys_of(c, m, kr, b, a, p0, &pk);
     attn_tensor gq = ring_dense_like(&q, w->part_dq, c->q->dtype);
-    attn_tensor gk = ring_dense_like(&k, w->part_dk, c->q->dtype);
-    attn_tensor gv = ring_dense_like(&v, w->part_dv, c->q->dtype);
-    attn_status st = attn_sdpa_backward(&dout, &q, &k, &v, &out, &lse, &sp,
+    attn_tensor gk = ring_dense_like(&pk.k, w->part_dk, c->q->dtype);
+    attn_tensor gv = ring_dense_like(&pk.v, w->part_dv, c->q->dtype);
+    attn_status st = attn_sdpa_backward(&dout, &q, &pk.k, &pk.v, &out, &lse, &pk.sp,
                                         w->want_dq ? &gq : NULL, w->want_dkv ? &gk : NULL,
                                         w->want_dkv ? &gv : NULL, NULL);
     if (st != ATTN_OK) return st;
