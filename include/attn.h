@@ -132,7 +132,10 @@ typedef enum attn_dtype {
      * float32/float64; every computing call (attn_sdpa, attn_sdpa_backward,
      * attn_mha_*) and attn_npy_save refuse them with ATTN_ERR_DTYPE. */
     ATTN_DTYPE_F16 = 4,  /* IEEE 754 binary16: 1 sign, 5 exponent, 10 bits  */
-    ATTN_DTYPE_BF16 = 5  /* bfloat16: the top half of a float32             */
+    ATTN_DTYPE_BF16 = 5, /* bfloat16: the top half of a float32             */
+    /* Index tensors only (varlen's cu_seqlens, a KV cache's cache_seqlens and
+     * block_table); every operand of a computation refuses it. */
+    ATTN_DTYPE_I32 = 6   /* int32_t                                         */
 } attn_dtype;
 
 #define ATTN_MAX_RANK 8
@@ -145,9 +148,9 @@ typedef struct attn_tensor {
     int64_t strides[ATTN_MAX_RANK];   /* in elements; may be <= 0 (inputs)  */
 } attn_tensor;
 
-/* Bytes per element: 4, 8, 1, 2, 2; 0 for an unknown dtype. */
+/* Bytes per element: 4, 8, 1, 2, 2, 4; 0 for an unknown dtype. */
 ATTN_API size_t attn_dtype_size(attn_dtype dtype);
-/* "float32", "float64", "bool", "float16", "bfloat16", or "unknown". */
+/* "float32", "float64", "bool", "float16", "bfloat16", "int32", or "unknown". */
 ATTN_API const char *attn_dtype_name(attn_dtype dtype);
 
 /* Fills *t as a C-contiguous (row-major) view of `data` with the given shape.
@@ -253,9 +256,47 @@ typedef struct attn_sdpa_params {
      * must not exceed the total, and offsets are >= 0. attn_mask,
      * weights and lse are the slice's own. */
     int64_t q_offset, k_offset, q_total, k_total;
+
+    /* ---- [attn] score modifiers (serving; FlashAttention's meanings) ----
+     * In the order they act on the score of query i and key j:
+     *   s = scale · q_i·k_j
+     *   s = softcap · tanh(s / softcap)           when softcap > 0
+     *   s = s - slope · |i + S - L - j|           with alibi_slopes
+     *   s = s + attn_mask_ij                      float masks
+     * and key j takes part only where causality, every mask and the window
+     * all allow it. Positions and lengths are the whole attention's
+     * (q_offset + i of q_total; k_offset + j of k_total), and in
+     * attn_sdpa_varlen / attn_sdpa_kvcache each sequence's own. */
+
+    /* Sliding window (FlashAttention's window_size = (left, right)): key j
+     * takes part only when i + S - L - window_left <= j <= i + S - L +
+     * window_right. -1 leaves that side unbounded (the default for both,
+     * set by attn_sdpa_params_init); other values must be >= 0. Key blocks
+     * wholly outside every row's window are never visited, so the cost
+     * follows the window, not S. */
+    int64_t window_left, window_right;
+    /* ALiBi (FlashAttention's alibi_slopes): float32 or float64 slopes, one
+     * per query head, broadcastable to the batch dimensions of out (shape
+     * (Hq,) or (B, Hq) for out (B, Hq, L, Ev)). NULL: none. */
+    const attn_tensor *alibi_slopes;
+    /* Logit soft-capping (FlashAttention's softcap, Gemma 2's): > 0 caps,
+     * 0 (the default) does not; finite, >= 0. */
+    double softcap;
+    /* Attention sinks (gpt-oss; ggml's and ONNX Runtime's head sink): one
+     * logit per query head, float32 or float64, broadcastable to the batch
+     * dimensions of out (shape (Hq,)). Each row's softmax denominator gains
+     * exp(sink), which carries no value: out = Σ_j exp(s_j - lse) v_j with
+     * lse = log(exp(sink) + Σ_j exp(s_j)), and the weights are
+     * exp(s_j - lse) (a row sums to less than 1). A row that sees no key
+     * gives out = 0 and lse = sink. In a slice (k_offset, k_total) the sink
+     * belongs to the slice holding key 0 (k_offset = 0), as if it were one
+     * more key there, so merged slices give the whole call's result. Its
+     * gradient: attn_sdpa_sinks_backward. NULL: none. */
+    const attn_tensor *sinks;
 } attn_sdpa_params;
 
-/* The defaults: no mask, not causal, default scale, no GQA, no dropout. */
+/* The defaults: no mask, not causal, default scale, no GQA, no dropout, no
+ * window (-1, -1), no ALiBi, softcap or sinks. */
 ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
 
 /* Computes attention into caller-allocated outputs.
@@ -343,6 +384,85 @@ ATTN_API attn_status attn_sdpa_backward(const attn_tensor *dout, const attn_tens
                                         const attn_tensor *out, const attn_tensor *lse,
                                         const attn_sdpa_params *params, attn_tensor *dq,
                                         attn_tensor *dk, attn_tensor *dv, attn_tensor *dmask);
+
+/* [attn] The gradient of the loss with respect to params->sinks:
+ *   dsinks_h = - Σ_{rows of head h} exp(sink_h - lse_row) · (dout_row · out_row)
+ * summed over every batch index that reads sink h (in a fixed order, in
+ * float64, rounded once). dout, out and lse are those of attn_sdpa_backward
+ * (its dq, dk, dv already account for the sinks through lse); dsinks is
+ * shaped like params->sinks, same dtype. Rows with lse = -inf take no part. */
+ATTN_API attn_status attn_sdpa_sinks_backward(const attn_tensor *dout, const attn_tensor *out,
+                                              const attn_tensor *lse,
+                                              const attn_sdpa_params *params,
+                                              attn_tensor *dsinks);
+
+/* ------------------------------------------------------------------------ */
+/* Serving: variable-length batches and KV caches [attn]                    */
+/* ------------------------------------------------------------------------ */
+/*
+ * FlashAttention's flash_attn_varlen_func and flash_attn_with_kvcache, on the
+ * same fused kernels as attn_sdpa and with every attn_sdpa_params field that
+ * makes sense there (causal, scale, window, ALiBi, softcap, sinks, dropout;
+ * no attn_mask, no slices). GQA is implicit, as in FlashAttention: Hq must be
+ * a multiple of Hkv. In FlashAttention causal attention is always aligned
+ * bottom-right; here params->causal says which, and the bindings pass
+ * ATTN_CAUSAL_BOTTOM_RIGHT for causal=True. Index tensors are int32.
+ */
+
+/* Packed sequences, no padding: sequence n is rows cu_seqlens_q[n] ..
+ * cu_seqlens_q[n+1]-1 of q and out, and rows cu_seqlens_k[n] ..
+ * cu_seqlens_k[n+1]-1 of k and v; it attends only to its own keys, aligned
+ * to its own lengths.
+ *   q             (total_q, Hq, E)
+ *   k             (total_k, Hkv, E)
+ *   v             (total_k, Hkv, Ev)
+ *   cu_seqlens_q  int32 (B + 1,): 0, then non-decreasing, last <= total_q
+ *   cu_seqlens_k  int32 (B + 1,): the same for total_k
+ *   max_seqlen_q, max_seqlen_k   >= every sequence's length (FlashAttention
+ *                 sizes its grid by them; here they are checked)
+ *   out           (total_q, Hq, Ev), q's dtype; rows no sequence holds are
+ *                 left as they were
+ *   lse           optional (Hq, total_q), q's dtype or float64
+ * An empty sequence (equal offsets) is allowed and computes nothing. */
+ATTN_API attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k,
+                                      const attn_tensor *v, const attn_tensor *cu_seqlens_q,
+                                      const attn_tensor *cu_seqlens_k, int64_t max_seqlen_q,
+                                      int64_t max_seqlen_k, const attn_sdpa_params *params,
+                                      attn_tensor *out, attn_tensor *lse);
+
+/* Decoding (and chunked prefill) against a KV cache. First the new rows k, v
+ * (when given) are written into the cache in place at rows cache_seqlens[b]
+ * .. cache_seqlens[b] + Lnew - 1 of sequence b; then q attends to rows
+ * 0 .. cache_seqlens[b] + Lnew - 1 of it. The caller owns the cache and
+ * advances cache_seqlens itself; attn never reallocates it, and a write past
+ * its capacity is refused before anything is written (ATTN_ERR_SHAPE naming
+ * cache_seqlens). Rows past the filled length are never read.
+ *   q             (B, Lq, Hq, E)
+ *   k_cache       contiguous: (B, S_max, Hkv, E);
+ *                 paged (with block_table): (num_blocks, block_size, Hkv, E)
+ *   v_cache       likewise with Ev
+ *   k, v          optional new rows (B, Lnew, Hkv, E / Ev), both or neither;
+ *                 they need cache_seqlens
+ *   cache_seqlens optional int32 (B,): rows already filled; NULL: every row
+ *                 of the cache (S_max, or max_blocks · block_size) is filled
+ *   block_table   optional int32 (B, max_blocks): sequence b's row r lives in
+ *                 block block_table[b, r / block_size], row r % block_size;
+ *                 entries past the rows in use are not read
+ *   out           (B, Lq, Hq, Ev), q's dtype
+ *   lse           optional (B, Hq, Lq), q's dtype or float64
+ * The cache may be float32 or float64 (q's dtype) or a storage dtype
+ * (ATTN_DTYPE_F16, ATTN_DTYPE_BF16), converted exactly as it is read; new
+ * rows are rounded to the cache's dtype (to nearest even) as they are
+ * written, and attention reads them from the cache. Written rows must not
+ * be shared by two sequences' blocks (ATTN_ERR_OVERLAP naming block_table).
+ * If the attention itself then fails (out of memory, cancelled), the written
+ * rows stay: they lie past cache_seqlens, which the caller has not advanced. */
+ATTN_API attn_status attn_sdpa_kvcache(const attn_tensor *q, attn_tensor *k_cache,
+                                       attn_tensor *v_cache, const attn_tensor *k,
+                                       const attn_tensor *v, const attn_tensor *cache_seqlens,
+                                       const attn_tensor *block_table,
+                                       const attn_sdpa_params *params, attn_tensor *out,
+                                       attn_tensor *lse);
 
 /* ------------------------------------------------------------------------ */
 /* Multi-head attention                                                      */
