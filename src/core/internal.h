@@ -135,6 +135,36 @@ static inline float attn__f16_to_float(uint16_t h) {
     return attn__bits_to_float(sign | (exp + 112) << 23 | mant << 13);
 }
 
+/* float -> binary16 / bfloat16 bits, rounded to nearest even (NaN stays a
+ * quiet NaN of the same sign; overflow gives infinity): what a KV cache of a
+ * storage dtype holds of the rows written into it. */
+static inline uint16_t attn__float_to_bf16(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(u >> 16 | 0x40u);
+    u += 0x7fffu + (u >> 16 & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline uint16_t attn__float_to_f16(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, sizeof u);
+    const uint32_t sign = u >> 16 & 0x8000u;
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | (a >> 13 & 0x3ffu));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504 */
+    if (a < 0x38800000u) { /* below 2^-14: a subnormal (or zero) of binary16 */
+        const uint32_t e = a >> 23;        /* in units of 2^-24 the value is full >> shift */
+        if (e < 102) return (uint16_t)sign; /* below 2^-25: rounds to zero */
+        const uint32_t full = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+        uint32_t q = full >> shift;
+        const uint32_t rem = full & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return (uint16_t)(sign | q);
+    }
+    const uint32_t r = a + 0xfffu + (a >> 13 & 1u);
+    return (uint16_t)(sign | (r - 0x38000000u) >> 13);
+}
+
 /* Reads element `offset` (in elements) of a float32/float64/bool buffer as a
  * double. For the reference paths, which favour clarity over speed. Every
  * dtype has its case and there is no default: a new attn_dtype is a compile
@@ -147,19 +177,22 @@ static inline double attn__load(const void *base, attn_dtype dtype, int64_t offs
     case ATTN_DTYPE_BOOL: return ((const unsigned char *)base)[offset] != 0 ? 1.0 : 0.0;
     case ATTN_DTYPE_F16: return (double)attn__f16_to_float(((const uint16_t *)base)[offset]);
     case ATTN_DTYPE_BF16: return (double)attn__bf16_to_float(((const uint16_t *)base)[offset]);
+    case ATTN_DTYPE_I32: return (double)((const int32_t *)base)[offset];
     }
     return __builtin_nan("");
 }
-/* Writes x rounded to an output's dtype (outputs are float32 or float64).
- * The storage dtypes are never an output: validation refuses them before
- * any store, so they have no rounding here and nothing is written. */
+/* Writes x rounded to an output's dtype (outputs are float32 or float64; a
+ * KV cache may also be float16 or bfloat16: x is rounded to float32 first,
+ * then to the 16-bit format, as torch's .to() of a float32 row would). Index
+ * tensors are never written (validation keeps them inputs). */
 static inline void attn__store(void *base, attn_dtype dtype, int64_t offset, double x) {
     switch (dtype) {
     case ATTN_DTYPE_F32: ((float *)base)[offset] = (float)x; return;
     case ATTN_DTYPE_F64: ((double *)base)[offset] = x; return;
     case ATTN_DTYPE_BOOL: ((unsigned char *)base)[offset] = x != 0; return;
-    case ATTN_DTYPE_F16:
-    case ATTN_DTYPE_BF16: return;
+    case ATTN_DTYPE_F16: ((uint16_t *)base)[offset] = attn__float_to_f16((float)x); return;
+    case ATTN_DTYPE_BF16: ((uint16_t *)base)[offset] = attn__float_to_bf16((float)x); return;
+    case ATTN_DTYPE_I32: return;
     }
 }
 

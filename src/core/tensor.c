@@ -11,6 +11,7 @@ size_t attn_dtype_size(attn_dtype dtype) {
     case ATTN_DTYPE_BOOL: return 1;
     case ATTN_DTYPE_F16:
     case ATTN_DTYPE_BF16: return 2;
+    case ATTN_DTYPE_I32: return 4;
     }
     return 0;
 }
@@ -22,6 +23,7 @@ const char *attn_dtype_name(attn_dtype dtype) {
     case ATTN_DTYPE_BOOL: return "bool";
     case ATTN_DTYPE_F16: return "float16";
     case ATTN_DTYPE_BF16: return "bfloat16";
+    case ATTN_DTYPE_I32: return "int32";
     }
     return "unknown";
 }

@@ -860,6 +860,7 @@ static double stored_value(attn_dtype from, const unsigned char *src) {
     case ATTN_DTYPE_F16: return (double)attn__f16_to_float(le16(src));
     case ATTN_DTYPE_BF16: return (double)attn__bf16_to_float(le16(src));
     case ATTN_DTYPE_BOOL: return src[0] != 0;
+    case ATTN_DTYPE_I32: return (double)(int32_t)le32(src);
     }
     return __builtin_nan("");
 }

@@ -18,10 +18,16 @@
  *    key 0 and the whole lengths, so causal alignment and the dropout index
  *    are those of the whole sequence wherever a slice is computed (a key
  *    chunk of the split decode path today; a ring step or a cache later);
- *    slices are merged by log-sum-exp (lse_merge.h).
+ *    slices are merged by log-sum-exp (lse_merge.h);
+ *  - paged rows: a KV cache in blocks located through a block table
+ *    (attn_sdpa_kvcache), rows found by attn__row_offset;
+ *  - score modifiers: a sliding window (attn__first_key, attn__last_key),
+ *    ALiBi slopes, soft-capping and sinks (attn__sink), each a field below.
  */
 #ifndef ATTN_PROBLEM_PROBLEM_H
 #define ATTN_PROBLEM_PROBLEM_H
+
+#include <math.h>
 
 #include "../core/internal.h"
 
@@ -40,6 +46,12 @@ typedef struct attn__operand {
     int64_t rs, cs;
     const int64_t *seq_start; /* per sequence, or NULL: every one starts at row 0 */
     const int64_t *seq_len;   /* per sequence, or NULL: every one has all rows     */
+    /* Paged rows (a KV cache's block_table), or pages == NULL: row r of
+     * sequence n lives in page pages[n * pages_rs + r / page_rows], at row
+     * r % page_rows of it, pages page_stride elements apart (seq_start is
+     * then unused). Pages are ids the builder checked to be in range. */
+    const int32_t *pages;
+    int64_t pages_rs, page_rows, page_stride;
 } attn__operand;
 
 /* A mask over (B..., L, S). Bool masks keep a key where the byte equals
@@ -112,6 +124,14 @@ typedef struct attn__problem {
     bool has_dq, has_dk, has_dv, has_dmask;
     int dmask_of;
 
+    /* Score modifiers (attn_sdpa_params' window, alibi_slopes, softcap,
+     * sinks). Window sides are -1 when unbounded. The slopes and sinks are
+     * operands with one element per batch index (only bstride is used). */
+    int64_t window_left, window_right;
+    bool has_alibi, has_sinks;
+    attn__operand alibi, sinks;
+    double softcap;                 /* 0: none                             */
+
     double scale;
     attn_causal causal;             /* alignment over the whole lengths    */
     bool dropout;
@@ -137,17 +157,33 @@ static inline int64_t attn__seq_of(const attn__problem *p, int64_t b) {
 }
 
 /* Element offset of operand `op` for batch index `b` (linear, row-major over
- * p->bshape), including the sequence's start row. */
+ * p->bshape), including the sequence's start row; row r is then
+ * attn__row_offset further. */
 static inline int64_t attn__batch_offset(const attn__problem *p, const attn__operand *op,
                                          int64_t b) {
     int64_t off = 0;
-    if (op->seq_start != NULL) off = op->seq_start[attn__seq_of(p, b)] * op->rs;
+    if (op->seq_start != NULL && op->pages == NULL)
+        off = op->seq_start[attn__seq_of(p, b)] * op->rs;
     for (int d = p->nb - 1; d >= 0; d--) {
         int64_t idx = b % p->bshape[d];
         b /= p->bshape[d];
         off += (idx / op->bdiv[d]) * op->bstride[d];
     }
     return off;
+}
+
+/* Offset of row r of batch index b from attn__batch_offset: r·rs, or where
+ * the row's page puts it. */
+static inline int64_t attn__row_offset(const attn__problem *p, const attn__operand *op, int64_t b,
+                                       int64_t r) {
+    if (op->pages == NULL) return r * op->rs;
+    const int32_t *table = op->pages + attn__seq_of(p, b) * op->pages_rs;
+    return (int64_t)table[r / op->page_rows] * op->page_stride + (r % op->page_rows) * op->rs;
+}
+
+/* How many rows from row r on lie one stride apart (the rest of r's page). */
+static inline int64_t attn__rows_together(const attn__operand *op, int64_t r) {
+    return op->pages == NULL ? INT64_MAX : op->page_rows - r % op->page_rows;
 }
 
 /* Query rows and keys that batch index b holds (< L, S when ragged). */
@@ -158,22 +194,67 @@ static inline int64_t attn__keys_of(const attn__problem *p, int64_t b) {
     return p->k.seq_len != NULL ? p->k.seq_len[attn__seq_of(p, b)] : p->S;
 }
 
+/* The key (local index) on query row i's bottom-right diagonal: position
+ * i + S - L over the whole lengths, or the sequence's own when ragged (a
+ * cache filled to k.seq_len aligns to its filled length). The sliding
+ * window and ALiBi are measured from it, and bottom-right causality ends
+ * at it. */
+static inline int64_t attn__diagonal(const attn__problem *p, int64_t b, int64_t i) {
+    const int64_t L_all = p->q.seq_len != NULL ? attn__rows_of(p, b) : p->L_total;
+    const int64_t S_all = p->k.seq_len != NULL ? attn__keys_of(p, b) : p->S_total;
+    return p->q_pos0 + i + S_all - L_all - p->k_pos0;
+}
+
 /* The last key (local index) query row i of batch index b may see: the
- * causal rule over the whole sequence, then the keys the entry holds; -1
- * when it sees none. Bottom-right alignment is to the sequence's own end
- * (a cache filled to k.seq_len aligns to its filled length). */
+ * causal rule and the window's right side over the whole sequence, then the
+ * keys the entry holds; -1 when it sees none. */
 static inline int64_t attn__last_key(const attn__problem *p, int64_t b, int64_t i) {
-    const int64_t keys = attn__keys_of(p, b);
-    int64_t last = keys - 1;
-    if (p->causal != ATTN_CAUSAL_NONE) {
-        int64_t L_all = p->L_total, S_all = p->S_total;
-        if (p->q.seq_len != NULL) L_all = attn__rows_of(p, b);
-        if (p->k.seq_len != NULL) S_all = keys;
-        const int64_t shift = p->causal == ATTN_CAUSAL_BOTTOM_RIGHT ? S_all - L_all : 0;
-        const int64_t visible = p->q_pos0 + i + shift - p->k_pos0; /* local index */
-        if (visible < last) last = visible;
+    int64_t last = attn__keys_of(p, b) - 1;
+    if (p->causal != ATTN_CAUSAL_NONE || p->window_right >= 0) {
+        const int64_t diagonal = attn__diagonal(p, b, i);
+        if (p->causal == ATTN_CAUSAL_BOTTOM_RIGHT && diagonal < last) last = diagonal;
+        if (p->causal == ATTN_CAUSAL_TOP_LEFT && p->q_pos0 + i - p->k_pos0 < last)
+            last = p->q_pos0 + i - p->k_pos0;
+        if (p->window_right >= 0 && diagonal + p->window_right < last)
+            last = diagonal + p->window_right;
     }
     return last < -1 ? -1 : last;
+}
+
+/* The first key (local index) query row i of batch index b may see: the
+ * window's left side, else 0. May exceed attn__last_key (then none). */
+static inline int64_t attn__first_key(const attn__problem *p, int64_t b, int64_t i) {
+    if (p->window_left < 0) return 0;
+    const int64_t first = attn__diagonal(p, b, i) - p->window_left;
+    return first > 0 ? first : 0;
+}
+
+/* ALiBi's slope for batch index b (0 without ALiBi): the score of key j
+ * gains -slope·|diagonal - j|. */
+static inline double attn__alibi_slope(const attn__problem *p, int64_t b) {
+    return p->has_alibi ? attn__load(p->alibi.data, p->alibi.dtype, attn__batch_offset(p, &p->alibi, b))
+                        : 0.0;
+}
+
+/* Whether this problem holds the sinks: they have one, and it is the slice
+ * that holds key 0 (a sink counts as one more key there, so merged slices
+ * count it once). */
+static inline bool attn__sinks_here(const attn__problem *p) {
+    return p->has_sinks && p->k_pos0 == 0;
+}
+/* The sink logit of batch index b (natural units, like a scaled score). */
+static inline double attn__sink(const attn__problem *p, int64_t b) {
+    return attn__load(p->sinks.data, p->sinks.dtype, attn__batch_offset(p, &p->sinks, b));
+}
+
+/* A score modified as attn_sdpa_params says, in natural units: scaled
+ * score x (scale·q·k) soft-capped, then ALiBi's bias for key j of a row
+ * whose diagonal is `diagonal`. Masks come after. */
+static inline double attn__modified_score(const attn__problem *p, double x, double slope,
+                                          int64_t diagonal, int64_t j) {
+    if (p->softcap > 0) x = p->softcap * tanh(x / p->softcap);
+    if (p->has_alibi) x -= slope * (double)(diagonal > j ? diagonal - j : j - diagonal);
+    return x;
 }
 
 /* Dropout's counter for weight (b, i, j): its linear index in the weights of

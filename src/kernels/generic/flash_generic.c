@@ -100,9 +100,9 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
 /* Rows of an operand into the compute type (ukernel.h). The switch has no
  * default on purpose: a dtype added to attn_dtype is a compile error here
  * (-Wswitch, -Werror) until it gets its conversion, never a silent misread.
- * Bool and the 16-bit storage dtypes are never a Q, K or V dtype
- * (validation rejects them); they read as attn__load reads them (bool as 0
- * or 1), so that the slot is defined for every dtype. */
+ * Bool and int32 are never a Q, K or V dtype (validation rejects them);
+ * they read as attn__load reads them (bool as 0 or 1), so that the slot is
+ * defined for every dtype. The 16-bit storage dtypes are a KV cache's. */
 #define COPY_ROWS(CONVERT)                                                                      \
     if (cs == 1) { /* the common layout: a loop the compiler vectorizes */                      \
         for (int64_t i = 0; i < nrows; i++)                                                     \
@@ -116,6 +116,7 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
 #define FROM_BOOL(at) (((const unsigned char *)src)[at] != 0)
 #define FROM_F16(at) attn__f16_to_float(((const uint16_t *)src)[at])
 #define FROM_BF16(at) attn__bf16_to_float(((const uint16_t *)src)[at])
+#define FROM_I32(at) ((const int32_t *)src)[at]
 #define DEFINE_LOAD(REAL, SFX)                                                                  \
     static void generic_load_rows_##SFX(const void *src, attn_dtype dtype, int64_t rs,          \
                                         int64_t cs, int64_t nrows, int64_t width, REAL *dst,    \
@@ -126,6 +127,7 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
         case ATTN_DTYPE_BOOL: { COPY_ROWS(FROM_BOOL); return; }                                 \
         case ATTN_DTYPE_F16: { COPY_ROWS(FROM_F16); return; }                                   \
         case ATTN_DTYPE_BF16: { COPY_ROWS(FROM_BF16); return; }                                 \
+        case ATTN_DTYPE_I32: { COPY_ROWS(FROM_I32); return; }                                   \
         }                                                                                       \
     }
 
