@@ -6,8 +6,9 @@
  * unpacked, paged caches gathered through the block table, every modifier
  * (window, ALiBi, softcap, sinks) applied as attn.h words it. On the
  * reference path (ATTN_ISA_REF) the results must also equal attn_sdpa run
- * per sequence on the unpacked views bit for bit; on the fused paths a
- * paged cache must give the bits of the same cache laid out contiguously.
+ * per sequence on the unpacked views bit for bit; on every path a paged
+ * cache of small pages must give the bits of the same cache laid out
+ * contiguously.
  * Appends are checked byte for byte over the whole cache, guard bytes
  * included. Every path the machine runs is tested.
  */
@@ -852,7 +853,7 @@ static bool kv_same_result(const kv_case *a, const kv_case *b) {
 }
 
 /* Random cases with block size bs (0: contiguous) on every path; a paged
- * case must also give the bits of its contiguous twin. */
+ * case with small pages must also give the bits of its contiguous twin. */
 static void kv_cases(int64_t bs, bool with_mods, int count) {
     rng r = {harness_seed() ^ (uint64_t)(bs * 7919 + (with_mods ? 0x3d : 0x1f))};
     for (int pi = 0; pi < NPATHS; pi++) {
@@ -866,10 +867,15 @@ static void kv_cases(int64_t bs, bool with_mods, int count) {
             snprintf(what, sizeof what, "kvcache case %d (block size %lld, %s cache)", i,
                      (long long)bs, attn_dtype_name(c.cdt));
             worst = fmax(worst, kv_run_check(&c, what));
+            /* Pages shorter than 64 rows are gathered a key block at a time,
+             * so the blocks, and the bits, are the contiguous cache's; longer
+             * pages are read in place, with key blocks cut at page ends (the
+             * oracle has checked those). */
             if (bs) {
                 CHECK_OK(kv_call(&twin));
-                CHECK(kv_same_result(&c, &twin), "%s (%s): paged and contiguous caches differ",
-                      what, attn_isa_name(PATHS[pi]));
+                CHECK(bs >= 64 || kv_same_result(&c, &twin),
+                      "%s (%s): paged and contiguous caches differ", what,
+                      attn_isa_name(PATHS[pi]));
                 kv_free(&twin);
             }
             kv_free(&c);
