@@ -493,6 +493,8 @@ attn_status attn_sdpa_kvcache(const attn_tensor *q, attn_tensor *k_cache, attn_t
     int64_t nblk = 0;
     st = read_indices(&p, &a, &len, &pages, &nblk);
     if (st == ATTN_OK) st = attn__serving_sizes(&p, a.qn);
+    /* Cancelled before it starts: nothing is written. */
+    if (st == ATTN_OK && attn__cancelled(p.cancel)) st = attn__fail_cancelled();
     if (st == ATTN_OK) {
         /* Everything is checked: from here on the cache is written. */
         if (a.writing) {
