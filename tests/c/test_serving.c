@@ -1307,13 +1307,53 @@ static void kvcache_hostile_args(void) {
     kv_free(&c);
 }
 
+/* A NaN key in a sequence shorter than the longest: the rows that see it
+ * come out NaN, and computing them must still read only the sequence's
+ * own keys, never rows past it (the last sequence's end is the end of the
+ * buffer; a paged cache's table holds junk past the blocks in use). Every
+ * other sequence is unaffected. */
+static void nonfinite_key_in_short_sequence(void) {
+    rng r = {harness_seed() ^ 0x1f1};
+    for (int pi = 0; pi < NPATHS; pi++) {
+        CHECK_OK(attn_set_isa(PATHS[pi]));
+        varlen_case c;
+        const int lq[2] = {3, 2}, lk[2] = {6, 2};
+        varlen_fixed(&c, &r, ATTN_DTYPE_F32, 2, lq, lk, 2, 1, 4, 4);
+        const int64_t ks[3] = {8, 1, 4};
+        tt_free(&c.k); /* no broadcast layout: the NaN key is one key */
+        tt_make(&c.k, &r, ATTN_DTYPE_F32, 3, ks, LAYOUT_CONTIGUOUS, 1, 0);
+        for (int64_t e = 0; e < 4; e++) { /* sequence 1's second key */
+            const int64_t at[3] = {7, 0, e};
+            tt_set(&c.k.t, at, NAN);
+        }
+        CHECK_OK(varlen_call(&c));
+        CHECK(isnan(get3(&c.out.t, 4, 0, 0)) && isfinite(get3(&c.out.t, 0, 0, 0)),
+              "%s varlen: %g in the row that sees a NaN key, %g in another sequence",
+              attn_isa_name(PATHS[pi]), get3(&c.out.t, 4, 0, 0), get3(&c.out.t, 0, 0, 0));
+        varlen_free(&c);
+
+        kv_case kv;
+        const int seqlens[2] = {40, 3};
+        kv_fixed(&kv, &r, 16, 2, seqlens, 0);
+        for (int64_t h = 0; h < 2; h++)
+            for (int64_t e = 0; e < 8; e++) elem_set(&kv.kc.t, kv_at(&kv, &kv.kc.t, 1, 2, h, e), NAN);
+        CHECK_OK(kv_call(&kv));
+        /* (bottom-right causal: of sequence 1's two queries, the second sees key 2) */
+        CHECK(isnan(get4(&kv.out.t, 1, 1, 0, 0)) && isfinite(get4(&kv.out.t, 0, 1, 0, 0)),
+              "%s kvcache: %g in the row that sees a NaN key, %g in another sequence",
+              attn_isa_name(PATHS[pi]), get4(&kv.out.t, 1, 1, 0, 0), get4(&kv.out.t, 0, 1, 0, 0));
+        kv_free(&kv);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 int main(int argc, char **argv) {
     find_paths();
     static const harness_test tests[] = {
         T(varlen_random),          T(varlen_edges),           T(varlen_hostile),
         T(kvcache_contiguous),     T(kvcache_paged),          T(kvcache_full),
         T(kvcache_hostile_indices), T(kvcache_hostile_args),  T(varlen_modifiers),
-        T(kvcache_modifiers),
+        T(kvcache_modifiers),      T(nonfinite_key_in_short_sequence),
     };
     return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
 }
