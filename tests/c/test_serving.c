@@ -1347,13 +1347,39 @@ static void nonfinite_key_in_short_sequence(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* Window sides as large as int64 goes see every key, as -1 does (attn.h:
+ * any value >= 0 bounds the window; the diagonal plus it must not wrap). */
+static void huge_windows(void) {
+    rng r = {harness_seed() ^ 0x819};
+    for (int pi = 0; pi < NPATHS; pi++) {
+        CHECK_OK(attn_set_isa(PATHS[pi]));
+        varlen_case c;
+        const int lq[2] = {3, 5}, lk[2] = {6, 2};
+        varlen_fixed(&c, &r, ATTN_DTYPE_F64, 2, lq, lk, 2, 1, 4, 4);
+        CHECK_OK(varlen_call(&c));
+        double *unbounded = varlen_result(&c);
+        const int64_t sides[3] = {INT64_MAX, INT64_MAX - 1, INT64_MAX / 2};
+        for (int i = 0; i < 3; i++) {
+            c.p.window_left = c.p.window_right = sides[i];
+            CHECK_OK(varlen_call(&c));
+            double *huge = varlen_result(&c);
+            CHECK(same_result(&c, unbounded, huge), "%s: window sides %lld differ from -1",
+                  attn_isa_name(PATHS[pi]), (long long)sides[i]);
+            free(huge);
+        }
+        free(unbounded);
+        varlen_free(&c);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 int main(int argc, char **argv) {
     find_paths();
     static const harness_test tests[] = {
         T(varlen_random),          T(varlen_edges),           T(varlen_hostile),
         T(kvcache_contiguous),     T(kvcache_paged),          T(kvcache_full),
         T(kvcache_hostile_indices), T(kvcache_hostile_args),  T(varlen_modifiers),
-        T(kvcache_modifiers),      T(nonfinite_key_in_short_sequence),
+        T(kvcache_modifiers),      T(nonfinite_key_in_short_sequence), T(huge_windows),
     };
     return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
 }
