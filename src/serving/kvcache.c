@@ -257,7 +257,7 @@ static attn_status read_table(const kv_args *a, const int64_t *len, int64_t nblk
     const int64_t num_blocks = a->k_cache->shape[0], bs = a->rows_per_block;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t rows = len != NULL ? len[b] : a->capacity;
-        const int64_t used = (rows + bs - 1) / bs;
+        const int64_t used = rows / bs + (rows % bs != 0);
         for (int64_t t = 0; t < used; t++) {
             const int64_t id = attn__index2(a->table, b, t);
             if (id < 0 || id >= num_blocks)
@@ -435,7 +435,7 @@ static attn_status check_args(attn__problem *p, kv_args *a, const attn_sdpa_para
 }
 
 /* The index values (lengths, block ids, written rows) into len and pages
- * (allocated here; freed by the caller), and the problem's L and S. */
+ * (allocated here; freed by the caller), and the problem's sizes. */
 static attn_status read_indices(attn__problem *p, const kv_args *a, int64_t **len,
                                 int32_t **pages, int64_t *nblk) {
     if (a->seqlens != NULL && (*len = attn__alloc_array((size_t)a->B, sizeof **len)) == NULL)
@@ -445,8 +445,8 @@ static attn_status read_indices(attn__problem *p, const kv_args *a, int64_t **le
     if (st != ATTN_OK) return st;
     p->L = a->Lq;
     p->S = longest > 0 ? longest : 1; /* a row that sees no key still has an output */
-    if (!a->paged) return ATTN_OK;
-    *nblk = (longest + a->rows_per_block - 1) / a->rows_per_block;
+    if ((st = attn__serving_sizes(p, a->qn)) != ATTN_OK || !a->paged) return st;
+    *nblk = longest / a->rows_per_block + (longest % a->rows_per_block != 0);
     if (*nblk == 0) *nblk = 1;
     if ((*pages = attn__alloc_array((size_t)(a->B * *nblk), sizeof **pages)) == NULL)
         return ATTN_ERR_NOMEM;
@@ -492,7 +492,6 @@ attn_status attn_sdpa_kvcache(const attn_tensor *q, attn_tensor *k_cache, attn_t
     int32_t *pages = NULL; /* (B, nblk) the block ids in use */
     int64_t nblk = 0;
     st = read_indices(&p, &a, &len, &pages, &nblk);
-    if (st == ATTN_OK) st = attn__serving_sizes(&p, a.qn);
     /* Cancelled before it starts: nothing is written. */
     if (st == ATTN_OK && attn__cancelled(p.cancel)) st = attn__fail_cancelled();
     if (st == ATTN_OK) {
