@@ -379,11 +379,11 @@ static void row_operand(attn__operand *op, const attn_tensor *t) {
     memset(op, 0, sizeof *op);
     op->data = t->data;
     op->dtype = t->dtype;
-    op->bstride[0] = t->strides[0];
-    op->bstride[1] = t->strides[2];
+    op->bstride[0] = attn__stride(t, 0);
+    op->bstride[1] = attn__stride(t, 2);
     op->bdiv[0] = op->bdiv[1] = 1;
-    op->rs = t->strides[1];
-    op->cs = t->strides[3];
+    op->rs = attn__stride(t, 1);
+    op->cs = attn__stride(t, 3);
 }
 
 /* A cache as the problem's k or v: sequence b's filled rows (len[b], or all
@@ -394,19 +394,19 @@ static void cache_operand(attn__operand *op, const kv_args *a, const attn_tensor
     op->data = c->data;
     op->dtype = c->dtype;
     op->bdiv[0] = 1;
-    op->bstride[1] = c->strides[2];
+    op->bstride[1] = attn__stride(c, 2);
     op->bdiv[1] = a->Hq / a->Hkv;
-    op->rs = c->strides[1];
-    op->cs = c->strides[3];
+    op->rs = attn__stride(c, 1);
+    op->cs = attn__stride(c, 3);
     op->seq_len = len;
     if (a->paged) {
         op->bstride[0] = 0; /* the table locates the sequence */
         op->pages = pages;
         op->pages_rs = nblk;
         op->page_rows = a->rows_per_block;
-        op->page_stride = c->strides[0];
+        op->page_stride = attn__stride(c, 0);
     } else {
-        op->bstride[0] = c->strides[0];
+        op->bstride[0] = attn__stride(c, 0);
     }
 }
 
@@ -415,10 +415,10 @@ static void lse_operand(attn__operand *op, const attn_tensor *t) {
     memset(op, 0, sizeof *op);
     op->data = t->data;
     op->dtype = t->dtype;
-    op->bstride[0] = t->strides[0];
-    op->bstride[1] = t->strides[1];
+    op->bstride[0] = attn__stride(t, 0);
+    op->bstride[1] = attn__stride(t, 1);
     op->bdiv[0] = op->bdiv[1] = 1;
-    op->rs = t->strides[2];
+    op->rs = attn__stride(t, 2);
 }
 
 /* Every check that needs no index value: tensors, outputs, params. */

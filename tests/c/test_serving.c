@@ -480,6 +480,16 @@ static void varlen_edges(void) {
               "a row without keys: out %g, lse %g", get3(&c.out.t, 0, 0, 0), elem_get(&c.lse.t, 0));
         varlen_free(&c);
 
+        /* An empty sequence at the end of one-row tensors starts at row 1;
+         * any stride is legal on a dimension of size 1 and must not scale it. */
+        const int lq1[2] = {0, 1}, lk1[2] = {1, 0}; /* sequence 1: a query, no key */
+        varlen_fixed(&c, &r, ATTN_DTYPE_F32, 2, lq1, lk1, 2, 2, 4, 4);
+        test_tensor *packed[3] = {&c.q, &c.k, &c.v};
+        for (int i = 0; i < 3; i++) packed[i]->t.strides[0] = INT64_MAX;
+        CHECK_OK(varlen_call(&c));
+        varlen_vs_oracle(&c, "an empty last sequence");
+        varlen_free(&c);
+
         /* The same bits with max_seqlen rounded up, on 1 and 2 threads. */
         const int lq2[3] = {5, 130, 17}, lk2[3] = {200, 3, 64};
         varlen_fixed(&c, &r, ATTN_DTYPE_F32, 3, lq2, lk2, 4, 2, 32, 16);
