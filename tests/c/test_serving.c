@@ -12,7 +12,7 @@
  * Appends are checked byte for byte over the whole cache, guard bytes
  * included. Every path the machine runs is tested.
  */
-#include "core/internal.h" /* attn__float_to_f16 / bf16 and back: the cache's rounding */
+#include "core/internal.h" /* the 16-bit formats and their rounding: what a cache holds */
 #include "testutil.h"
 
 enum { MAXB = 8, GUARD = 64 /* elements of guard before and after a cache */ };
@@ -47,13 +47,18 @@ static double elem_get(const attn_tensor *t, int64_t off) {
     }
 }
 
-/* Stores x as a KV cache holds it: float64 -> float32 -> the 16-bit format. */
+/* Stores x as a KV cache holds it: rounded once to the 16-bit format
+ * (through float32 rounded to odd, which keeps the one rounding exact). */
 static void elem_set(const attn_tensor *t, int64_t off, double x) {
     switch (t->dtype) {
     case ATTN_DTYPE_F32: ((float *)t->data)[off] = (float)x; break;
     case ATTN_DTYPE_F64: ((double *)t->data)[off] = x; break;
-    case ATTN_DTYPE_F16: ((uint16_t *)t->data)[off] = attn__float_to_f16((float)x); break;
-    case ATTN_DTYPE_BF16: ((uint16_t *)t->data)[off] = attn__float_to_bf16((float)x); break;
+    case ATTN_DTYPE_F16:
+        ((uint16_t *)t->data)[off] = attn__float_to_f16(attn__float_round_to_odd(x));
+        break;
+    case ATTN_DTYPE_BF16:
+        ((uint16_t *)t->data)[off] = attn__float_to_bf16(attn__float_round_to_odd(x));
+        break;
     default: break;
     }
 }
