@@ -63,14 +63,15 @@ def _options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
 
 
 # The score modifiers (window_left, window_right, alibi_slopes, softcap,
-# sinks) come last in both schemas: FlashAttention's window_size, ALiBi,
+# sinks) come last in both schemas, with defaults that leave them off, so
+# calls written before them still fit: FlashAttention's window_size, ALiBi,
 # softcap and gpt-oss's sinks (attn_sdpa_params's fields).
 @torch.library.custom_op("attn::sdpa", mutates_args=())
 def sdpa_op(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
     causal: int, scale: Optional[float], enable_gqa: bool, seed: Tensor, want_weights: bool,
-    window_left: int, window_right: int, alibi_slopes: Optional[Tensor], softcap: float,
-    sinks: Optional[Tensor],
+    window_left: int = -1, window_right: int = -1, alibi_slopes: Optional[Tensor] = None,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """attn_sdpa: (out, weights, lse); weights is empty unless asked for.
     causal: 0 none, 1 top-left, 2 bottom-right."""
@@ -99,7 +100,8 @@ def out_batch_shape(query, key, value, enable_gqa):
 
 @sdpa_op.register_fake
 def _sdpa_fake(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, seed,
-               want_weights, window_left, window_right, alibi_slopes, softcap, sinks):
+               want_weights, window_left=-1, window_right=-1, alibi_slopes=None, softcap=0.0,
+               sinks=None):
     b = out_batch_shape(query, key, value, enable_gqa)
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     w = query.new_empty(b + (L, S)) if want_weights else query.new_empty(0)
@@ -111,8 +113,9 @@ def sdpa_backward_op(
     dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], dropout_p: float, causal: int, scale: Optional[float],
     enable_gqa: bool, seed: Tensor, want_dq: bool, want_dk: bool, want_dv: bool,
-    want_dmask: bool, window_left: int, window_right: int, alibi_slopes: Optional[Tensor],
-    softcap: float, sinks: Optional[Tensor], want_dsinks: bool,
+    want_dmask: bool, window_left: int = -1, window_right: int = -1,
+    alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+    want_dsinks: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """attn_sdpa_backward and attn_sdpa_sinks_backward: (dq, dk, dv, dmask,
     dsinks), each shaped like its input, or empty when not wanted."""
@@ -138,8 +141,9 @@ def sdpa_backward_op(
 
 @sdpa_backward_op.register_fake
 def _sdpa_backward_fake(dout, query, key, value, out, lse, attn_mask, dropout_p, causal, scale,
-                        enable_gqa, seed, want_dq, want_dk, want_dv, want_dmask, window_left,
-                        window_right, alibi_slopes, softcap, sinks, want_dsinks):
+                        enable_gqa, seed, want_dq, want_dk, want_dv, want_dmask, window_left=-1,
+                        window_right=-1, alibi_slopes=None, softcap=0.0, sinks=None,
+                        want_dsinks=False):
     def like(x, wanted):
         return x.new_empty(x.shape) if wanted and x is not None else query.new_empty(0)
 
@@ -147,12 +151,17 @@ def _sdpa_backward_fake(dout, query, key, value, out, lse, attn_mask, dropout_p,
             like(attn_mask, want_dmask), like(sinks, want_dsinks))
 
 
-# sdpa_op's inputs by position (the schema's order).
+# sdpa_op's inputs by position (the schema's order), and the defaults of
+# the trailing ones: torch leaves out trailing arguments equal to their
+# defaults, so ctx sees 10 to 15 inputs.
 _N_INPUTS = 15
 _SINKS = 14
+_MODIFIER_DEFAULTS = (-1, -1, None, 0.0, None)
 
 
 def _setup_context(ctx, inputs, output):
+    first_default = _N_INPUTS - len(_MODIFIER_DEFAULTS)
+    inputs = tuple(inputs) + _MODIFIER_DEFAULTS[len(inputs) - first_default:]
     (query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, seed, _,
      window_left, window_right, alibi_slopes, softcap, sinks) = inputs
     out, weights, lse = output
@@ -166,7 +175,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dweights, dlse):
     query, key, value, attn_mask, out, lse, seed, alibi_slopes, sinks = ctx.saved_tensors
-    need = ctx.needs_input_grad
+    n_inputs = len(ctx.needs_input_grad)  # as many gradients as torch passed inputs
+    need = tuple(ctx.needs_input_grad) + (False,) * (_N_INPUTS - n_inputs)
     want_dmask = bool(need[3]) and attn_mask is not None and attn_mask.is_floating_point()
     want_dsinks = bool(need[_SINKS]) and sinks is not None
     window_left, window_right, softcap = ctx.modifiers
@@ -182,7 +192,7 @@ def _backward(ctx, dout, dweights, dlse):
     grads[2] = dv if need[2] else None
     grads[3] = dmask if want_dmask else None
     grads[_SINKS] = dsinks if want_dsinks else None
-    return tuple(grads)
+    return tuple(grads[:n_inputs])
 
 
 sdpa_op.register_autograd(_backward, setup_context=_setup_context)
