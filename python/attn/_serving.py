@@ -180,6 +180,9 @@ def _cache(x, name, writable):
         return _numpy_cache(x, name, writable)
     if _is_torch_tensor(x):
         torch = sys.modules["torch"]
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"{name} has dtype {x.dtype}; expected float16, bfloat16, float32 "
+                            f"or float64")
         bf16 = x.dtype == torch.bfloat16
         return _torch_numpy(x, name, CACHE, copying=False, bfloat16_bits=True), bf16
     if writable:

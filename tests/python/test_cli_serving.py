@@ -135,7 +135,7 @@ def test_varlen_fortran_order_index_file_and_modifier_files(tmp_path, rng):
     (np.array([0.0, 3, 10]), 1, "index files are int32"),
     (np.array([0, 3, 10], np.int16), 1, "index files are int32"),
     (np.array([0, 5, 3, 10], np.int32), 1, "cu_seqlens_q"),
-    (np.array([0, 3, 99], np.int32), 1, "cu_seqlens_q"),
+    (np.array([0, 3, 4, 99], np.int32), 1, "cu_seqlens_q"),
     (np.array([0, 3, 2**40]), 1, "does not fit in int32"),
 ])
 def test_varlen_bad_index_files(tmp_path, rng, cu_q, code, match):
