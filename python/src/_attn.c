@@ -257,6 +257,12 @@ int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
     memset(v, 0, sizeof *v);
     if (PyObject_GetBuffer(obj, &v->buf, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
         PyErr_Clear();
+        if (writable && PyObject_GetBuffer(obj, &v->buf, PyBUF_RECORDS_RO) == 0) {
+            PyBuffer_Release(&v->buf); /* readable: only the write is refused */
+            PyErr_Format(PyExc_ValueError, "%s is read-only; it is written in place", name);
+            return -1;
+        }
+        PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
                      "%s must be an array (a NumPy array or another object with the strided "
                      "buffer protocol), not %.200s",
