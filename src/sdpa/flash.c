@@ -165,6 +165,8 @@ typedef struct flash_row {
                                            -1 (tracked when lse is asked) */
     int64_t q, out, lse, weights;       /* element offsets                 */
     int64_t mask[ATTN__MAX_MASKS];      /* mask row offsets                */
+    bool sink_max;                      /* the row's sink exceeds its scores
+                                           (add_sink): lse = sink + log l */
     int64_t first, limit;               /* first and last visible key (the
                                            window, causality); none when
                                            first > limit                   */
@@ -201,6 +203,7 @@ static void setup_rows_at(const attn__problem *p, const flash_work *w, int64_t g
         row->active = i < held;
         row->limit = row->active ? attn__last_key(p, b, i) : -1;
         row->first = row->active ? attn__first_key(p, b, i) : 0;
+        row->sink_max = false;
     }
 }
 
