@@ -324,7 +324,9 @@ int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
         return 0;
     }
     if (writable) {
-        PyErr_Format(PyExc_ValueError, "%s: output buffers must be aligned to their items",
+        PyErr_Format(PyExc_ValueError,
+                     "%s is written in place, so it must be aligned to its items (a copy would "
+                     "not be the caller's memory)",
                      name);
         goto fail;
     }
