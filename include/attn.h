@@ -72,14 +72,14 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define ATTN_VERSION_MAJOR 0
-#define ATTN_VERSION_MINOR 2
+#define ATTN_VERSION_MINOR 3
 #define ATTN_VERSION_PATCH 0
-#define ATTN_VERSION_STRING "0.2.0"
+#define ATTN_VERSION_STRING "0.3.0"
 /* ATTN_VERSION_NUMBER == major * 10000 + minor * 100 + patch. */
 #define ATTN_VERSION_NUMBER \
     (ATTN_VERSION_MAJOR * 10000 + ATTN_VERSION_MINOR * 100 + ATTN_VERSION_PATCH)
 
-/* The version of the library actually linked, e.g. "0.2.0". */
+/* The version of the library actually linked, e.g. "0.3.0". */
 ATTN_API const char *attn_version(void);
 ATTN_API int attn_version_number(void);
 
