@@ -26,9 +26,15 @@ static const char usage[] =
     "       attn help | --help | --version\n"
     "\n";
 
+static const char serving_options[] =
+    "varlen and kvcache options: attn varlen --help, attn kvcache --help (the\n"
+    "score modifiers --window, --alibi-slopes, --softcap, --sinks are sdpa's)\n";
+
 static void print_usage(FILE *to) {
-    fprintf(to, "%s%s\n%s\n%s\n%s\n%s", usage, cli_sdpa_options, cli_varlen_options,
-            cli_kvcache_options, cli_mha_options, cli_heatmap_options);
+    /* varlen's and kvcache's options are in their own --help: the whole text
+     * here stays short enough for a pipe reader with a modest buffer. */
+    fprintf(to, "%s%s\n%s\n%s\n%s", usage, cli_sdpa_options, serving_options,
+            cli_mha_options, cli_heatmap_options);
 }
 
 static int info(void) {

@@ -16,7 +16,7 @@
 #include "cli.h"
 #include "modifiers.h"
 
-const char cli_varlen_options[] =
+static const char varlen_options[] =
     "varlen options (attn varlen -q Q.npy -k K.npy -v V.npy --cu-seqlens-q CQ.npy\n"
     "                --cu-seqlens-k CK.npy -o OUT.npy [options]):\n"
     "  -q, -k, -v F.npy        packed q (total_q, Hq, E), k (total_k, Hkv, E), v\n"
@@ -37,7 +37,7 @@ const char cli_varlen_options[] =
     "  --threads N             threads, 1 to attn_max_threads()\n"
     "  -h, --help              this text\n";
 
-const char cli_kvcache_options[] =
+static const char kvcache_options[] =
     "kvcache options (attn kvcache -q Q.npy --k-cache KC.npy --v-cache VC.npy\n"
     "                 -o OUT.npy [options]):\n"
     "  -q Q.npy                queries (B, Lq, Hq, E), float32 or float64\n"
@@ -447,7 +447,7 @@ static int serving_main(const char *cmd, int argc, char **argv) {
     if (kvcache) a.params.causal = ATTN_CAUSAL_BOTTOM_RIGHT; /* flash_attn_with_kvcache's */
     int rc = parse_args(argc, argv, &a);
     if (rc == PARSED_HELP) {
-        printf("%s%s", kvcache ? cli_kvcache_options : cli_varlen_options, serving_notes);
+        printf("%s%s", kvcache ? kvcache_options : varlen_options, serving_notes);
         return CLI_OK;
     }
     if (rc != CLI_OK) return rc;
