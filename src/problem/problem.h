@@ -291,7 +291,23 @@ typedef struct attn__problem_request {
     /* A slice of a larger attention (attn_sdpa_params' q_offset ...); all 0:
      * the whole. */
     int64_t q_offset, k_offset, q_total, k_total;
+    /* The score modifiers (window, alibi_slopes, softcap, sinks) of these
+     * params, or NULL for none (MHA). attn_sdpa's requests point it at
+     * modifiers_copy, their own read of the caller's params. */
+    const attn_sdpa_params *modifiers;
+    attn_sdpa_params modifiers_copy;
 } attn__problem_request;
+
+/* Fills p's score modifiers from params (already read in full by
+ * attn__read_params; NULL: none), checking each field; the slopes and sinks
+ * broadcast against p's batch shape, which must be set. */
+attn_status attn__problem_modifiers(attn__problem *p, const attn_sdpa_params *params);
+
+/* A tensor of one float per query head (ALiBi slopes, sinks, their
+ * gradients), broadcastable to p's batch dimensions, as an operand whose
+ * bstride finds batch index b's value. */
+attn_status attn__per_head_operand(const attn__problem *p, const attn_tensor *t,
+                                   const char *name, attn__operand *op);
 
 /* Validates a request into a whole problem (offsets 0, no ragged rows). */
 attn_status attn__problem_build(attn__problem *p, const attn__problem_request *req);

@@ -309,6 +309,72 @@ static attn_status check_slice(attn__problem *p, const attn__problem_request *r)
     return ATTN_OK;
 }
 
+/* ALiBi slopes or sinks: one float per query head, broadcastable to the
+ * batch dimensions (right-aligned, size-1 dims stretch). */
+attn_status attn__per_head_operand(const attn__problem *p, const attn_tensor *t,
+                                   const char *name, attn__operand *op) {
+    attn_status st = attn__check_tensor(t, name, 1, ATTN__INPUT);
+    if (st != ATTN_OK) return st;
+    if (!attn__is_float(t->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected float32 or float64", name,
+                              attn_dtype_name(t->dtype));
+    char want[160], got[160];
+    const int nb = p->nb;
+    if (t->rank > (nb > 0 ? nb : 1))
+        return attn__fail_arg(ATTN_ERR_SHAPE, name,
+                              "%s has shape %s; expected one value per query head, "
+                              "broadcastable to the batch dimensions %s",
+                              name, attn__shape_str(got, sizeof got, t->rank, t->shape),
+                              attn__shape_str(want, sizeof want, nb, p->bshape));
+    memset(op, 0, sizeof *op);
+    op->data = t->data;
+    op->dtype = t->dtype;
+    for (int d = 0; d < nb; d++) op->bdiv[d] = 1;
+    for (int td = 0; td < t->rank; td++) {
+        const int d = nb - t->rank + td; /* the batch dim it aligns with; < 0 only if nb == 0 */
+        const int64_t want_size = d >= 0 ? p->bshape[d] : 1;
+        if (t->shape[td] != 1 && t->shape[td] != want_size)
+            return attn__fail_arg(ATTN_ERR_SHAPE, name,
+                                  "%s has shape %s, which does not broadcast to the batch "
+                                  "dimensions %s (one value per query head)",
+                                  name, attn__shape_str(got, sizeof got, t->rank, t->shape),
+                                  attn__shape_str(want, sizeof want, nb, p->bshape));
+        if (d >= 0) op->bstride[d] = t->shape[td] == 1 ? 0 : t->strides[td];
+    }
+    return ATTN_OK;
+}
+
+attn_status attn__problem_modifiers(attn__problem *p, const attn_sdpa_params *m) {
+    p->window_left = p->window_right = -1;
+    p->softcap = 0;
+    p->has_alibi = p->has_sinks = false;
+    if (m == NULL) return ATTN_OK;
+    const int64_t sides[2] = {m->window_left, m->window_right};
+    const char *side_names[2] = {"params.window_left", "params.window_right"};
+    for (int i = 0; i < 2; i++)
+        if (sides[i] < -1)
+            return attn__fail_arg(ATTN_ERR_INVALID, side_names[i],
+                                  "%s is %lld; expected -1 (unbounded) or a number of keys >= 0",
+                                  side_names[i], (long long)sides[i]);
+    p->window_left = m->window_left;
+    p->window_right = m->window_right;
+    if (!(isfinite(m->softcap) && m->softcap >= 0))
+        return attn__fail_arg(ATTN_ERR_INVALID, "params.softcap",
+                              "softcap is %g; expected 0 (none) or a finite cap > 0", m->softcap);
+    p->softcap = m->softcap;
+    attn_status st;
+    if (m->alibi_slopes != NULL) {
+        if ((st = attn__per_head_operand(p, m->alibi_slopes, "params.alibi_slopes", &p->alibi)) != ATTN_OK)
+            return st;
+        p->has_alibi = true;
+    }
+    if (m->sinks != NULL) {
+        if ((st = attn__per_head_operand(p, m->sinks, "params.sinks", &p->sinks)) != ATTN_OK) return st;
+        p->has_sinks = true;
+    }
+    return ATTN_OK;
+}
+
 /* lse is (B..., L): its last dimension is the row dimension. */
 static void fill_lse(attn__operand *op, const attn_tensor *t, int nb) {
     memset(op, 0, sizeof *op);
@@ -361,6 +427,7 @@ attn_status attn__problem_build(attn__problem *p, const attn__problem_request *r
         (st = check_scalars(p, r)) != ATTN_OK || (st = check_slice(p, r)) != ATTN_OK)
         return st;
     p->cancel = attn__cancel_flag();
+    if ((st = attn__problem_modifiers(p, r->modifiers)) != ATTN_OK) return st;
     for (int i = 0; i < r->nmask; i++) {
         if (r->mask[i] == NULL) continue;
         if ((st = check_mask(p, r->mask[i], r->mask_name[i], r->mask_bool_keep[i],
@@ -377,6 +444,7 @@ void attn_sdpa_params_init(attn_sdpa_params *params) {
     memset(params, 0, sizeof *params);
     params->struct_size = sizeof *params;
     params->causal = ATTN_CAUSAL_NONE;
+    params->window_left = params->window_right = -1;
 }
 
 /* attn_sdpa_params as 0.2.0 had it: the smallest struct_size accepted. */
@@ -413,6 +481,8 @@ static attn_status request_from_public(attn__problem_request *r, const attn_tens
     r->k_offset = params.k_offset;
     r->q_total = params.q_total;
     r->k_total = params.k_total;
+    r->modifiers_copy = params;
+    r->modifiers = &r->modifiers_copy;
     return ATTN_OK;
 }
 

@@ -15,6 +15,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "../kernels/exp2.h"
@@ -72,6 +73,23 @@ enum {
     SPLIT_BELOW = 16     /* split keys when there are fewer query blocks   */
 };
 
+/* Pages of a paged KV cache at least this many rows long bound the key
+ * blocks (read in place); shorter ones are gathered a block at a time. */
+enum { PAGE_IN_PLACE_MIN = 64 };
+
+/* Key blocks the fused kernels computed, forward and backward, since the
+ * count was last read (tests check that the window and causality skip
+ * blocks; relaxed atomics, one add per task). */
+static _Atomic int64_t blocks_visited;
+
+static void attn__count_blocks(int64_t n) {
+    atomic_fetch_add_explicit(&blocks_visited, n, memory_order_relaxed);
+}
+
+int64_t attn__flash_blocks_visited(void) {
+    return atomic_exchange_explicit(&blocks_visited, 0, memory_order_relaxed);
+}
+
 /* Keys per block in the queries-in-lanes layout: the context's size for
  * the first width class that holds the head. */
 static int64_t lanes_keys(const attn__ukernel *kern, int64_t width) {
@@ -104,7 +122,10 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
     w.BC = w.direct ? kern->direct_keys : lanes_keys(kern, width);
     w.chunk = p->S;
     w.nchunks = 1;
-    if (w.ngroups * w.nqb < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN && !p->has_weights) {
+    /* Ragged keys (varlen, a KV cache) are not split: a key slice of them
+     * would need each sequence's own chunk bounds (attn__problem_key_slice). */
+    const bool ragged = p->k.seq_len != NULL || p->k.pages != NULL;
+    if (w.ngroups * w.nqb < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN && !p->has_weights && !ragged) {
         int64_t chunk = (p->S + MAX_CHUNKS - 1) / MAX_CHUNKS;
         if (chunk < CHUNK_MIN) chunk = CHUNK_MIN;
         chunk = (chunk + w.BC - 1) / w.BC * w.BC;
@@ -126,6 +147,12 @@ static bool operand_in_place(const attn__problem *p, const attn__operand *op) {
     return op->cs == 1 && op->dtype == compute_dtype(p);
 }
 
+/* Whether K or V rows may need loading into a buffer: not in place, or in
+ * pages (a block may straddle two). */
+static bool key_buffer(const attn__problem *p, const attn__operand *op) {
+    return !operand_in_place(p, op) || op->pages != NULL;
+}
+
 /* The address of element `off` of an operand's data, stored as `dtype`. */
 static const void *element_at(const void *data, attn_dtype dtype, int64_t off) {
     return (const char *)data + off * (int64_t)attn_dtype_size(dtype);
@@ -138,7 +165,9 @@ typedef struct flash_row {
                                            -1 (tracked when lse is asked) */
     int64_t q, out, lse, weights;       /* element offsets                 */
     int64_t mask[ATTN__MAX_MASKS];      /* mask row offsets                */
-    int64_t limit;                      /* last visible key, -1 for none   */
+    int64_t first, limit;               /* first and last visible key (the
+                                           window, causality); none when
+                                           first > limit                   */
     bool active;                        /* a row its entry holds (ragged
                                            batches: rows past the entry's
                                            length are neither read nor written) */
@@ -171,6 +200,7 @@ static void setup_rows_at(const attn__problem *p, const flash_work *w, int64_t g
         for (int m = 0; m < p->nmask; m++) row->mask[m] = m0[m] + i * p->mask[m].op.rs;
         row->active = i < held;
         row->limit = row->active ? attn__last_key(p, b, i) : -1;
+        row->first = row->active ? attn__first_key(p, b, i) : 0;
     }
 }
 
@@ -209,8 +239,8 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     flash_scratch_size z;
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
     z.q = w->BR * p->E;                        /* Q rows, or Qt (E x lanes)     */
-    z.kp = operand_in_place(p, &p->k) ? 0 : w->BC * p->E; /* K rows, when loaded */
-    z.vp = operand_in_place(p, &p->v) ? 0 : w->BC * p->Ev; /* V rows, likewise    */
+    z.kp = key_buffer(p, &p->k) ? w->BC * p->E : 0;  /* K rows, when loaded */
+    z.vp = key_buffer(p, &p->v) ? w->BC * p->Ev : 0; /* V rows, likewise    */
     z.s = w->direct ? kern->pv_rows * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
@@ -318,26 +348,41 @@ static int64_t bwd_first_row(const attn__problem *p, int64_t b, int64_t j0, int6
     return lo;
 }
 
-/* The backward's next run of query rows for key block j0, from dense row
- * *r0 of group g on (moved to the run's first row): BR rows in order, or
- * causal, runs that start at each head's first row that sees key j0 and
- * end at the head's last held row. Rows above the diagonal see none of the
- * block, and a run aligned to it leaves no block half empty there
- * ((4,12,512,512,64) causal computed 18% more scores than it used).
- * Returns the run's length, 0 past the group's last row. */
+/* The first of rows [0, held) of batch index b whose window starts after
+ * key j (held when none does): first keys never decrease along the rows. */
+static int64_t bwd_end_row(const attn__problem *p, int64_t b, int64_t j, int64_t held) {
+    int64_t lo = 0, hi = held;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (attn__first_key(p, b, mid) > j) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+/* The backward's next run of query rows for keys j0 .. j1, from dense row
+ * *r0 of group g on (moved to the run's first row): BR rows in order, or,
+ * causal or windowed, runs that start at each head's first row that sees
+ * key j0 and end before its first row whose window starts past j1 (or at
+ * its last held row). Rows outside see none of the block, and a run
+ * aligned to the diagonal leaves no block half empty there
+ * ((4,12,512,512,64) causal computed 18% more scores than it used); a
+ * window's cost then follows the window. Returns the run's length, 0 past
+ * the group's last row. */
 static int64_t bwd_next_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t j0,
-                             int64_t *r0) {
-    if (p->causal == ATTN_CAUSAL_NONE) {
+                             int64_t j1, int64_t *r0) {
+    if (p->causal == ATTN_CAUSAL_NONE && p->window_left < 0 && p->window_right < 0) {
         const int64_t left = w->nrows - *r0;
         return left < w->BR ? left : w->BR;
     }
     for (; *r0 < w->nrows; *r0 = (*r0 / p->L + 1) * p->L) {
         const int64_t h = *r0 / p->L, i = *r0 % p->L, b = g * w->G + h;
         const int64_t held = attn__rows_of(p, b), first = bwd_first_row(p, b, j0, held);
+        const int64_t end = p->window_left < 0 ? held : bwd_end_row(p, b, j1, held);
         const int64_t start = i > first ? i : first;
-        if (start < held) {
+        if (start < end) {
             *r0 = h * p->L + start;
-            return held - start < w->BR ? held - start : w->BR;
+            return end - start < w->BR ? end - start : w->BR;
         }
     }
     return 0;
@@ -397,6 +442,7 @@ typedef uint64_t bits_d;
 #define EXP2 attn__exp2f
 #define NEXTAFTER nextafterf
 #define EPSILON FLT_EPSILON
+#define TANH_f tanhf
 #include "flash_driver.inc"
 #include "flash_backward.inc"
 #undef REAL
@@ -410,6 +456,7 @@ typedef uint64_t bits_d;
 #define EXP2 attn__exp2d
 #define NEXTAFTER nextafter
 #define EPSILON DBL_EPSILON
+#define TANH_d tanh
 #include "flash_driver.inc"
 #include "flash_backward.inc"
 #undef REAL

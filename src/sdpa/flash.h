@@ -21,4 +21,8 @@ attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *
 /* The backward pass of a problem (FlashAttention-2's, see flash_backward.inc). */
 attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__ukernel *ukernel);
 
+/* Key blocks computed by the fused kernels since the last call (all
+ * threads, forward and backward); reading resets the count. For tests. */
+int64_t attn__flash_blocks_visited(void);
+
 #endif /* ATTN_SDPA_FLASH_H */

@@ -2,9 +2,15 @@
  * reference.c — the oracle. One query row at a time, in float64, reading
  * like the formula:
  *
- *   s_j = scale * q_i . k_j + mask_ij      for the keys j row i may see
- *   p_j = exp(s_j - max_j s_j) / sum_j exp(s_j - max_j s_j)
+ *   x_j = scale * q_i . k_j
+ *   s_j = cap(x_j) - slope * |d_i - j| + mask_ij   for the keys j row i may see
+ *   p_j = exp(s_j - m) / (exp(sink - m) + sum_j exp(s_j - m)),  m = max(sink, s_j)
  *   out_i = sum_j dropout(p_j) * v_j
+ *
+ * with cap(x) = softcap * tanh(x / softcap) when soft-capping, the ALiBi
+ * slope and sink of the row's head (none: 0 and -inf), and d_i the row's
+ * diagonal (attn__diagonal); the window and causality decide which keys
+ * the row sees (attn__first_key, attn__last_key).
  *
  * Every fused kernel is tested against this file; keep it simple.
  */
@@ -20,8 +26,8 @@
 /* Combines the causal rule and every mask for (row i, key j). Returns false
  * when the key is masked out; otherwise adds the float mask values to *bias. */
 static bool key_visible(const attn__problem *p, const int64_t *mask_off, int64_t i, int64_t j,
-                        int64_t last, double *bias) {
-    if (j > last) return false; /* causal, or past the keys the entry holds */
+                        int64_t first, int64_t last, double *bias) {
+    if (j < first || j > last) return false; /* window, causal, past the entry's keys */
     *bias = 0.0;
     for (int m = 0; m < p->nmask; m++) {
         const attn__mask *mk = &p->mask[m];
@@ -37,31 +43,65 @@ static bool key_visible(const attn__problem *p, const int64_t *mask_off, int64_t
     return true;
 }
 
-/* Scores s_j = scale * q_i . k_j + mask_ij of the keys row i of batch b
- * may see (visible[j]); returns their maximum, NaN when one is NaN (a NaN
- * score poisons its row, as in PyTorch), -inf when there are none. */
+/* Scores s_j (see the top of this file) of the keys row i of batch b may
+ * see (visible[j]); returns their maximum, NaN when one is NaN (a NaN score
+ * poisons its row, as in PyTorch), -inf when there are none. With
+ * soft-capping and dcap != NULL, dcap[j] = d cap(x_j) / d x_j = 1 - tanh²,
+ * which the backward pass needs. */
 double attn__reference_scores(const attn__problem *p, int64_t b, int64_t i, double *s,
-                              bool *visible) {
+                              bool *visible, double *dcap) {
     const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
     const int64_t ko = attn__batch_offset(p, &p->k, b);
     int64_t mask_off[ATTN__MAX_MASKS];
     for (int m = 0; m < p->nmask; m++) mask_off[m] = attn__batch_offset(p, &p->mask[m].op, b);
-    const int64_t last = attn__last_key(p, b, i);
+    const int64_t first = attn__first_key(p, b, i), last = attn__last_key(p, b, i);
+    const int64_t diagonal = attn__diagonal(p, b, i);
+    const double slope = attn__alibi_slope(p, b);
     double max = -INFINITY;
     bool nan = false;
     for (int64_t j = 0; j < p->S; j++) {
         double bias;
-        visible[j] = key_visible(p, mask_off, i, j, last, &bias);
+        visible[j] = key_visible(p, mask_off, i, j, first, last, &bias);
         if (!visible[j]) continue;
+        const int64_t kr = ko + attn__row_offset(p, &p->k, b, j);
         double dot = 0.0;
         for (int64_t e = 0; e < p->E; e++)
             dot += attn__load(p->q.data, p->q.dtype, qo + e * p->q.cs) *
-                   attn__load(p->k.data, p->k.dtype, ko + j * p->k.rs + e * p->k.cs);
-        s[j] = p->scale * dot + bias;
+                   attn__load(p->k.data, p->k.dtype, kr + e * p->k.cs);
+        const double x = p->scale * dot;
+        s[j] = attn__modified_score(p, x, slope, diagonal, j) + bias;
+        if (dcap != NULL && p->softcap > 0) {
+            const double t = tanh(x / p->softcap);
+            dcap[j] = 1.0 - t * t;
+        }
         nan |= isnan(s[j]);
         if (s[j] > max) max = s[j];
     }
     return nan ? NAN : max;
+}
+
+/* The reference row's softmax over its visible scores and its sink (when
+ * this problem holds one): s[j] <- exp(s_j - m), 0 where not visible;
+ * returns the denominator's log (lse, -inf for a row with nothing to
+ * weigh, NaN when a score or the sink is NaN) and sets *sum and *m. */
+static double softmax_row(const attn__problem *p, int64_t b, double max, double *s,
+                          const bool *visible, double *sum, double *m) {
+    const double sink = attn__sinks_here(p) ? attn__sink(p, b) : -INFINITY;
+    const double top = isnan(max) || isnan(sink) ? NAN : fmax(max, sink);
+    *m = top;
+    *sum = 0.0;
+    const bool empty = top == -INFINITY;
+    for (int64_t j = 0; j < p->S; j++) {
+        if (!visible[j] || empty) {
+            s[j] = 0.0;
+            continue;
+        }
+        s[j] = exp(s[j] - top);
+        *sum += s[j];
+    }
+    if (empty) return -INFINITY;
+    if (sink != -INFINITY) *sum += exp(sink - top);
+    return top + log(*sum);
 }
 
 /* Computes one query row; `s` has room for S doubles. */
@@ -69,23 +109,17 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
                               bool *visible) {
     const int64_t vo = attn__batch_offset(p, &p->v, b);
     const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
-    const double max = attn__reference_scores(p, b, i, s, visible);
+    const double max = attn__reference_scores(p, b, i, s, visible, NULL);
 
-    /* Softmax. A row with no visible key (or only -inf scores) is empty:
-     * its output and weights are 0 and its log-sum-exp is -inf. */
-    double sum = 0.0;
-    bool empty = (max == -INFINITY);
-    for (int64_t j = 0; j < p->S; j++) {
-        if (!visible[j] || empty) {
-            s[j] = 0.0;
-            continue;
-        }
-        s[j] = exp(s[j] - max);
-        sum += s[j];
-    }
+    /* Softmax. A row with no visible key (or only -inf scores) and no sink
+     * is empty: its output and weights are 0 and its log-sum-exp is -inf.
+     * With only a sink, the weights and output are 0 and lse is the sink. */
+    double sum, top;
+    const double lse = softmax_row(p, b, max, s, visible, &sum, &top);
+    const bool empty = top == -INFINITY;
     if (p->has_lse) {
         int64_t lo = attn__batch_offset(p, &p->lse, b) + i * p->lse.rs;
-        attn__store(p->lse.data, p->lse.dtype, lo, empty ? -INFINITY : max + log(sum));
+        attn__store(p->lse.data, p->lse.dtype, lo, lse);
     }
 
     /* Normalise, drop out, and write the weights. */
@@ -110,7 +144,8 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
         double acc = 0.0;
         for (int64_t j = 0; j < p->S; j++)
             if (s[j] != 0.0)
-                acc += s[j] * attn__load(p->v.data, p->v.dtype, vo + j * p->v.rs + e * p->v.cs);
+                acc += s[j] * attn__load(p->v.data, p->v.dtype,
+                                         vo + attn__row_offset(p, &p->v, b, j) + e * p->v.cs);
         attn__store(p->out.data, p->out.dtype, oo + e * p->out.cs, acc);
     }
 }

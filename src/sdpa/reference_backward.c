@@ -8,10 +8,17 @@
  *   w_j  = p_j * z_j                         z_j = dropout's 1/(1-p) or 0
  *   dp_j = z_j * dout_i . v_j
  *   D_i  = sum_j p_j dp_j                    = dout_i . out_i
- *   ds_j = p_j * (dp_j - D_i)                d loss / d s_j (s = scaled score + mask)
+ *   ds_j = p_j * (dp_j - D_i)                d loss / d s_j (s: the modified score)
+ *   dx_j = ds_j * cap'(x_j)                  d loss / d x_j (x = scale q_i . k_j;
+ *                                            cap' = 1 - tanh² when soft-capping, else 1)
  *
- *   dq_i += scale * sum_j ds_j k_j,  dk_j += scale * ds_j q_i,
+ *   dq_i += scale * sum_j dx_j k_j,  dk_j += scale * dx_j q_i,
  *   dv_j += w_j dout_i,              dmask_ij += ds_j
+ *
+ * ALiBi's bias is a constant of the scores (its slopes get no gradient, as
+ * in FlashAttention), the window and causality only hide keys, and a sink
+ * only joins the denominator: sum_i below includes exp(sink - max_i), and
+ * the sink's own gradient is attn_sdpa_sinks_backward's.
  *
  * lse_i is the row's own, from its float64 scores, and never formed: a
  * stored lse is rounded by |lse| x 2^-24 (float32) or 2^-53 (float64), an
@@ -45,7 +52,7 @@
 
 /* Per-thread row buffers, S entries each. */
 typedef struct row_buffers {
-    double *p, *w, *ds;
+    double *p, *w, *ds, *dcap; /* dcap: the soft-cap's derivative per key */
     bool *visible;
 } row_buffers;
 
@@ -53,17 +60,18 @@ typedef struct row_buffers {
  * it). Returns false when the row saw no key (everything 0). The forward's
  * out is not read: see D above. */
 static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffers *rb) {
-    const double max = attn__reference_scores(p, b, i, rb->p, rb->visible);
+    const double max = attn__reference_scores(p, b, i, rb->p, rb->visible, rb->dcap);
     const double lse = attn__load(p->lse.data, p->lse.dtype,
                                   attn__batch_offset(p, &p->lse, b) + i * p->lse.rs);
     const bool empty = max == -INFINITY || lse == -INFINITY;
     const bool slice = p->S < p->S_total; /* the row's other keys are elsewhere */
     double ref = lse, sum = 1.0; /* p_j = exp(s_j - ref) / sum */
-    if (!empty && !slice && isfinite(max) && isfinite(lse)) { /* the row's own (see above) */
-        ref = max;
-        sum = 0.0;
+    const double sink = attn__sinks_here(p) ? attn__sink(p, b) : -INFINITY;
+    if (!empty && !slice && isfinite(max) && isfinite(lse) && !isnan(sink)) {
+        ref = fmax(max, sink); /* the row's own (see above), its sink included */
+        sum = sink == -INFINITY ? 0.0 : exp(sink - ref);
         for (int64_t j = 0; j < p->S; j++)
-            if (rb->visible[j]) sum += exp(rb->p[j] - max);
+            if (rb->visible[j]) sum += exp(rb->p[j] - ref);
     }
     const int64_t vo = attn__batch_offset(p, &p->v, b);
     const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
@@ -83,7 +91,8 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
         if (z != 0.0) {
             for (int64_t e = 0; e < p->Ev; e++)
                 dp += attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs) *
-                      attn__load(p->v.data, p->v.dtype, vo + j * p->v.rs + e * p->v.cs);
+                      attn__load(p->v.data, p->v.dtype,
+                                 vo + attn__row_offset(p, &p->v, b, j) + e * p->v.cs);
             dp *= z;
         }
         rb->w[j] = pj * z;
@@ -113,7 +122,7 @@ static void accumulate_row(const attn__problem *p, int64_t b, int64_t i, const r
     const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
     for (int64_t j = 0; j < p->S; j++) {
         if (rb->p[j] == 0.0) continue;
-        const double ds = p->scale * rb->ds[j];
+        const double ds = p->scale * rb->ds[j] * (p->softcap > 0 ? rb->dcap[j] : 1.0);
         for (int64_t e = 0; e < p->E; e++) {
             if (gq != NULL)
                 gq[i * p->E + e] +=
@@ -133,14 +142,16 @@ static attn_status alloc_rows(int threads, int64_t S, row_buffers *all) {
     all->p = attn__alloc_array(n, sizeof(double));
     all->w = attn__alloc_array(n, sizeof(double));
     all->ds = attn__alloc_array(n, sizeof(double));
+    all->dcap = attn__alloc_array(n, sizeof(double));
     all->visible = attn__alloc_array(n, sizeof(bool));
-    return all->p && all->w && all->ds && all->visible ? ATTN_OK : ATTN_ERR_NOMEM;
+    return all->p && all->w && all->ds && all->dcap && all->visible ? ATTN_OK : ATTN_ERR_NOMEM;
 }
 
 static void free_rows(row_buffers *all) {
     attn__free(all->p);
     attn__free(all->w);
     attn__free(all->ds);
+    attn__free(all->dcap);
     attn__free(all->visible);
 }
 
@@ -151,7 +162,7 @@ static row_buffers thread_rows(const row_buffers *all, int64_t S) {
     const size_t t = 0;
 #endif
     const size_t at = t * (size_t)S;
-    return (row_buffers){all->p + at, all->w + at, all->ds + at, all->visible + at};
+    return (row_buffers){all->p + at, all->w + at, all->ds + at, all->dcap + at, all->visible + at};
 }
 
 /* Every batch index's dq, dk, dv contributions, one batch index per task. */

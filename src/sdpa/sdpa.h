@@ -17,9 +17,10 @@ attn_status attn__sdpa_reference(const attn__problem *p);
 void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, double *s,
                               bool *visible);
 
-/* Scores of the keys row i of batch b sees, in float64 (see reference.c). */
+/* Scores of the keys row i of batch b sees, in float64 (see reference.c);
+ * dcap (NULL, or room for S) takes the soft-cap's derivative per key. */
 double attn__reference_scores(const attn__problem *p, int64_t b, int64_t i, double *s,
-                              bool *visible);
+                              bool *visible, double *dcap);
 
 /* ---- the backward pass ---- */
 

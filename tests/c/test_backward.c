@@ -94,7 +94,7 @@ static attn_status bw_run(bw_data *d) {
 static double oracle_loss(const bw_data *d, const bw_case *c) {
     oracle_sdpa_args a = {&d->q.t, &d->k.t, &d->v.t, c->mask_dtype ? &d->mask.t : NULL, 1,
                           (int)c->causal, c->has_scale, c->scale, c->gqa, c->dropout_p,
-                          1234, 7};
+                          1234, 7, NULL};
     oracle_sdpa_result res;
     CHECK(oracle_sdpa(&a, &res) == 0, "oracle refused the case");
     double *g = tt_dense(&d->dout.t), loss = 0;

@@ -207,7 +207,7 @@ static void free_case(sdpa_case *c) {
 static oracle_sdpa_args oracle_args(const sdpa_case *c) {
     oracle_sdpa_args a = {&c->q.t, &c->k.t, &c->v.t, c->has_mask ? &c->mask.t : NULL, 1,
                           (int)c->p.causal, c->p.has_scale, c->p.scale, c->p.enable_gqa,
-                          c->p.dropout_p, c->p.seed, c->p.rng_offset};
+                          c->p.dropout_p, c->p.seed, c->p.rng_offset, NULL};
     return a;
 }
 
@@ -684,7 +684,7 @@ static void scheduling_shapes_are_thread_independent(void) {
             }
             /* and the result is right */
             oracle_sdpa_args a = {&q.t, &k.t, &v.t, NULL, 1, (int)p.causal, 0, 0, p.enable_gqa,
-                                  0, 0, 0};
+                                  0, 0, 0, NULL};
             oracle_sdpa_result ref;
             oracle_sdpa(&a, &ref);
             double *out = tt_dense(&o.t);

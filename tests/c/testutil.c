@@ -228,6 +228,7 @@ int oracle_sdpa(const oracle_sdpa_args *a, oracle_sdpa_result *res) {
     double *s = malloc(sizeof(double) * (size_t)S);
     bool *vis = malloc(sizeof(bool) * (size_t)S);
     const double scale = a->has_scale ? a->scale : 1.0 / sqrt((double)E);
+    const oracle_modifiers *mo = a->mods;
     int64_t bidx[ATTN_MAX_RANK];
     for (int64_t b = 0; b < nbatch; b++) {
         int64_t rem = b;
@@ -245,6 +246,10 @@ int oracle_sdpa(const oracle_sdpa_args *a, oracle_sdpa_result *res) {
                 double add = 0;
                 if (a->causal == 1 && j > i) vis[j] = false;
                 if (a->causal == 2 && j > i + (S - L)) vis[j] = false;
+                if (mo && mo->window_left >= 0 && j < i + (S - L) - mo->window_left)
+                    vis[j] = false;
+                if (mo && mo->window_right >= 0 && j > i + (S - L) + mo->window_right)
+                    vis[j] = false;
                 if (M) {
                     double m = M[dense_index(a->mask, full, bidx, 1, -1)];
                     if (a->mask->dtype == ATTN_DTYPE_BOOL)
@@ -266,12 +271,18 @@ int oracle_sdpa(const oracle_sdpa_args *a, oracle_sdpa_result *res) {
                     dot += qe * ke;
                 }
                 bidx[nb] = i;
-                s[j] = scale * dot + add;
+                double x = scale * dot;
+                if (mo && mo->softcap > 0) x = mo->softcap * tanh(x / mo->softcap);
+                if (mo && mo->alibi) x -= mo->alibi[b] * fabs((double)(i + (S - L) - j));
+                s[j] = x + add;
                 if (isnan(s[j])) nan = true;
                 if (s[j] > mx) mx = s[j];
             }
+            const double sink = mo && mo->sinks ? mo->sinks[b] : -INFINITY;
+            if (isnan(sink)) nan = true;
+            if (sink > mx) mx = sink;
             if (nan) mx = NAN;
-            double sum = 0;
+            double sum = mx != -INFINITY && sink != -INFINITY ? exp(sink - mx) : 0;
             for (int64_t j = 0; j < S; j++)
                 if (vis[j] && mx != -INFINITY) sum += exp(s[j] - mx);
             int64_t row = b * L + i;

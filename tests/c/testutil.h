@@ -50,7 +50,17 @@ typedef struct oracle_sdpa_args {
     int gqa;
     double dropout_p;
     uint64_t seed, rng_offset;
+    const struct oracle_modifiers *mods; /* NULL: none */
 } oracle_sdpa_args;
+
+/* Score modifiers (attn_sdpa_params'): window_left/right bound the keys
+ * (-1: unbounded), softcap 0 is none; alibi and sinks: one slope / sink
+ * logit per batch index (nbatch, row-major), or NULL. */
+typedef struct oracle_modifiers {
+    int64_t window_left, window_right;
+    double softcap;
+    const double *alibi, *sinks;
+} oracle_modifiers;
 
 typedef struct oracle_sdpa_result {
     int rank;                    /* of out */

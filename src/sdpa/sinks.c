@@ -1,0 +1,135 @@
+/*
+ * sinks.c — the gradient of attention sinks (attn_sdpa_sinks_backward).
+ *
+ * A sink is one more term of each row's softmax denominator with no value,
+ * so with p_sink = exp(sink - lse) and D = dout · out,
+ *   d loss / d sink = - Σ_rows p_sink · D
+ * It needs only what the forward returned (out, lse) and dout: no scores,
+ * no kernel. Sums run in float64 in (batch index, row) order, one rounding.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "sdpa.h"
+
+/* dout and out (B..., L, Ev) of one shape and float dtype; lse (B..., L). */
+static attn_status check_rows(const attn_tensor *dout, const attn_tensor *out,
+                              const attn_tensor *lse) {
+    attn_status st;
+    if ((st = attn__check_tensor(out, "out", 2, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(dout, "dout", 2, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(lse, "lse", 1, ATTN__INPUT)) != ATTN_OK)
+        return st;
+    if (!attn__is_float(out->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, "out", "out is %s; expected float32 or float64",
+                              attn_dtype_name(out->dtype));
+    char a[160], b[160];
+    bool same = dout->rank == out->rank && dout->dtype == out->dtype;
+    for (int d = 0; same && d < out->rank; d++) same = dout->shape[d] == out->shape[d];
+    if (!same)
+        return attn__fail_arg(ATTN_ERR_SHAPE, "dout", "dout is %s %s; expected %s %s like out",
+                              attn_dtype_name(dout->dtype),
+                              attn__shape_str(a, sizeof a, dout->rank, dout->shape),
+                              attn_dtype_name(out->dtype),
+                              attn__shape_str(b, sizeof b, out->rank, out->shape));
+    same = lse->rank == out->rank - 1 &&
+           (lse->dtype == out->dtype || lse->dtype == ATTN_DTYPE_F64);
+    for (int d = 0; same && d < lse->rank; d++) same = lse->shape[d] == out->shape[d];
+    if (!same)
+        return attn__fail_arg(ATTN_ERR_SHAPE, "lse",
+                              "lse is %s %s; expected out's shape without its last dimension "
+                              "%s, in out's dtype or float64",
+                              attn_dtype_name(lse->dtype),
+                              attn__shape_str(a, sizeof a, lse->rank, lse->shape),
+                              attn__shape_str(b, sizeof b, out->rank - 1, out->shape));
+    return ATTN_OK;
+}
+
+/* The dense index, over dsinks' own elements (C order), of batch index b. */
+static int64_t dense_index(const attn__problem *p, const attn_tensor *sinks, int64_t b) {
+    int64_t idx = 0, span = 1;
+    for (int td = sinks->rank - 1; td >= 0; td--) {
+        const int d = p->nb - sinks->rank + td;
+        int64_t bd = 0;
+        if (d >= 0) { /* batch index b's coordinate along dim d */
+            int64_t rest = b;
+            for (int e = p->nb - 1; e > d; e--) rest /= p->bshape[e];
+            bd = rest % p->bshape[d];
+        }
+        if (sinks->shape[td] != 1) idx += bd * span;
+        span *= sinks->shape[td];
+    }
+    return idx;
+}
+
+attn_status attn_sdpa_sinks_backward(const attn_tensor *dout, const attn_tensor *out,
+                                     const attn_tensor *lse, const attn_sdpa_params *user,
+                                     attn_tensor *dsinks) {
+    attn__clear_error();
+    attn_sdpa_params params;
+    attn_sdpa_params_init(&params);
+    attn_status st = attn__read_params(&params, sizeof params, ATTN__SIZE_THROUGH(attn_sdpa_params, arg_names),
+                                       user, "params", "attn_sdpa_params_init");
+    if (st != ATTN_OK) return st;
+    if (user == NULL || params.sinks == NULL)
+        return attn__fail_arg(ATTN_ERR_NULL, "params.sinks",
+                              "params.sinks is NULL: there are no sinks to differentiate");
+    if ((st = check_rows(dout, out, lse)) != ATTN_OK) return st;
+    attn__problem p; /* only the batch shape, to broadcast the sinks against */
+    memset(&p, 0, sizeof p);
+    p.nb = out->rank - 2;
+    p.nbatch = 1;
+    for (int d = 0; d < p.nb; d++) p.nbatch *= p.bshape[d] = out->shape[d];
+    attn__operand sink;
+    if ((st = attn__per_head_operand(&p, params.sinks, "params.sinks", &sink)) != ATTN_OK ||
+        (st = attn__check_tensor(dsinks, "dsinks", 1, ATTN__OUTPUT)) != ATTN_OK)
+        return st;
+    bool same = dsinks->rank == params.sinks->rank && dsinks->dtype == params.sinks->dtype;
+    for (int d = 0; same && d < dsinks->rank; d++) same = dsinks->shape[d] == params.sinks->shape[d];
+    if (!same)
+        return attn__fail_arg(ATTN_ERR_SHAPE, "dsinks",
+                              "dsinks must have the shape and dtype of params.sinks");
+    if ((st = attn__check_output_layout(dsinks, "dsinks")) != ATTN_OK) return st;
+    const attn_tensor *ins[4] = {dout, out, lse, params.sinks};
+    for (int i = 0; i < 4; i++)
+        if (attn__views_overlap(dsinks, ins[i]))
+            return attn__fail_arg(ATTN_ERR_OVERLAP, "dsinks", "dsinks overlaps an input in memory");
+    const int64_t n = attn_tensor_numel(dsinks), L = out->shape[out->rank - 2];
+    const int64_t Ev = out->shape[out->rank - 1];
+    double *acc = attn__alloc_array((size_t)n, sizeof(double)); /* per dsinks element */
+    if (acc == NULL) return ATTN_ERR_NOMEM;
+    for (int64_t b = 0; b < p.nbatch; b++) {
+        int64_t ob = 0, gb = 0, lb = 0, rest = b; /* batch offsets of out, dout, lse */
+        for (int d = p.nb - 1; d >= 0; d--) {
+            const int64_t x = rest % p.bshape[d];
+            rest /= p.bshape[d];
+            ob += x * out->strides[d];
+            gb += x * dout->strides[d];
+            lb += x * lse->strides[d];
+        }
+        const double s = attn__load(sink.data, sink.dtype, attn__batch_offset(&p, &sink, b));
+        double sum = 0;
+        for (int64_t i = 0; i < L; i++) {
+            const double l = attn__load(lse->data, lse->dtype, lb + i * lse->strides[p.nb]);
+            if (l == -INFINITY) continue; /* a row that saw nothing weighs nothing */
+            double D = 0;
+            for (int64_t e = 0; e < Ev; e++)
+                D += attn__load(dout->data, dout->dtype,
+                                gb + i * dout->strides[p.nb] + e * dout->strides[p.nb + 1]) *
+                     attn__load(out->data, out->dtype,
+                                ob + i * out->strides[p.nb] + e * out->strides[p.nb + 1]);
+            sum += exp(s - l) * D;
+        }
+        acc[dense_index(&p, params.sinks, b)] -= sum;
+    }
+    for (int64_t x = 0; x < n; x++) { /* dense C order -> dsinks' strides */
+        int64_t off = 0, rest = x;
+        for (int d = dsinks->rank - 1; d >= 0; d--) {
+            off += (rest % dsinks->shape[d]) * dsinks->strides[d];
+            rest /= dsinks->shape[d];
+        }
+        attn__store(dsinks->data, dsinks->dtype, off, acc[x]);
+    }
+    attn__free(acc);
+    return ATTN_OK;
+}

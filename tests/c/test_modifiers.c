@@ -1,0 +1,496 @@
+/*
+ * test_modifiers.c — the score modifiers of attn_sdpa_params (sliding
+ * window, ALiBi, softcap, sinks), alone and combined with causality, masks,
+ * GQA and dropout, on every kernel path this machine has:
+ *   - forward results against the independent oracle (testutil.c);
+ *   - the window and causality skip whole key blocks (counted);
+ *   - the backward on every fused path against the float64 reference
+ *     backward, and that against central differences of the oracle;
+ *   - the sinks' gradient against central differences;
+ *   - sinks counted once when a decode's keys are split into chunks.
+ */
+#include "sdpa/flash.h"
+#include "testutil.h"
+
+/* The forward error model of test_sdpa.c, with the modifiers' terms: the
+ * soft-cap's tanh errs by about u·softcap and ALiBi's bias by u·|bias|,
+ * absolute, in every logit (see test_sdpa.c for the rest). */
+typedef struct model {
+    double u, out_u, A, E, S, vmax, extra;
+} model;
+
+static double tol_out(const model *m) {
+    const double rel = 4 * m->u * ((m->E + 4) * m->A + m->S + 16 + 4 * m->extra);
+    return rel * m->vmax + 2 * m->out_u * m->vmax;
+}
+
+static double max_abs(const double *x, int64_t n) {
+    double m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (isfinite(x[i]) && fabs(x[i]) > m) m = fabs(x[i]);
+    return m;
+}
+
+/* ---- a random case ---- */
+
+typedef struct mod_case {
+    oracle_modifiers mods;
+    attn_dtype dtype;
+    int64_t B, H, Hkv, L, S, E, Ev;
+    test_tensor q, k, v, mask, out, lse;
+    bool has_mask;
+    attn_tensor slopes_t, sinks_t;
+    double slopes[2 * 8], sinks[8];   /* (B, H) or (H,) values            */
+    double slope_of[2 * 8], sink_of[2 * 8]; /* per batch index, for the oracle */
+    attn_sdpa_params p;
+} mod_case;
+
+static uint64_t rng_below(rng *r, uint64_t n) { return rng_next(r) % n; }
+static int64_t pick(rng *r, const int64_t *xs, int n) { return xs[rng_below(r, (uint64_t)n)]; }
+
+static void make_case(mod_case *c, rng *r, bool decode, bool dense) {
+    memset(c, 0, sizeof *c);
+    static const int64_t lens[] = {1, 3, 17, 64, 97, 130, 257};
+    static const int64_t widths[] = {8, 16, 32, 64, 80};
+    c->dtype = rng_below(r, 3) == 0 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    c->B = 1 + (int64_t)rng_below(r, 2);
+    c->Hkv = 1 + (int64_t)rng_below(r, 2);
+    c->H = c->Hkv * (1 + (int64_t)rng_below(r, 2));
+    c->L = decode ? 1 + (int64_t)rng_below(r, 3) : pick(r, lens, 7);
+    c->S = decode ? 2048 + (int64_t)rng_below(r, 2048) : pick(r, lens, 7);
+    c->E = pick(r, widths, 5);
+    c->Ev = rng_below(r, 4) == 0 ? pick(r, widths, 5) : c->E;
+    const int64_t qs[4] = {c->B, c->H, c->L, c->E}, ks[4] = {c->B, c->Hkv, c->S, c->E},
+                  vs[4] = {c->B, c->Hkv, c->S, c->Ev}, os[4] = {c->B, c->H, c->L, c->Ev},
+                  ls[3] = {c->B, c->H, c->L}, ms[2] = {c->L, c->S};
+    const int layout = !dense && rng_below(r, 2) ? LAYOUT_RANDOM : LAYOUT_CONTIGUOUS;
+    tt_make(&c->q, r, c->dtype, 4, qs, layout, 1.0 + 2 * rng_uniform(r), 0);
+    tt_make(&c->k, r, c->dtype, 4, ks, layout, 1.0, 0);
+    tt_make(&c->v, r, c->dtype, 4, vs, layout, 1.0, 0);
+    tt_make_output(&c->out, r, c->dtype, 4, os, layout);
+    tt_make_output(&c->lse, r, ATTN_DTYPE_F64, 3, ls, LAYOUT_CONTIGUOUS);
+    attn_sdpa_params_init(&c->p);
+    c->p.enable_gqa = c->H != c->Hkv;
+    c->p.causal = (attn_causal)rng_below(r, 3);
+    if (rng_below(r, 3) == 0) { /* a float mask */
+        tt_make(&c->mask, r, c->dtype, 2, ms, LAYOUT_CONTIGUOUS, 1.0, 0);
+        c->has_mask = true;
+        c->p.attn_mask = &c->mask.t;
+    }
+    const int mods = (int)rng_below(r, 16); /* which modifiers: 4 bits */
+    if (mods & 1) {
+        c->p.window_left = rng_below(r, 3) == 0 ? -1 : (int64_t)rng_below(r, (uint64_t)c->S + 1);
+        c->p.window_right = rng_below(r, 3) == 0 ? -1 : (int64_t)rng_below(r, (uint64_t)c->S + 1);
+    }
+    if (mods & 2) c->p.softcap = rng_below(r, 2) ? 2.0 + 10 * rng_uniform(r) : 30.0;
+    const bool per_batch = rng_below(r, 2);
+    for (int64_t x = 0; x < c->B * c->H; x++) {
+        c->slopes[x] = 0.5 * rng_uniform(r) / (double)(1 + x % c->H);
+        c->sinks[x] = 2 * rng_normal(r);
+    }
+    for (int64_t b = 0; b < c->B * c->H; b++) {
+        c->slope_of[b] = c->slopes[per_batch ? b : b % c->H];
+        c->sink_of[b] = c->sinks[b % c->H];
+    }
+    const int64_t bh[2] = {c->B, c->H};
+    if (mods & 4) {
+        attn_tensor_init(&c->slopes_t, c->slopes, ATTN_DTYPE_F64, per_batch ? 2 : 1,
+                         per_batch ? bh : bh + 1);
+        c->p.alibi_slopes = &c->slopes_t;
+    }
+    if (mods & 8) {
+        attn_tensor_init(&c->sinks_t, c->sinks, ATTN_DTYPE_F64, 1, bh + 1);
+        c->p.sinks = &c->sinks_t;
+    }
+}
+
+static void free_case(mod_case *c) {
+    tt_free(&c->q);
+    tt_free(&c->k);
+    tt_free(&c->v);
+    tt_free(&c->mask);
+    tt_free(&c->out);
+    tt_free(&c->lse);
+}
+
+static oracle_sdpa_args oracle_of(mod_case *c) {
+    c->mods = (oracle_modifiers){c->p.window_left, c->p.window_right, c->p.softcap,
+                                 c->p.alibi_slopes ? c->slope_of : NULL,
+                                 c->p.sinks ? c->sink_of : NULL};
+    oracle_sdpa_args a = {&c->q.t, &c->k.t, &c->v.t, c->has_mask ? &c->mask.t : NULL, 1,
+                          (int)c->p.causal, 0, 0, c->p.enable_gqa, 0, 0, 0, &c->mods};
+    return a;
+}
+
+static model model_of(const mod_case *c) {
+    model m;
+    const bool f32 = c->dtype == ATTN_DTYPE_F32;
+    m.u = attn_get_isa() == ATTN_ISA_REF || !f32 ? 0x1p-53 : 0x1p-24;
+    m.out_u = f32 ? 0x1p-24 : 0x1p-53;
+    double *Q = tt_dense(&c->q.t), *K = tt_dense(&c->k.t), *V = tt_dense(&c->v.t);
+    double qrow = 0;
+    for (int64_t i = 0; i < attn_tensor_numel(&c->q.t); i += c->E) {
+        double sum = 0;
+        for (int64_t e = 0; e < c->E; e++) sum += fabs(Q[i + e]);
+        qrow = fmax(qrow, sum);
+    }
+    m.E = (double)c->E;
+    m.S = (double)c->S;
+    m.A = qrow * max_abs(K, attn_tensor_numel(&c->k.t)) / sqrt(m.E);
+    m.vmax = max_abs(V, attn_tensor_numel(&c->v.t));
+    m.extra = c->p.softcap + (c->p.alibi_slopes ? 0.5 * (double)(c->S + c->L) : 0) +
+              (c->p.sinks ? 8 : 0);
+    free(Q);
+    free(K);
+    free(V);
+    return m;
+}
+
+/* One case on the current path against the oracle; returns err/tol. */
+static double run_case(mod_case *c, int index) {
+    CHECK_OK(attn_sdpa(&c->q.t, &c->k.t, &c->v.t, &c->p, &c->out.t, NULL, &c->lse.t));
+    oracle_sdpa_args a = oracle_of(c);
+    oracle_sdpa_result ref;
+    CHECK(oracle_sdpa(&a, &ref) == 0, "case %d: the oracle rejects it", index);
+    const model m = model_of(c);
+    double *out = tt_dense(&c->out.t), *lse = tt_dense(&c->lse.t);
+    const double err = max_abs_diff(out, ref.out, ref.nbatch * ref.L * ref.Ev), tol = tol_out(&m);
+    const double lerr = max_abs_diff(lse, ref.lse, ref.nbatch * ref.L);
+    const double ltol = tol_out(&m) / fmax(m.vmax, 1e-300) +
+                        4 * (m.u + m.out_u) * max_abs(ref.lse, ref.nbatch * ref.L);
+    CHECK(err <= tol && lerr <= ltol,
+          "case %d (%s, %s, L %lld S %lld E %lld causal %d window %lld,%lld softcap %g alibi %d "
+          "sinks %d mask %d): out error %.3g (tol %.3g), lse error %.3g (tol %.3g)",
+          index, attn_dtype_name(c->dtype), attn_isa_name(attn_get_isa()), (long long)c->L,
+          (long long)c->S, (long long)c->E, (int)c->p.causal, (long long)c->p.window_left,
+          (long long)c->p.window_right, c->p.softcap, c->p.alibi_slopes != NULL,
+          c->p.sinks != NULL, c->has_mask, err, tol, lerr, ltol);
+    free(out);
+    free(lse);
+    oracle_free(&ref);
+    return fmax(err / tol, lerr / ltol);
+}
+
+static int paths(attn_isa *out) {
+    int n = 0;
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
+        if (attn_isa_supported((attn_isa)i)) out[n++] = (attn_isa)i;
+    return n;
+}
+
+static void random_modifiers(void) {
+    const int cases = 160, decode_cases = 12;
+    attn_isa isa[8];
+    const int n = paths(isa);
+    for (int pi = 0; pi < n; pi++) {
+        CHECK_OK(attn_set_isa(isa[pi]));
+        rng r = {harness_seed() ^ 0x51ab};
+        double worst = 0;
+        for (int i = 0; i < cases + decode_cases; i++) {
+            mod_case c;
+            make_case(&c, &r, i >= cases, false);
+            worst = fmax(worst, run_case(&c, i));
+            free_case(&c);
+        }
+        printf("  path %-8s %d cases (%d decode) against the oracle; worst error/tolerance %.3f\n",
+               attn_isa_name(isa[pi]), cases + decode_cases, decode_cases, worst);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- block skipping ---- */
+
+/* Key blocks one call computes, forward then backward. */
+static void count_blocks(const attn_sdpa_params *p, int64_t L, int64_t S, int64_t *fwd,
+                         int64_t *bwd) {
+    enum { H = 2, E = 64 };
+    const int64_t qs[4] = {1, H, L, E}, ks[4] = {1, H, S, E}, ls[3] = {1, H, L};
+    float *q = calloc((size_t)(H * L * E), 4), *k = calloc((size_t)(H * S * E), 4);
+    float *v = calloc((size_t)(H * S * E), 4), *o = calloc((size_t)(H * L * E), 4);
+    float *g = calloc((size_t)(H * L * E), 4), *dq = calloc((size_t)(H * L * E), 4);
+    float *dk = calloc((size_t)(H * S * E), 4), *dv = calloc((size_t)(H * S * E), 4);
+    double *lse = calloc((size_t)(H * L), 8);
+    attn_tensor tq, tk, tv, to, tg, tdq, tdk, tdv, tl;
+    attn_tensor_init(&tq, q, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&tk, k, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&tv, v, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&to, o, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&tg, g, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&tdq, dq, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&tdk, dk, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&tdv, dv, ATTN_DTYPE_F32, 4, ks);
+    attn_tensor_init(&tl, lse, ATTN_DTYPE_F64, 3, ls);
+    attn__flash_blocks_visited();
+    CHECK_OK(attn_sdpa(&tq, &tk, &tv, p, &to, NULL, &tl));
+    *fwd = attn__flash_blocks_visited();
+    CHECK_OK(attn_sdpa_backward(&tg, &tq, &tk, &tv, &to, &tl, p, &tdq, &tdk, &tdv, NULL));
+    *bwd = attn__flash_blocks_visited();
+    free(q), free(k), free(v), free(o), free(g), free(dq), free(dk), free(dv), free(lse);
+}
+
+/* A window of W keys on L = S costs about W/S of the full attention, and
+ * causal about half, forward and backward, on every fused path. */
+static void window_skips_blocks(void) {
+    enum { N = 4096, W = 256 };
+    attn_isa isa[8];
+    const int n = paths(isa);
+    for (int pi = 0; pi < n; pi++) {
+        if (isa[pi] == ATTN_ISA_REF) continue;
+        CHECK_OK(attn_set_isa(isa[pi]));
+        attn_sdpa_params p;
+        attn_sdpa_params_init(&p);
+        int64_t full_f, full_b, win_f, win_b, causal_f, causal_b;
+        count_blocks(&p, N, N, &full_f, &full_b);
+        p.window_left = W;
+        p.window_right = 0;
+        count_blocks(&p, N, N, &win_f, &win_b);
+        p.window_left = p.window_right = -1;
+        p.causal = ATTN_CAUSAL_TOP_LEFT;
+        count_blocks(&p, N, N, &causal_f, &causal_b);
+        const double wf = (double)win_f / (double)full_f, wb = (double)win_b / (double)full_b;
+        const double cf = (double)causal_f / (double)full_f, cb = (double)causal_b / (double)full_b;
+        printf("  path %-8s blocks: full %lld / %lld, window %d: %.3f / %.3f of them, causal "
+               "%.3f / %.3f (forward / backward)\n",
+               attn_isa_name(isa[pi]), (long long)full_f, (long long)full_b, W, wf, wb, cf, cb);
+        /* the window's share is (W + one block of each side) / N */
+        CHECK(wf > 0 && wf < 3.0 * W / N && wb > 0 && wb < 3.0 * W / N,
+              "%s: a window of %d keys visited %.3f / %.3f of the blocks", attn_isa_name(isa[pi]),
+              W, wf, wb);
+        CHECK(cf > 0.45 && cf < 0.6 && cb > 0.45 && cb < 0.6,
+              "%s: causal visited %.3f / %.3f of the blocks", attn_isa_name(isa[pi]), cf, cb);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- the backward ---- */
+
+/* loss = Σ out·g for a float64 case, by the oracle. */
+static double oracle_loss(mod_case *c, const double *g) {
+    oracle_sdpa_args a = oracle_of(c);
+    oracle_sdpa_result ref;
+    oracle_sdpa(&a, &ref);
+    double loss = 0;
+    for (int64_t x = 0; x < ref.nbatch * ref.L * ref.Ev; x++) loss += ref.out[x] * g[x];
+    oracle_free(&ref);
+    return loss;
+}
+
+/* d loss / d x[idx] by central differences, x a float64 input of c. */
+static double numeric_grad(mod_case *c, double *x, const double *g) {
+    const double h = 1e-5, x0 = *x;
+    *x = x0 + h;
+    const double up = oracle_loss(c, g);
+    *x = x0 - h;
+    const double down = oracle_loss(c, g);
+    *x = x0;
+    return (up - down) / (2 * h);
+}
+
+/* Gradients of a float64 case: q, k, v and sinks by the library (ref or
+ * fused) and the central differences of the oracle agree. */
+static void backward_case(rng *r, int index, double *worst) {
+    mod_case c;
+    do {
+        make_case(&c, r, false, true); /* no broadcast inputs: one element, one gradient */
+        if (c.dtype == ATTN_DTYPE_F64 && c.L * c.S * c.E <= 40000) break;
+        free_case(&c);
+    } while (1);
+    c.p.lse_for_backward = 1;
+    const int64_t no = c.B * c.H * c.L * c.Ev;
+    double *g = malloc(sizeof(double) * (size_t)no);
+    for (int64_t x = 0; x < no; x++) g[x] = rng_normal(r);
+    const int64_t os[4] = {c.B, c.H, c.L, c.Ev};
+    attn_tensor tg;
+    attn_tensor_init(&tg, g, ATTN_DTYPE_F64, 4, os);
+    test_tensor dq, dk, dv;
+    tt_make_output(&dq, r, ATTN_DTYPE_F64, 4, c.q.t.shape, LAYOUT_CONTIGUOUS);
+    tt_make_output(&dk, r, ATTN_DTYPE_F64, 4, c.k.t.shape, LAYOUT_CONTIGUOUS);
+    tt_make_output(&dv, r, ATTN_DTYPE_F64, 4, c.v.t.shape, LAYOUT_CONTIGUOUS);
+    double dsinks[8];
+    attn_tensor tds;
+    attn_tensor_init(&tds, dsinks, ATTN_DTYPE_F64, 1, &c.H);
+    CHECK_OK(attn_sdpa(&c.q.t, &c.k.t, &c.v.t, &c.p, &c.out.t, NULL, &c.lse.t));
+    CHECK_OK(attn_sdpa_backward(&tg, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t, &c.p, &dq.t,
+                                &dk.t, &dv.t, NULL));
+    if (c.p.sinks) CHECK_OK(attn_sdpa_sinks_backward(&tg, &c.out.t, &c.lse.t, &c.p, &tds));
+    /* a few entries of each gradient, through the inputs' own strides */
+    struct { test_tensor *in, *grad; } pairs[3] = {{&c.q, &dq}, {&c.k, &dk}, {&c.v, &dv}};
+    for (int w = 0; w < 3; w++) {
+        const attn_tensor *t = &pairs[w].in->t;
+        for (int probe = 0; probe < 3; probe++) {
+            int64_t idx[4];
+            for (int d = 0; d < 4; d++) idx[d] = (int64_t)rng_below(r, (uint64_t)t->shape[d]);
+            int64_t off = 0;
+            for (int d = 0; d < 4; d++) off += idx[d] * t->strides[d];
+            const double num = numeric_grad(&c, (double *)t->data + off, g);
+            const double got = tt_get(&pairs[w].grad->t, idx);
+            const double tol = 1e-6 * (1 + fabs(num));
+            *worst = fmax(*worst, fabs(got - num) / tol);
+            CHECK(fabs(got - num) <= tol,
+                  "backward case %d (%s, softcap %g window %lld,%lld alibi %d sinks %d causal %d): "
+                  "d%c %.10g, numerically %.10g",
+                  index, attn_isa_name(attn_get_isa()), c.p.softcap, (long long)c.p.window_left,
+                  (long long)c.p.window_right, c.p.alibi_slopes != NULL, c.p.sinks != NULL,
+                  (int)c.p.causal, "qkv"[w], got, num);
+        }
+    }
+    for (int64_t h = 0; c.p.sinks && h < c.H; h++) {
+        /* the oracle reads sink_of: every batch index of head h moves */
+        const double x0 = c.sinks[h], step = 1e-5;
+        double up, down;
+        for (int64_t b = h; b < c.B * c.H; b += c.H) c.sink_of[b] = x0 + step;
+        up = oracle_loss(&c, g);
+        for (int64_t b = h; b < c.B * c.H; b += c.H) c.sink_of[b] = x0 - step;
+        down = oracle_loss(&c, g);
+        for (int64_t b = h; b < c.B * c.H; b += c.H) c.sink_of[b] = x0;
+        const double want = (up - down) / (2 * step), tol = 1e-6 * (1 + fabs(want));
+        *worst = fmax(*worst, fabs(dsinks[h] - want) / tol);
+        CHECK(fabs(dsinks[h] - want) <= tol, "backward case %d: dsinks[%lld] %.10g, numerically %.10g",
+              index, (long long)h, dsinks[h], want);
+    }
+    tt_free(&dq);
+    tt_free(&dk);
+    tt_free(&dv);
+    free(g);
+    free_case(&c);
+}
+
+static void backward_modifiers(void) {
+    attn_isa isa[8];
+    const int n = paths(isa);
+    for (int pi = 0; pi < n; pi++) {
+        CHECK_OK(attn_set_isa(isa[pi]));
+        rng r = {harness_seed() ^ 0xbac4};
+        double worst = 0;
+        const int cases = 24;
+        for (int i = 0; i < cases; i++) backward_case(&r, i, &worst);
+        printf("  path %-8s %d float64 backward cases against central differences; worst "
+               "error/tolerance %.3f\n",
+               attn_isa_name(isa[pi]), cases, worst);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* Float32 fused gradients stay within a float32 error of the float64
+ * reference backward's, with every modifier on (a shape the fused backward
+ * takes: more than its tiny-problem limit). */
+static void backward_fused_f32(void) {
+    enum { B = 1, H = 2, L = 200, S = 300, E = 64 };
+    attn_isa isa[8];
+    const int n = paths(isa);
+    rng r = {harness_seed() ^ 0xf32};
+    const int64_t qs[4] = {B, H, L, E}, ks[4] = {B, H, S, E}, ls[3] = {B, H, L}, hs[1] = {H};
+    test_tensor q, k, v, out, g;
+    tt_make(&q, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS, 2.0, 0);
+    tt_make(&k, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_RANDOM, 1.0, 0);
+    tt_make(&v, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1.0, 0);
+    tt_make(&g, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS, 1.0, 0);
+    tt_make_output(&out, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS);
+    double slopes[H] = {0.25, 0.0625}, sinks[H] = {0.5, -1.0}, lse[B * H * L];
+    attn_tensor ts, tk2, tl;
+    attn_tensor_init(&ts, slopes, ATTN_DTYPE_F64, 1, hs);
+    attn_tensor_init(&tk2, sinks, ATTN_DTYPE_F64, 1, hs);
+    attn_tensor_init(&tl, lse, ATTN_DTYPE_F64, 3, ls);
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    p.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+    p.window_left = 70;
+    p.softcap = 4.0;
+    p.alibi_slopes = &ts;
+    p.sinks = &tk2;
+    p.lse_for_backward = 1;
+    float *want[3] = {NULL, NULL, NULL};
+    const int64_t sizes[3] = {B * H * L * E, B * H * S * E, B * H * S * E};
+    for (int pi = 0; pi < n; pi++) {
+        CHECK_OK(attn_set_isa(isa[pi]));
+        float *got[3];
+        attn_tensor t[3];
+        for (int w = 0; w < 3; w++) {
+            got[w] = calloc((size_t)sizes[w], 4);
+            attn_tensor_init(&t[w], got[w], ATTN_DTYPE_F32, 4, w == 0 ? qs : ks);
+        }
+        CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, &p, &out.t, NULL, &tl));
+        CHECK_OK(attn_sdpa_backward(&g.t, &q.t, &k.t, &v.t, &out.t, &tl, &p, &t[0], &t[1], &t[2],
+                                    NULL));
+        if (isa[pi] == ATTN_ISA_REF) {
+            for (int w = 0; w < 3; w++) want[w] = got[w];
+            continue;
+        }
+        for (int w = 0; w < 3; w++) {
+            double err = 0, mag = 0;
+            for (int64_t x = 0; x < sizes[w]; x++) {
+                err = fmax(err, fabs((double)got[w][x] - (double)want[w][x]));
+                mag = fmax(mag, fabs((double)want[w][x]));
+            }
+            /* float32 scores of |x| <= ~8 and sums over S = 300 keys */
+            const double tol = 0x1p-24 * 2000 * fmax(mag, 1);
+            CHECK(err <= tol, "%s: float32 d%c differs from the reference's by %.3g (tol %.3g)",
+                  attn_isa_name(isa[pi]), "qkv"[w], err, tol);
+            printf("  path %-8s float32 d%c within %.3g of the reference's (|d%c| <= %.3g)\n",
+                   attn_isa_name(isa[pi]), "qkv"[w], err, "qkv"[w], mag);
+            free(got[w]);
+        }
+    }
+    for (int w = 0; w < 3; w++) free(want[w]);
+    tt_free(&q), tt_free(&k), tt_free(&v), tt_free(&g), tt_free(&out);
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- hostile modifier values ---- */
+
+static void hostile_modifiers(void) {
+    float q[2 * 4 * 8] = {0}, o[2 * 4 * 8];
+    const int64_t qs[3] = {2, 4, 8}, hs[1] = {2}, bad[1] = {3};
+    attn_tensor t, out, slopes, wrong;
+    attn_tensor_init(&t, q, ATTN_DTYPE_F32, 3, qs);
+    attn_tensor_init(&out, o, ATTN_DTYPE_F32, 3, qs);
+    float sv[3] = {1, 2, 3};
+    attn_tensor_init(&slopes, sv, ATTN_DTYPE_F32, 1, hs);
+    attn_tensor_init(&wrong, sv, ATTN_DTYPE_F32, 1, bad);
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    p.window_left = -2;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_INVALID);
+    CHECK(strcmp(attn_last_error_arg(), "params.window_left") == 0, "%s", attn_last_error_arg());
+    attn_sdpa_params_init(&p);
+    p.window_right = INT64_MIN;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_INVALID);
+    CHECK(strcmp(attn_last_error_arg(), "params.window_right") == 0, "%s", attn_last_error_arg());
+    attn_sdpa_params_init(&p);
+    p.softcap = -1;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_INVALID);
+    p.softcap = NAN;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_INVALID);
+    CHECK(strcmp(attn_last_error_arg(), "params.softcap") == 0, "%s", attn_last_error_arg());
+    attn_sdpa_params_init(&p);
+    p.alibi_slopes = &wrong;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "params.alibi_slopes") == 0, "%s", attn_last_error_arg());
+    attn_sdpa_params_init(&p);
+    p.sinks = &wrong;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "params.sinks") == 0, "%s", attn_last_error_arg());
+    attn_tensor mask_dtype = slopes;
+    mask_dtype.dtype = ATTN_DTYPE_BOOL;
+    p.sinks = &mask_dtype;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_DTYPE);
+    /* a window that hides every key: out 0, lse -inf; with a sink, lse = sink */
+    attn_sdpa_params_init(&p);
+    p.window_left = 0;
+    p.window_right = 0;
+    p.q_offset = 0;
+    const int64_t ks[3] = {2, 2, 8};
+    attn_tensor k2;
+    attn_tensor_init(&k2, q, ATTN_DTYPE_F32, 3, ks); /* S = 2 < L = 4: row 0, 1 see none */
+    float lse[8];
+    const int64_t ls[2] = {2, 4};
+    attn_tensor tl;
+    attn_tensor_init(&tl, lse, ATTN_DTYPE_F32, 2, ls);
+    p.sinks = &slopes;
+    CHECK_OK(attn_sdpa(&t, &k2, &k2, &p, &out, NULL, &tl));
+    CHECK(lse[0] == 1.0f && lse[4] == 2.0f && o[0] == 0.0f, "rows that see no key: lse %g %g",
+          (double)lse[0], (double)lse[4]);
+}
+
+HARNESS_MAIN(T(random_modifiers), T(window_skips_blocks), T(backward_modifiers),
+             T(backward_fused_f32), T(hostile_modifiers))
