@@ -72,14 +72,14 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define ATTN_VERSION_MAJOR 0
-#define ATTN_VERSION_MINOR 2
+#define ATTN_VERSION_MINOR 3
 #define ATTN_VERSION_PATCH 0
-#define ATTN_VERSION_STRING "0.2.0"
+#define ATTN_VERSION_STRING "0.3.0"
 /* ATTN_VERSION_NUMBER == major * 10000 + minor * 100 + patch. */
 #define ATTN_VERSION_NUMBER \
     (ATTN_VERSION_MAJOR * 10000 + ATTN_VERSION_MINOR * 100 + ATTN_VERSION_PATCH)
 
-/* The version of the library actually linked, e.g. "0.2.0". */
+/* The version of the library actually linked, e.g. "0.3.0". */
 ATTN_API const char *attn_version(void);
 ATTN_API int attn_version_number(void);
 
@@ -242,8 +242,12 @@ typedef struct attn_sdpa_params {
      * the scores as the fused kernels round them, so that the weights
      * attn_sdpa_backward recomputes from it sum to 1 (their gradients come
      * out about half as far from the exact ones as with the exact lse). 0,
-     * the default: lse exact to float64, rounded once. Float32 only (float64
-     * calls always give the exact lse, which serves the backward there). */
+     * the default: the row's largest score recomputed in float64, so lse
+     * carries no error from the float32 scores' rounding, only the float32
+     * sum of the weights' own (an absolute error of at most about S·2^-24,
+     * typically far less; the reference path rounds an all-float64 value
+     * once). Float32 only (float64 calls
+     * always give the exact lse, which serves the backward there). */
     int lse_for_backward;
     /* [attn] This call is a slice of a larger attention: query row i is
      * position q_offset + i of q_total positions, key j position

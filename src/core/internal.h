@@ -165,6 +165,22 @@ static inline uint16_t attn__float_to_f16(float x) {
     return (uint16_t)(sign | (r - 0x38000000u) >> 13);
 }
 
+/* x rounded to float "to odd" (truncated, the last bit set when inexact):
+ * rounding that float to a format at least two bits narrower (binary16,
+ * bfloat16) to nearest even then gives x's own correct rounding, where
+ * going through (float)x would round twice (2.7099609374975 became
+ * -2.7109375 in binary16, not -2.708984375). */
+static inline float attn__float_round_to_odd(double x) {
+    float f = (float)x;
+    if ((double)f == x || f != f || __builtin_isinf(f)) return f; /* exact, NaN, overflow */
+    uint32_t u;
+    __builtin_memcpy(&u, &f, sizeof u);
+    if (__builtin_fabs((double)f) > __builtin_fabs(x)) u -= 1; /* toward zero */
+    u |= 1;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* Reads element `offset` (in elements) of a float32/float64/bool buffer as a
  * double. For the reference paths, which favour clarity over speed. Every
  * dtype has its case and there is no default: a new attn_dtype is a compile
@@ -182,16 +198,19 @@ static inline double attn__load(const void *base, attn_dtype dtype, int64_t offs
     return __builtin_nan("");
 }
 /* Writes x rounded to an output's dtype (outputs are float32 or float64; a
- * KV cache may also be float16 or bfloat16: x is rounded to float32 first,
- * then to the 16-bit format, as torch's .to() of a float32 row would). Index
- * tensors are never written (validation keeps them inputs). */
+ * KV cache may also be float16 or bfloat16: x rounded once, to nearest
+ * even). Index tensors are never written (validation keeps them inputs). */
 static inline void attn__store(void *base, attn_dtype dtype, int64_t offset, double x) {
     switch (dtype) {
     case ATTN_DTYPE_F32: ((float *)base)[offset] = (float)x; return;
     case ATTN_DTYPE_F64: ((double *)base)[offset] = x; return;
     case ATTN_DTYPE_BOOL: ((unsigned char *)base)[offset] = x != 0; return;
-    case ATTN_DTYPE_F16: ((uint16_t *)base)[offset] = attn__float_to_f16((float)x); return;
-    case ATTN_DTYPE_BF16: ((uint16_t *)base)[offset] = attn__float_to_bf16((float)x); return;
+    case ATTN_DTYPE_F16:
+        ((uint16_t *)base)[offset] = attn__float_to_f16(attn__float_round_to_odd(x));
+        return;
+    case ATTN_DTYPE_BF16:
+        ((uint16_t *)base)[offset] = attn__float_to_bf16(attn__float_round_to_odd(x));
+        return;
     case ATTN_DTYPE_I32: return;
     }
 }

@@ -99,6 +99,20 @@ static attn_status read_params(ring_call *c, const attn_ring_params *user) {
                               "attn_ring: params.sdpa.attn_mask must be NULL: a mask over the "
                               "whole (L, S) does not travel; give the keys' mask as "
                               "params.key_mask");
+    /* The score modifiers would compute correctly on slices (positions are
+     * global), but the ranks' agreement does not compare them yet, and the
+     * sinks' gradient would need a sum over the ranks: refused until then. */
+    const char *modifier = c->sdpa.window_left != -1    ? "params.sdpa.window_left"
+                           : c->sdpa.window_right != -1 ? "params.sdpa.window_right"
+                           : c->sdpa.alibi_slopes       ? "params.sdpa.alibi_slopes"
+                           : c->sdpa.softcap != 0       ? "params.sdpa.softcap"
+                           : c->sdpa.sinks              ? "params.sdpa.sinks"
+                                                        : NULL;
+    if (modifier != NULL)
+        return attn_set_error(ATTN_ERR_UNSUPPORTED, modifier,
+                              "attn_ring: %s is set, but the ring does not take the score "
+                              "modifiers (window, ALiBi, softcap, sinks) yet; use attn_sdpa",
+                              modifier);
     if (c->sdpa.q_offset || c->sdpa.k_offset || c->sdpa.q_total || c->sdpa.k_total)
         return attn_set_error(ATTN_ERR_INVALID, "params.sdpa.q_offset",
                               "attn_ring: the slice fields of params.sdpa must be 0; the ring "

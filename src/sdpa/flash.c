@@ -165,6 +165,8 @@ typedef struct flash_row {
                                            -1 (tracked when lse is asked) */
     int64_t q, out, lse, weights;       /* element offsets                 */
     int64_t mask[ATTN__MAX_MASKS];      /* mask row offsets                */
+    bool sink_max;                      /* the row's sink exceeds its scores
+                                           (add_sink): lse = sink + log l */
     int64_t first, limit;               /* first and last visible key (the
                                            window, causality); none when
                                            first > limit                   */
@@ -201,6 +203,7 @@ static void setup_rows_at(const attn__problem *p, const flash_work *w, int64_t g
         row->active = i < held;
         row->limit = row->active ? attn__last_key(p, b, i) : -1;
         row->first = row->active ? attn__first_key(p, b, i) : 0;
+        row->sink_max = false;
     }
 }
 
@@ -431,6 +434,55 @@ static bool bwd_grads_finite(const attn__problem *p, const flash_work *w) {
            (!p->has_dv || dv_checked || grad_finite(p, &p->dv, p->S, p->Ev));
 }
 
+/* tanh for the float32 soft-cap, written so that the compiler vectorizes
+ * the tile loop (libm's tanhf is a call per score and made soft-capping
+ * cost 2.7x the attention, (1,8,2048,2048,64) on Zen 4). Below |y| = 1/4 the
+ * odd Taylor series through y^11 (next term < 2e-9 relative); above,
+ * 1 - 2/(e^2|y| + 1) with e^2|y| from the exp2 polynomial, which loses at
+ * most two bits to the subtraction at |y| = 1/4; |y| is clamped at 9, where
+ * tanh rounds to 1 in float. Error: at most 6 ulps. Every selection is
+ * arithmetic on masks: GCC turns a conditional into a branch, moves the
+ * division into it, and (with trapping math, the default) then cannot
+ * vectorize the loop. NaN stays NaN. */
+static inline float softcap_tanhf(float y) {
+    uint32_t y_bits, small_bits, large_bits;
+    memcpy(&y_bits, &y, sizeof y_bits);
+    const uint32_t abs_bits = y_bits & 0x7fffffffu;
+    const uint32_t over = -(uint32_t)(abs_bits > 0x41100000u); /* |y| > 9 (or NaN) */
+    const uint32_t a_bits = (0x41100000u & over) | (abs_bits & ~over);
+    float a;
+    memcpy(&a, &a_bits, sizeof a);
+    const float a2 = a * a;
+    float small = 1382.0f / 155925.0f;
+    small = small * -a2 + 62.0f / 2835.0f;
+    small = small * a2 - 17.0f / 315.0f;
+    small = small * a2 + 2.0f / 15.0f;
+    small = small * a2 - 1.0f / 3.0f;
+    small = (small * a2) * a + a;
+    const float x = 2.0f * a * (float)LOG2E; /* e^2a = 2^x, 0 <= x < 26 */
+    const float n = (float)(int)(x + 0.5f), f = x - n;
+    float e = ATTN__EXP2F_C6;
+    e = e * f + ATTN__EXP2F_C5;
+    e = e * f + ATTN__EXP2F_C4;
+    e = e * f + ATTN__EXP2F_C3;
+    e = e * f + ATTN__EXP2F_C2;
+    e = e * f + ATTN__EXP2F_C1;
+    e = e * f + ATTN__EXP2F_C0;
+    const uint32_t pow_bits = (uint32_t)((int)n + 127) << 23; /* 2^n */
+    float pow2n;
+    memcpy(&pow2n, &pow_bits, sizeof pow2n);
+    const float large = 1.0f - 2.0f / (e * pow2n + 1.0f);
+    memcpy(&small_bits, &small, sizeof small_bits);
+    memcpy(&large_bits, &large, sizeof large_bits);
+    const uint32_t below = -(uint32_t)(a_bits < 0x3e800000u); /* |y| < 1/4 */
+    const uint32_t nan = -(uint32_t)(abs_bits > 0x7f800000u);
+    uint32_t t_bits = ((small_bits & below) | (large_bits & ~below)) | (y_bits & 0x80000000u);
+    t_bits = (y_bits & nan) | (t_bits & ~nan);
+    float t;
+    memcpy(&t, &t_bits, sizeof t);
+    return t;
+}
+
 /* Instantiate the driver for float and for double. */
 typedef uint32_t bits_f;
 typedef uint64_t bits_d;
@@ -442,7 +494,7 @@ typedef uint64_t bits_d;
 #define EXP2 attn__exp2f
 #define NEXTAFTER nextafterf
 #define EPSILON FLT_EPSILON
-#define TANH_f tanhf
+#define TANH_f softcap_tanhf
 #include "flash_driver.inc"
 #include "flash_backward.inc"
 #undef REAL

@@ -155,5 +155,43 @@ static void views(void) {
     CHECK(attn_tensor_numel(NULL) == -1, "numel(NULL)");
 }
 
+/* float64 values written into float16 / bfloat16 (a KV cache's new rows)
+ * are rounded once, to nearest even: every value of each format round
+ * trips, and a point just off a midpoint goes to the nearer neighbour, not
+ * through float32's rounding to the midpoint and then to even. */
+static void rounding_to_16_bits(void) {
+    uint16_t h;
+    long bad = 0;
+    for (uint32_t x = 0; x < 0x7bff; x++) { /* up to the largest finite pair */
+        const double a = attn__f16_to_float((uint16_t)x), b = attn__f16_to_float((uint16_t)(x + 1));
+        const double mid = (a + b) / 2, off = (b - a) * 0x1p-30;
+        attn__store(&h, ATTN_DTYPE_F16, 0, a);
+        bad += h != x;
+        attn__store(&h, ATTN_DTYPE_F16, 0, mid - off);
+        bad += h != x;
+        attn__store(&h, ATTN_DTYPE_F16, 0, -(mid + off));
+        bad += h != ((x + 1) | 0x8000u);
+        attn__store(&h, ATTN_DTYPE_F16, 0, mid);
+        bad += h != (x & 1 ? x + 1 : x);
+    }
+    for (uint32_t x = 0; x < 0x7f7f; x++) {
+        const double a = attn__bf16_to_float((uint16_t)x), b = attn__bf16_to_float((uint16_t)(x + 1));
+        const double mid = (a + b) / 2, off = (b - a) * 0x1p-30;
+        attn__store(&h, ATTN_DTYPE_BF16, 0, a);
+        bad += h != x;
+        attn__store(&h, ATTN_DTYPE_BF16, 0, mid + off);
+        bad += h != x + 1;
+        attn__store(&h, ATTN_DTYPE_BF16, 0, mid);
+        bad += h != (x & 1 ? x + 1 : x);
+    }
+    attn__store(&h, ATTN_DTYPE_F16, 0, -2.7099609374975353);
+    CHECK(attn__f16_to_float(h) == -2.708984375f, "%.9g", (double)attn__f16_to_float(h));
+    attn__store(&h, ATTN_DTYPE_F16, 0, 1e6);
+    CHECK(h == 0x7c00, "1e6 -> %x, expected +inf", h);
+    attn__store(&h, ATTN_DTYPE_BF16, 0, NAN);
+    CHECK(attn__bf16_to_float(h) != attn__bf16_to_float(h), "NaN stays NaN");
+    CHECK(bad == 0, "%ld values rounded wrongly", bad);
+}
+
 HARNESS_MAIN(T(philox_known_answers), T(cpu_feature_decoding), T(isa_switch), T(allocator_hook),
-             T(threads_setting), T(views))
+             T(threads_setting), T(views), T(rounding_to_16_bits))

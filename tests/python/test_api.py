@@ -25,7 +25,7 @@ HEADER = os.path.join(os.path.dirname(__file__), "..", "..", "include", "attn.h"
 def test_version_is_the_library_version():
     header = open(HEADER).read()
     want = re.search(r'#define ATTN_VERSION_STRING "([^"]+)"', header).group(1)
-    assert attn.__version__ == want == "0.2.0"
+    assert attn.__version__ == want == "0.3.0"
     assert importlib.metadata.version("attn") == want
 
 

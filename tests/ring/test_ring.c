@@ -363,6 +363,14 @@ static void test_hostile_arguments(void) {
     CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
               "params.sdpa.q_offset");
     attn_ring_params_init(&rp);
+    rp.sdpa.window_left = 8; /* the score modifiers: not taken by the ring yet */
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_UNSUPPORTED,
+              "params.sdpa.window_left");
+    attn_ring_params_init(&rp);
+    rp.sdpa.softcap = 30;
+    CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_UNSUPPORTED,
+              "params.sdpa.softcap");
+    attn_ring_params_init(&rp);
     rp.key_mask = &mask2.t; /* differs per query: cannot travel with the keys */
     CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_SHAPE,
               "params.key_mask");
