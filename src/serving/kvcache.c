@@ -203,22 +203,25 @@ static attn_status check_outputs(const attn__problem *p, const kv_args *a,
                                   "%s is %s; expected %s like the query, or float64", a->lsen,
                                   attn_dtype_name(a->lse->dtype), attn_dtype_name(p->dtype));
     }
+    /* Written caches come first, so that an output over a cache is named
+     * as the output either way. */
     const attn__named_view caches[2] = {{a->k_cache, "k_cache"}, {a->v_cache, "v_cache"}};
-    attn__named_view writes[4] = {{a->out, a->outn}, {a->lse, a->lsen}};
-    attn__named_view reads[9] = {{a->q, a->qn},
-                                 {a->k, a->kn},
-                                 {a->v, a->vn},
-                                 {a->seqlens, "cache_seqlens"},
-                                 {a->table, "block_table"},
-                                 {params->alibi_slopes, "params.alibi_slopes"},
-                                 {params->sinks, "params.sinks"}};
-    int nw = 2, nr = 7;
+    attn__named_view writes[4], reads[9] = {{a->q, a->qn},
+                                            {a->k, a->kn},
+                                            {a->v, a->vn},
+                                            {a->seqlens, "cache_seqlens"},
+                                            {a->table, "block_table"},
+                                            {params->alibi_slopes, "params.alibi_slopes"},
+                                            {params->sinks, "params.sinks"}};
+    int nw = 0, nr = 7;
     for (int c = 0; c < 2; c++) {
         if (a->writing)
             writes[nw++] = caches[c];
         else
             reads[nr++] = caches[c];
     }
+    writes[nw++] = (attn__named_view){a->out, a->outn};
+    writes[nw++] = (attn__named_view){a->lse, a->lsen};
     return attn__serving_overlaps(writes, nw, reads, nr);
 }
 
@@ -490,6 +493,8 @@ attn_status attn_sdpa_kvcache(const attn_tensor *q, attn_tensor *k_cache, attn_t
     int64_t nblk = 0;
     st = read_indices(&p, &a, &len, &pages, &nblk);
     if (st == ATTN_OK) st = attn__serving_sizes(&p, a.qn);
+    /* Cancelled before it starts: nothing is written. */
+    if (st == ATTN_OK && attn__cancelled(p.cancel)) st = attn__fail_cancelled();
     if (st == ATTN_OK) {
         /* Everything is checked: from here on the cache is written. */
         if (a.writing) {

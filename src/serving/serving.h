@@ -59,7 +59,4 @@ attn_status attn__serving_overlaps(const attn__named_view *writes, int nwrites,
  * index and the weights' linear index) and nbatch x L x Ev. */
 attn_status attn__serving_sizes(attn__problem *p, const char *qname);
 
-/* TEMPORARY: declared in problem.h once the lead's validate.c lands. */
-attn_status attn__problem_modifiers(attn__problem *p, const attn_sdpa_params *params);
-
 #endif /* ATTN_SERVING_SERVING_H */

@@ -242,6 +242,8 @@ attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k, const a
     memset(&p, 0, sizeof p);
     int64_t B = 0;
     if ((st = check_args(&p, &a, &prm, &B)) != ATTN_OK) return st;
+    /* A call cancelled before it starts fails even when it has nothing to do. */
+    if (attn__cancelled(p.cancel)) return attn__fail_cancelled();
     if (B == 0) return ATTN_OK; /* no sequence: nothing to compute */
 
     /* Starts and lengths per sequence, int64 as the problem reads them:

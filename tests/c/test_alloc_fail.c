@@ -511,6 +511,145 @@ static void backward_failures(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- serving: attn_sdpa_varlen and attn_sdpa_kvcache ---- */
+
+/* Three sequences (one empty), Hq = 4 over Hkv = 2, E = 8, Ev = 6:
+ * varlen packs them; the KV cache holds 5, 0 and 9 rows and gets 2 more
+ * per sequence, contiguous (float32) or paged (float16, blocks of 4). */
+typedef struct serving_state {
+    bool kvcache, paged;
+    test_tensor q, k, v, out, lse;      /* varlen: packed; kvcache: q, new k, v, out, lse */
+    int32_t cu_q[4], cu_k[4], seqlens[3], table[9];
+    attn_tensor tcu_q, tcu_k, tseq, ttable, kc, vc;
+    void *kc_buf, *vc_buf;
+    float alibi[4];
+    attn_tensor talibi;
+    attn_sdpa_params p;
+    double *expect_out, *expect_lse;
+} serving_state;
+
+static attn_status serving_run(void *state, bool compare) {
+    serving_state *s = state;
+    /* A kvcache call writes its new rows first, the same bytes every run
+     * (cache_seqlens is not advanced), so runs compare like attn_sdpa's. */
+    attn_status st =
+        s->kvcache
+            ? attn_sdpa_kvcache(&s->q.t, &s->kc, &s->vc, &s->k.t, &s->v.t, &s->tseq,
+                                s->paged ? &s->ttable : NULL, &s->p, &s->out.t, &s->lse.t)
+            : attn_sdpa_varlen(&s->q.t, &s->k.t, &s->v.t, &s->tcu_q, &s->tcu_k, 9, 12, &s->p,
+                               &s->out.t, &s->lse.t);
+    if (st != ATTN_OK) return st;
+    if (!compare) {
+        free(s->expect_out);
+        free(s->expect_lse);
+        s->expect_out = tt_dense(&s->out.t);
+        s->expect_lse = tt_dense(&s->lse.t);
+    } else {
+        CHECK(same_dense(&s->out.t, s->expect_out), "out differs after failure injection");
+        CHECK(same_dense(&s->lse.t, s->expect_lse), "lse differs after failure injection");
+    }
+    return st;
+}
+
+/* A cache (B or blocks, rows, 2, E) of dtype dt over a new buffer, every
+ * element drawn (rows past the filled ones are never read). */
+static void *serving_cache(attn_tensor *t, rng *r, attn_dtype dt, int64_t n0, int64_t n1,
+                           int64_t E) {
+    const int64_t shape[4] = {n0, n1, 2, E}, n = n0 * n1 * 2 * E;
+    void *buf = malloc((size_t)n * attn_dtype_size(dt));
+    attn_tensor_init(t, buf, dt, 4, shape);
+    for (int64_t i = 0; i < n; i++) {
+        const float x = (float)rng_normal(r);
+        if (dt == ATTN_DTYPE_F16)
+            ((uint16_t *)buf)[i] = attn__float_to_f16(x);
+        else
+            ((float *)buf)[i] = x;
+    }
+    return buf;
+}
+
+static void serving_setup(serving_state *s, rng *r, bool kvcache, bool paged, bool modifiers) {
+    memset(s, 0, sizeof *s);
+    s->kvcache = kvcache;
+    s->paged = paged;
+    attn_sdpa_params_init(&s->p);
+    s->p.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+    if (modifiers) {
+        for (int h = 0; h < 4; h++) s->alibi[h] = 0.25f * (float)(h + 1);
+        const int64_t hs = 4;
+        attn_tensor_init(&s->talibi, s->alibi, ATTN_DTYPE_F32, 1, &hs);
+        s->p.alibi_slopes = &s->talibi;
+        s->p.window_left = 3;
+        s->p.softcap = 2.0;
+    }
+    const attn_dtype dt = ATTN_DTYPE_F32;
+    if (!kvcache) {
+        const int32_t cu_q[4] = {0, 5, 5, 14}, cu_k[4] = {0, 7, 10, 22};
+        memcpy(s->cu_q, cu_q, sizeof cu_q);
+        memcpy(s->cu_k, cu_k, sizeof cu_k);
+        const int64_t nb = 4, qs[3] = {14, 4, 8}, ks[3] = {22, 2, 8}, vs[3] = {22, 2, 6},
+                      os[3] = {14, 4, 6}, ls[2] = {4, 14};
+        attn_tensor_init(&s->tcu_q, s->cu_q, ATTN_DTYPE_I32, 1, &nb);
+        attn_tensor_init(&s->tcu_k, s->cu_k, ATTN_DTYPE_I32, 1, &nb);
+        tt_make(&s->q, r, dt, 3, qs, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->k, r, dt, 3, ks, LAYOUT_RANDOM, 1, 0);
+        tt_make(&s->v, r, dt, 3, vs, LAYOUT_RANDOM, 1, 0);
+        tt_make_output(&s->out, r, dt, 3, os, LAYOUT_RANDOM);
+        tt_make_output(&s->lse, r, ATTN_DTYPE_F64, 2, ls, LAYOUT_RANDOM);
+        return;
+    }
+    const int32_t seqlens[3] = {5, 0, 9}, table[9] = {6, 2, -1, 0, -1, -1, 5, 1, 3};
+    memcpy(s->seqlens, seqlens, sizeof seqlens);
+    memcpy(s->table, table, sizeof table);
+    const int64_t B = 3, ts[2] = {3, 3}, qs[4] = {3, 2, 4, 8}, ks[4] = {3, 2, 2, 8},
+                  vs[4] = {3, 2, 2, 6}, os[4] = {3, 2, 4, 6}, ls[3] = {3, 4, 2};
+    attn_tensor_init(&s->tseq, s->seqlens, ATTN_DTYPE_I32, 1, &B);
+    attn_tensor_init(&s->ttable, s->table, ATTN_DTYPE_I32, 2, ts);
+    const attn_dtype cdt = paged ? ATTN_DTYPE_F16 : dt;
+    s->kc_buf = serving_cache(&s->kc, r, cdt, paged ? 7 : 3, paged ? 4 : 16, 8);
+    s->vc_buf = serving_cache(&s->vc, r, cdt, paged ? 7 : 3, paged ? 4 : 16, 6);
+    tt_make(&s->q, r, dt, 4, qs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->k, r, dt, 4, ks, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->v, r, dt, 4, vs, LAYOUT_RANDOM, 1, 0);
+    tt_make_output(&s->out, r, dt, 4, os, LAYOUT_RANDOM);
+    tt_make_output(&s->lse, r, dt, 3, ls, LAYOUT_RANDOM);
+}
+
+static void serving_teardown(serving_state *s) {
+    test_tensor *all[5] = {&s->q, &s->k, &s->v, &s->out, &s->lse};
+    for (int i = 0; i < 5; i++) tt_free(all[i]);
+    free(s->kc_buf);
+    free(s->vc_buf);
+    free(s->expect_out);
+    free(s->expect_lse);
+}
+
+static void serving_failures(void) {
+    rng r = {harness_seed() ^ 0x5e7};
+    const struct {
+        const char *name;
+        bool kvcache, paged, modifiers;
+    } cases[] = {
+        {"attn_sdpa_varlen (f32, lse)", false, false, false},
+        {"attn_sdpa_varlen (window, ALiBi, softcap)", false, false, true},
+        {"attn_sdpa_kvcache (contiguous, append)", true, false, false},
+        {"attn_sdpa_kvcache (paged f16, ALiBi)", true, true, true},
+    };
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)i));
+        printf(" path %s:\n", attn_isa_name((attn_isa)i));
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            serving_state st;
+            serving_setup(&st, &r, cases[c].kvcache, cases[c].paged, cases[c].modifiers);
+            scenario s = {cases[c].name, serving_run, &st};
+            run_scenario(&s);
+            serving_teardown(&st);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 static void mha_failures(void) {
     rng r = {harness_seed() ^ 0x3a};
     const char *names[3] = {"attn_mha_create+forward (padded masks)",
@@ -596,5 +735,5 @@ static void npy_failures(void) {
         }
 }
 
-HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(mha_failures), T(encoder_failures),
-             T(npy_failures), T(st_failures))
+HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(serving_failures), T(mha_failures),
+             T(encoder_failures), T(npy_failures), T(st_failures))

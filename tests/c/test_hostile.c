@@ -420,5 +420,149 @@ static void blas_core_choice(void) {
               "core %s left in place on a CPU that runs better kernels", before);
 }
 
+/* ---- serving: cancellation, and index tensors changed during a call ---- */
+
+/* The big problem (1, H, T, E) as a packed batch of one sequence (varlen)
+ * and as a prefill chunk of T queries against a full contiguous cache of T
+ * rows (kvcache): the same work as attn_sdpa on it. */
+typedef struct serving_ctx {
+    problem *p;
+    attn_tensor q, k, v, out, q4, k4, v4, out4;
+    int32_t cu[2];
+    attn_tensor tcu;
+} serving_ctx;
+
+/* (1, H, T, E) viewed as packed (T, H, E) and as (1, T, H, E). */
+static void packed_views(const attn_tensor *t, attn_tensor *packed, attn_tensor *rows) {
+    *packed = *t;
+    packed->rank = 3;
+    packed->shape[0] = t->shape[2];
+    packed->shape[1] = t->shape[1];
+    packed->shape[2] = t->shape[3];
+    packed->strides[0] = t->strides[2];
+    packed->strides[1] = t->strides[1];
+    packed->strides[2] = t->strides[3];
+    *rows = *t;
+    rows->shape[1] = t->shape[2];
+    rows->shape[2] = t->shape[1];
+    rows->strides[1] = t->strides[2];
+    rows->strides[2] = t->strides[1];
+}
+
+static void serving_ctx_make(serving_ctx *c, problem *p) {
+    c->p = p;
+    packed_views(&p->tq, &c->q, &c->q4);
+    packed_views(&p->tk, &c->k, &c->k4);
+    packed_views(&p->tv, &c->v, &c->v4);
+    packed_views(&p->tout, &c->out, &c->out4);
+    c->cu[0] = 0;
+    c->cu[1] = (int32_t)c->q.shape[0];
+    const int64_t n = 2;
+    attn_tensor_init(&c->tcu, c->cu, ATTN_DTYPE_I32, 1, &n);
+}
+
+static attn_status varlen_call(void *ctx) {
+    serving_ctx *c = ctx;
+    return attn_sdpa_varlen(&c->q, &c->k, &c->v, &c->tcu, &c->tcu, c->cu[1], c->cu[1], NULL,
+                            &c->out, NULL);
+}
+
+static attn_status kvcache_call(void *ctx) {
+    serving_ctx *c = ctx;
+    return attn_sdpa_kvcache(&c->q4, &c->k4, &c->v4, NULL, NULL, NULL, NULL, NULL, &c->out4,
+                             NULL);
+}
+
+/* Both entry points stop on the cancel flag, fused and reference. */
+static void serving_cancellation(void) {
+    problem big;
+    problem_make(&big, 1, 8, 8192, 64, 3);
+    serving_ctx c;
+    serving_ctx_make(&c, &big);
+    expect_cancel("fused varlen", varlen_call, &c);
+    expect_cancel("fused kvcache", kvcache_call, &c);
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    expect_cancel("reference varlen", varlen_call, &c);
+    expect_cancel("reference kvcache", kvcache_call, &c);
+    CHECK_OK(attn_set_isa(ATTN_ISA_AUTO));
+    problem_free(&big);
+}
+
+/* A caller thread rewriting cu_seqlens and a block table while calls run
+ * (a race on its side, which it may lose): each call sees the values it
+ * checked, never one it did not, so every call returns ATTN_OK or refuses
+ * the values and none reads outside the buffers (ASan in the sanitizer
+ * tier; far pages fault here). */
+typedef struct flipper {
+    int32_t *slot;
+    int32_t good, bad;
+    volatile int stop;
+} flipper;
+
+static void *flip(void *arg) {
+    flipper *f = arg;
+    for (unsigned n = 0; !__atomic_load_n(&f->stop, __ATOMIC_RELAXED); n++)
+        __atomic_store_n(f->slot, n & 1 ? f->bad : f->good, __ATOMIC_RELAXED);
+    return NULL;
+}
+
+static void serving_indices_changing(void) {
+    /* 2 sequences of 40 tokens, 2 heads, E = 16; the cache is 8 blocks of 16 rows. */
+    enum { T = 80, H = 2, E = 16, NB = 8, BS = 16 };
+    static float q[T * H * E], k[T * H * E], v[T * H * E], out[T * H * E];
+    static float kc[NB * BS * H * E], vc[NB * BS * H * E];
+    for (int i = 0; i < T * H * E; i++) q[i] = k[i] = v[i] = (float)((i * 7919) % 100) / 50.0f - 1.0f;
+    for (int i = 0; i < NB * BS * H * E; i++) kc[i] = vc[i] = (float)((i * 31) % 17) / 17.0f;
+    int32_t cu[3] = {0, 40, 80}, seqlens[2] = {30, 33}, table[2][4] = {{0, 1, 2, 3}, {4, 5, 6, 7}};
+    const int64_t ps[3] = {T, H, E}, ns = 3, bs = 2, ts[2] = {2, 4}, cs[4] = {NB, BS, H, E},
+                  qs[4] = {2, 40, H, E};
+    attn_tensor tq, tk, tv, tout, tcu, tseq, ttable, tkc, tvc, q4, out4;
+    attn_tensor_init(&tq, q, ATTN_DTYPE_F32, 3, ps);
+    attn_tensor_init(&tk, k, ATTN_DTYPE_F32, 3, ps);
+    attn_tensor_init(&tv, v, ATTN_DTYPE_F32, 3, ps);
+    attn_tensor_init(&tout, out, ATTN_DTYPE_F32, 3, ps);
+    attn_tensor_init(&tcu, cu, ATTN_DTYPE_I32, 1, &ns);
+    attn_tensor_init(&tseq, seqlens, ATTN_DTYPE_I32, 1, &bs);
+    attn_tensor_init(&ttable, table, ATTN_DTYPE_I32, 2, ts);
+    attn_tensor_init(&tkc, kc, ATTN_DTYPE_F32, 4, cs);
+    attn_tensor_init(&tvc, vc, ATTN_DTYPE_F32, 4, cs);
+    attn_tensor_init(&q4, q, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&out4, out, ATTN_DTYPE_F32, 4, qs);
+    struct { int32_t *slot, good, bad; const char *what; } races[3] = {
+        {&cu[1], 40, 1 << 30, "cu_seqlens_q[1]"},
+        {&seqlens[1], 33, 1 << 20, "cache_seqlens[1]"},
+        {&table[1][2], 6, 1 << 28, "block_table[1, 2]"}};
+    static float expect[T * H * E];
+    for (int i = 0; i < 3; i++) {
+#define CALL()                                                                               \
+    (i == 0 ? attn_sdpa_varlen(&tq, &tk, &tv, &tcu, &tcu, 40, 40, NULL, &tout, NULL)          \
+            : attn_sdpa_kvcache(&q4, &tkc, &tvc, NULL, NULL, &tseq, &ttable, NULL, &out4, NULL))
+        CHECK_OK(CALL());
+        memcpy(expect, out, sizeof out);
+        flipper f = {races[i].slot, races[i].good, races[i].bad, 0};
+        pthread_t th;
+        pthread_create(&th, NULL, flip, &f);
+        int ok = 0, refused = 0, other = 0;
+        for (int n = 0; n < 300; n++) {
+            attn_status st = CALL();
+            /* Each value is read once: a call that succeeded saw good ones only. */
+            if (st == ATTN_OK)
+                CHECK(memcmp(out, expect, sizeof out) == 0, "%s changing: a call that "
+                      "succeeded computed something else", races[i].what);
+            ok += st == ATTN_OK;
+            refused += st == ATTN_ERR_INVALID || st == ATTN_ERR_SHAPE;
+            other += st != ATTN_OK && st != ATTN_ERR_INVALID && st != ATTN_ERR_SHAPE;
+        }
+        __atomic_store_n(&f.stop, 1, __ATOMIC_RELAXED);
+        pthread_join(th, NULL);
+        *races[i].slot = races[i].good;
+        CHECK(other == 0, "%s changing: %d calls failed otherwise", races[i].what, other);
+        printf("  %s changing during calls: %d succeeded, %d refused\n", races[i].what, ok,
+               refused);
+#undef CALL
+    }
+}
+
 HARNESS_MAIN(T(address_space_limit), T(fork_after_parallel_call), T(cancellation),
-             T(overlapping_outputs), T(blas_core_choice))
+             T(overlapping_outputs), T(blas_core_choice), T(serving_cancellation),
+             T(serving_indices_changing))

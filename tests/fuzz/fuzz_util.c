@@ -60,6 +60,41 @@ void fz_layout(fz *f, fz_tensor *x, bool output) {
     }
 }
 
+/* binary16 bits of x: exact for the values fz_value draws (multiples of
+ * 1/16 below 8 in magnitude), infinity past the format's range. */
+static uint16_t f16_bits(double x) {
+    const uint16_t sign = signbit(x) ? 0x8000 : 0;
+    if (isnan(x)) return sign | 0x7e00;
+    x = fabs(x);
+    if (x > 65504) return sign | 0x7c00;
+    int ex;
+    const double fr = frexp(x, &ex); /* x = fr * 2^ex, fr in [0.5, 1) */
+    if (x == 0 || ex - 1 + 15 <= 0) return sign; /* zero; nothing drawn is that small */
+    return sign | (uint16_t)((ex - 1 + 15) << 10) | (uint16_t)((fr * 2 - 1) * 1024);
+}
+
+/* bfloat16 bits of x: the top half of the float (exact for drawn values). */
+static uint16_t bf16_bits(double x) {
+    const float v = (float)x;
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+static double from_f16(uint16_t h) {
+    const int e = h >> 10 & 0x1f, m = h & 0x3ff;
+    const double mag = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY)
+                                                        : ldexp(1024 + m, e - 25);
+    return h & 0x8000 ? -mag : mag;
+}
+
+static double from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
 /* Stores one drawn value at element `off` of base. */
 static void put(fz *f, attn_dtype dt, void *base, int64_t off, fz_values *vals, bool allow_wild) {
     if (dt == ATTN_DTYPE_BOOL) {
@@ -67,6 +102,12 @@ static void put(fz *f, attn_dtype dt, void *base, int64_t off, fz_values *vals, 
         ((unsigned char *)base)[off] = b < 224 ? (b & 1) : b;
     } else if (dt == ATTN_DTYPE_F32) {
         ((float *)base)[off] = (float)fz_value(f, vals, allow_wild);
+    } else if (dt == ATTN_DTYPE_F16) {
+        ((uint16_t *)base)[off] = f16_bits(fz_value(f, vals, allow_wild));
+    } else if (dt == ATTN_DTYPE_BF16) {
+        ((uint16_t *)base)[off] = bf16_bits(fz_value(f, vals, allow_wild));
+    } else if (dt == ATTN_DTYPE_I32) {
+        ((int32_t *)base)[off] = (int32_t)fz_u8(f) - 8;
     } else { /* float64, and unknown codes backed as 8-byte elements */
         ((double *)base)[off] = fz_value(f, vals, allow_wild);
     }
@@ -153,6 +194,9 @@ double fz_get(const attn_tensor *t, const int64_t *idx) {
     switch (t->dtype) {
     case ATTN_DTYPE_F32: return ((const float *)t->data)[off];
     case ATTN_DTYPE_F64: return ((const double *)t->data)[off];
+    case ATTN_DTYPE_F16: return from_f16(((const uint16_t *)t->data)[off]);
+    case ATTN_DTYPE_BF16: return from_bf16(((const uint16_t *)t->data)[off]);
+    case ATTN_DTYPE_I32: return ((const int32_t *)t->data)[off];
     default: return ((const unsigned char *)t->data)[off] != 0;
     }
 }

@@ -129,7 +129,8 @@ enum {
 /* Fills x->t.strides for x->t.shape per the layout drawn from f. */
 void fz_layout(fz *f, fz_tensor *x, bool output);
 /* Allocates the exact span (up to `limit` elements) and fills it with values
- * drawn from f (bool: 0/1, occasionally other non-zero bytes). */
+ * drawn from f (bool: 0/1, occasionally other non-zero bytes; float16 and
+ * bfloat16 hold the drawn values exactly; int32: small integers). */
 void fz_back(fz *f, fz_tensor *x, int64_t limit, fz_values *vals, bool allow_wild);
 void fz_tensor_free(fz_tensor *x);
 /* Float masks: sets about a third of the slots to -inf (masked out), which
