@@ -3,7 +3,7 @@
  * beside the references it is compared with:
  *
  *   attn_bench decode --lens N,N,... [--heads 32] [--kv-heads 8] [--dim 128]
- *                     [--block-sizes 16,256]
+ *                     [--block-sizes 16,256] [--thp]
  *       One decoding step of B = len(--lens) sequences against a KV cache
  *       (sequence b holds lens[b] cached rows): attn_sdpa_kvcache appends
  *       each sequence's new k/v row at row lens[b] and attends its one query
@@ -14,7 +14,8 @@
  *       "contiguous" (the (B, S_max, Hkv, E) cache), and "sdpa": attn_sdpa
  *       per sequence on head-major (1, Hkv, lens[b] + 1, E) keys that
  *       already hold the new row (what the kernel does without the cache's
- *       layout and the append).
+ *       layout and the append). --thp puts the K/V buffers on transparent
+ *       huge pages (madvise), to tell TLB misses from the rest.
  *   attn_bench window --len L --window W [--heads 4] [--dim 64]
  *       "window": L = S, window_size = (W, 0) (query i sees keys i - W .. i);
  *       "blocks": L / W independent (W x 2W) attentions, one attn_sdpa call
@@ -46,11 +47,12 @@
  * the medians (for perf, or a look without Python); --only NAME keeps one
  * variant.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* madvise */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "attn.h"
 #include "bench.h"
@@ -122,6 +124,24 @@ static void *alloc(size_t bytes) {
     return p;
 }
 
+/* A K/V buffer: malloc's, or with --thp 2 MiB-aligned and advised to use
+ * transparent huge pages (what an engine may do with its cache pool; THP
+ * is often "madvise" only), to tell page walks from the rest. */
+static int use_thp;
+
+static void *alloc_kv(size_t bytes) {
+#ifdef MADV_HUGEPAGE
+    if (use_thp) {
+        const size_t huge = (size_t)2 << 20;
+        void *p = NULL;
+        if (posix_memalign(&p, huge, (bytes + huge - 1) / huge * huge) != 0) return alloc(bytes);
+        madvise(p, (bytes + huge - 1) / huge * huge, MADV_HUGEPAGE);
+        return p;
+    }
+#endif
+    return alloc(bytes);
+}
+
 static int64_t cdiv(int64_t a, int64_t b) {
     return (a + b - 1) / b;
 }
@@ -174,6 +194,7 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
     c->Hq = bench_opt_long(argc, argv, "--heads", 32);
     c->Hkv = bench_opt_long(argc, argv, "--kv-heads", 8);
     c->E = bench_opt_long(argc, argv, "--dim", 128);
+    use_thp = bench_has_flag(argc, argv, "--thp");
     const int nb = parse_list(bench_opt_str(argc, argv, "--lens"), c->lens, MAX_SEQS);
     const int nbs = parse_list(bench_opt_str(argc, argv, "--block-sizes")
                                    ? bench_opt_str(argc, argv, "--block-sizes")
@@ -181,7 +202,7 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
                                c->block_sizes, MAX_VARIANTS - 2);
     if (nb < 1 || nbs < 0 || c->Hq < 1 || c->Hkv < 1 || c->E < 1 || c->Hq % c->Hkv) {
         fprintf(stderr, "usage: attn_bench decode --lens N,N,... [--heads 32] [--kv-heads 8] "
-                        "[--dim 128] [--block-sizes 16,256]\n");
+                        "[--dim 128] [--block-sizes 16,256] [--thp]\n");
         return 2;
     }
     c->B = nb, c->nbs = nbs;
@@ -219,8 +240,8 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
             nblocks += cdiv(c->lens[b] + 1, bs);
         int32_t *perm = alloc(sizeof(int32_t) * (size_t)nblocks);
         c->tables[i] = alloc(sizeof(int32_t) * (size_t)(B * maxb));
-        c->kc_paged[i] = alloc(sizeof(float) * (size_t)(nblocks * bs * row));
-        c->vc_paged[i] = alloc(sizeof(float) * (size_t)(nblocks * bs * row));
+        c->kc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
+        c->vc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
         c->out_paged[i] = alloc(sizeof(float) * (size_t)(B * Hq * E));
         if (!perm || !c->tables[i] || !c->kc_paged[i] || !c->vc_paged[i] || !c->out_paged[i])
             return 1;
@@ -257,8 +278,8 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
     }
 
     /* the contiguous cache (B, S_max, Hkv, E) */
-    c->kc = alloc(sizeof(float) * (size_t)(B * smax * row));
-    c->vc = alloc(sizeof(float) * (size_t)(B * smax * row));
+    c->kc = alloc_kv(sizeof(float) * (size_t)(B * smax * row));
+    c->vc = alloc_kv(sizeof(float) * (size_t)(B * smax * row));
     c->out_contig = alloc(sizeof(float) * (size_t)(B * Hq * E));
     if (!c->kc || !c->vc || !c->out_contig) return 1;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -279,8 +300,8 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
     if (!c->out_sdpa) return 1;
     for (int64_t b = 0; b < B; b++) {
         const int64_t S = c->lens[b] + 1;
-        c->k_hm[b] = alloc(sizeof(float) * (size_t)(S * row));
-        c->v_hm[b] = alloc(sizeof(float) * (size_t)(S * row));
+        c->k_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
+        c->v_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
         if (!c->k_hm[b] || !c->v_hm[b]) return 1;
         int64_t sq[4] = {1, Hq, 1, E}, sk[4] = {1, Hkv, S, E};
         attn_tensor_init(&c->tq_seq[b], c->q + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
