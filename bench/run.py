@@ -428,7 +428,8 @@ def write_serving(args, res, verdict, machine, peak, bw):
         json.dump(dict(machine=machine, serving=res,
                        targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict]),
                   f, indent=1)
-    lines = [f"attn {machine['attn']} ({machine['attn_isa']}) vs PyTorch {machine['torch']}, "
+    info = res["decode"]["info"]
+    lines = [f"attn {info['attn']} ({info['isa']}) vs PyTorch {machine['torch']}, "
              f"float32, {args.threads} threads, {machine['date']}, {machine['cpu_model']}. "
              f"Measured in the same run: FMA peak {peak:.0f} GFLOP/s ({machine['peak_isa']}), "
              f"read bandwidth {bw:.1f} GB/s."]

@@ -15,7 +15,9 @@ case is judged by:
   row, on paged caches (block size 16 and 256, blocks scattered) and on the
   contiguous cache; K/V bytes streamed = 2 · Σ (len + 1) · Hkv · E · 4,
   as GB/s and as % of the read bandwidth `attn_bench bandwidth` measures in
-  the same run (the larger of the run's two measurements). PyTorch does the
+  the same run (the larger of the run's two measurements). For reference,
+  attn_sdpa per sequence (no append) on head-major (1, Hkv, len + 1, E)
+  copies and on views of the contiguous cache's own rows. PyTorch does the
   same step on contiguous per-sequence (1, Hkv, len + 1, E) caches: it
   writes the new row in place (a static cache's index copy) then calls
   F.scaled_dot_product_attention with each KV head's 4 query heads as 4
@@ -35,7 +37,8 @@ case is judged by:
   (−inf; faster than a bool mask on torch 2.13's CPU kernels; causal: the
   (B, 1, max, max) mask of both), attn_sdpa on the same padded batch with a
   bool mask, and (the least work either library can do without varlen)
-  both libraries' SDPA once per sequence.
+  both libraries' SDPA once per sequence (attn's on the padded batch's
+  head-major rows and on views of the packed rows).
 """
 import json
 import os
@@ -245,6 +248,7 @@ def bench_varlen(args, cfg, causal, reps):
     ref_rows = [ref[b, :, :n].permute(1, 0, 2).numpy() for b, n in enumerate(lens)]
     rows = {"torch_loop": [o[0].permute(1, 0, 2).numpy() for o in loop],
             "varlen": [outs["varlen"][cu[b]:cu[b + 1]] for b in range(B)],
+            "loop_packed": [outs["loop_packed"][cu[b]:cu[b + 1]] for b in range(B)],
             "padded": [outs["padded"][b, :, :n].transpose(1, 0, 2) for b, n in enumerate(lens)],
             "loop": [outs["loop"][b, :, :n].transpose(1, 0, 2) for b, n in enumerate(lens)]}
     diffs = {name: max(float(np.max(np.abs(a - r))) for a, r in zip(blocks, ref_rows))
@@ -271,7 +275,8 @@ def run(args, bandwidth_probe, log_prefix=""):
         f"{cfg['lens'][0]}..{cfg['lens'][-1]}, {cfg['heads']}/{cfg['kv_heads']} heads, "
         f"E = {cfg['dim']} ...")
     bw = bandwidth_probe()
-    out["decode"] = bench_decode(args, cfg, reps)
+    # rounds are short (~1 s) and neighbours' bursts longer: twice as many
+    out["decode"] = bench_decode(args, cfg, reps if quick else 2 * reps)
     out["decode"]["bandwidth_gbps"] = bw
     log(f"    {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
@@ -334,10 +339,11 @@ def table(res, machine):
     """The section's Markdown."""
     d, w = res["decode"], res["window"]
     di, wi = d["info"], w["info"]
-    lines = ["", f"Serving (issue 14). attn_bench decode|window|varlen (bench/serving_bench.c) "
-             f"alternating call by call with PyTorch {machine['torch']} in this process on the "
+    lines = ["", f"Serving (issue 14): attn {di['attn']} ({di['isa']}) through attn_bench "
+             f"decode|window|varlen (bench/serving_bench.c), alternating call by call with PyTorch {machine['torch']} in this process on the "
              f"same values; medians and min–max of {len(d['ms']['torch']['runs'])} rounds "
-             f"(window, varlen: {len(w['ms']['window']['runs'])}).", "",
+             f"(window, varlen: {len(w['ms']['window']['runs'])}). Speed-ups are same-run "
+             f"ratios of medians.", "",
              f"Paged decode: B = {di['B']} sequences of {di['lens'][0]:,}–{di['lens'][-1]:,} "
              f"cached tokens, {di['heads']} query heads, {di['kv_heads']} KV heads, "
              f"E = {di['dim']}, one new token each (appended, then attended to with the cache), "
@@ -349,7 +355,8 @@ def table(res, machine):
              "max \\|diff\\| |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     names = {"contiguous": "attn_sdpa_kvcache, contiguous cache",
-             "sdpa": "attn_sdpa per sequence, head-major K/V (no append; reference)",
+             "sdpa": "attn_sdpa per sequence, head-major (1, Hkv, len + 1, E) copies (no append)",
+             "sdpa_tm": "attn_sdpa per sequence on the contiguous cache's rows (no append)",
              "torch": "PyTorch SDPA per sequence, contiguous caches"}
     for name, s in d["ms"].items():
         label = names.get(name, f"attn_sdpa_kvcache, paged, block size {name[5:]}"
@@ -386,7 +393,8 @@ def table(res, machine):
                   "max \\|diff\\| |", "|---|---:|---:|---:|---:|---:|"]
         vnames = {"varlen": "attn_sdpa_varlen, packed",
                   "padded": "attn_sdpa, padded batch + bool key mask",
-                  "loop": "attn_sdpa per sequence",
+                  "loop": "attn_sdpa per sequence, head-major rows of the padded batch",
+                  "loop_packed": "attn_sdpa per sequence, views of the packed rows",
                   "torch_padded": "PyTorch SDPA, padded batch + float key mask",
                   "torch_loop": "PyTorch SDPA per sequence"}
         for name, s in v["ms"].items():

@@ -14,20 +14,19 @@
  *       "contiguous" (the (B, S_max, Hkv, E) cache), and "sdpa": attn_sdpa
  *       per sequence on head-major (1, Hkv, lens[b] + 1, E) keys that
  *       already hold the new row (what the kernel does without the cache's
- *       layout and the append). --thp puts the K/V buffers on transparent
- *       huge pages (madvise), to tell TLB misses from the rest.
- *   attn_bench window --len L --window W [--heads 4] [--dim 64]
- *       "window": L = S, window_size = (W, 0) (query i sees keys i - W .. i);
- *       "blocks": L / W independent (W x 2W) attentions, one attn_sdpa call
- *       with batch L / W (the work a window costs when whole W-row query
- *       blocks visit the 2W keys around them); "causal": full causal
- *       attention of the window's shape.
- *   attn_bench varlen --lens N,N,... [--heads 8] [--dim 64] [--causal]
- *       "varlen": attn_sdpa_varlen on the packed (total, H, E) sequences;
- *       "padded": attn_sdpa on the (B, H, max_len, E) padded batch with a
- *       bool key-padding mask (B, 1, 1, max_len) (and top-left causal with
+ *       layout and the append), and "sdpa_tm": the same calls on views of the
+ *       contiguous cache's own rows (its layout without the append). --thp puts the K/V buffers on
+ * transparent huge pages (madvise), to tell TLB misses from the rest. attn_bench window --len L
+ * --window W [--heads 4] [--dim 64] "window": L = S, window_size = (W, 0) (query i sees keys i - W
+ * .. i); "blocks": L / W independent (W x 2W) attentions, one attn_sdpa call with batch L / W (the
+ * work a window costs when whole W-row query blocks visit the 2W keys around them); "causal": full
+ * causal attention of the window's shape. attn_bench varlen --lens N,N,... [--heads 8] [--dim 64]
+ * [--causal] "varlen": attn_sdpa_varlen on the packed (total, H, E) sequences; "padded": attn_sdpa
+ * on the (B, H, max_len, E) padded batch with a bool key-padding mask (B, 1, 1, max_len) (and
+ * top-left causal with
  *       --causal, which on the padded rows is each sequence's own);
- *       "loop": attn_sdpa once per sequence on its rows of the padded batch.
+ *       "loop": attn_sdpa once per sequence on its rows of the padded batch;
+ *       "loop_packed": the same on views of the packed rows.
  *
  * Inputs are bench_hashed() values (bench.h), which bench/run.py draws
  * again in NumPy for PyTorch: element i of a sequence's canonical
@@ -82,7 +81,10 @@ struct serving_case {
     int32_t *seqlens, *tables[MAX_VARIANTS];
     attn_tensor tq, tknew, tvnew, tseqlens, ttable[MAX_VARIANTS];
     attn_tensor tkc_paged[MAX_VARIANTS], tvc_paged[MAX_VARIANTS], tkc, tvc;
-    attn_tensor tq_seq[MAX_SEQS], tk_seq[MAX_SEQS], tv_seq[MAX_SEQS], to_seq[MAX_SEQS];
+    float *out_sdpa_tm;
+    /* per-sequence views for attn_sdpa: [0] head-major copies, [1] the
+     * contiguous cache's own (token-major) rows */
+    attn_tensor tq_seq[2][MAX_SEQS], tk_seq[2][MAX_SEQS], tv_seq[2][MAX_SEQS], to_seq[2][MAX_SEQS];
     attn_sdpa_params p;
     /* window */
     int64_t L, W, H;
@@ -92,10 +94,10 @@ struct serving_case {
     /* varlen */
     int causal;
     int64_t total, Lmax;
-    float *pq, *pk, *pv, *pout, *dq, *dk, *dv, *dout, *lout;
+    float *pq, *pk, *pv, *pout, *dq, *dk, *dv, *dout, *lout, *lpout;
     unsigned char *mask;
     int32_t *cu;
-    attn_tensor tpq, tpk, tpv, tpout, tcu, tdq, tdk, tdv, tdout, tmask, tlout;
+    attn_tensor tpq, tpk, tpv, tpout, tcu, tdq, tdk, tdv, tdout, tmask, tlout, tlpout;
     attn_sdpa_params pv_params, pd_params;
 };
 
@@ -178,13 +180,13 @@ static attn_status run_contiguous(serving_case *c, variant *v) {
 }
 
 static attn_status run_sdpa_per_seq(serving_case *c, variant *v) {
-    (void)v;
     attn_sdpa_params p;
     attn_sdpa_params_init(&p);
     p.enable_gqa = 1;
+    const int w = v->which;
     for (int64_t b = 0; b < c->B; b++) {
-        attn_status st =
-            attn_sdpa(&c->tq_seq[b], &c->tk_seq[b], &c->tv_seq[b], &p, &c->to_seq[b], NULL, NULL);
+        attn_status st = attn_sdpa(&c->tq_seq[w][b], &c->tk_seq[w][b], &c->tv_seq[w][b], &p,
+                                   &c->to_seq[w][b], NULL, NULL);
         if (st != ATTN_OK) return st;
     }
     return ATTN_OK;
@@ -283,8 +285,8 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
     c->out_contig = alloc(sizeof(float) * (size_t)(B * Hq * E));
     if (!c->kc || !c->vc || !c->out_contig) return 1;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = 0; t < c->lens[b]; t++) {
+    for (int64_t b = 0; b < B; b++) /* the new row too, for sdpa_tm's first call */
+        for (int64_t t = 0; t <= c->lens[b]; t++) {
             hashed_row(c->kc + (b * smax + t) * row, 1000 + (uint64_t)b, t, row);
             hashed_row(c->vc + (b * smax + t) * row, 3000 + (uint64_t)b, t, row);
         }
@@ -297,17 +299,26 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
 
     /* attn_sdpa per sequence on head-major keys holding the new row */
     c->out_sdpa = alloc(sizeof(float) * (size_t)(B * Hq * E));
-    if (!c->out_sdpa) return 1;
+    c->out_sdpa_tm = alloc(sizeof(float) * (size_t)(B * Hq * E));
+    if (!c->out_sdpa || !c->out_sdpa_tm) return 1;
     for (int64_t b = 0; b < B; b++) {
         const int64_t S = c->lens[b] + 1;
         c->k_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
         c->v_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
         if (!c->k_hm[b] || !c->v_hm[b]) return 1;
         int64_t sq[4] = {1, Hq, 1, E}, sk[4] = {1, Hkv, S, E};
-        attn_tensor_init(&c->tq_seq[b], c->q + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
-        attn_tensor_init(&c->to_seq[b], c->out_sdpa + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
-        attn_tensor_init(&c->tk_seq[b], c->k_hm[b], ATTN_DTYPE_F32, 4, sk);
-        attn_tensor_init(&c->tv_seq[b], c->v_hm[b], ATTN_DTYPE_F32, 4, sk);
+        attn_tensor_init(&c->tq_seq[0][b], c->q + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
+        attn_tensor_init(&c->to_seq[0][b], c->out_sdpa + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
+        attn_tensor_init(&c->tk_seq[0][b], c->k_hm[b], ATTN_DTYPE_F32, 4, sk);
+        attn_tensor_init(&c->tv_seq[0][b], c->v_hm[b], ATTN_DTYPE_F32, 4, sk);
+        /* the contiguous cache's rows 0 .. lens[b] as (1, Hkv, S, E) */
+        c->tq_seq[1][b] = c->tq_seq[0][b];
+        attn_tensor_init(&c->to_seq[1][b], c->out_sdpa_tm + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
+        attn_tensor_init(&c->tk_seq[1][b], c->kc + b * smax * row, ATTN_DTYPE_F32, 4, sk);
+        attn_tensor_init(&c->tv_seq[1][b], c->vc + b * smax * row, ATTN_DTYPE_F32, 4, sk);
+        attn_tensor *tm[2] = {&c->tk_seq[1][b], &c->tv_seq[1][b]};
+        for (int i = 0; i < 2; i++)
+            tm[i]->strides[0] = smax * row, tm[i]->strides[1] = E, tm[i]->strides[2] = row;
     }
 #pragma omp parallel for schedule(dynamic, 1) collapse(2)
     for (int64_t b = 0; b < B; b++)
@@ -321,7 +332,9 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
                 }
         }
     attn_tensor_init(&out, c->out_sdpa, ATTN_DTYPE_F32, 4, os);
-    add_variant(c, "sdpa", run_sdpa_per_seq, c->nv, &out);
+    add_variant(c, "sdpa", run_sdpa_per_seq, 0, &out);
+    attn_tensor_init(&out, c->out_sdpa_tm, ATTN_DTYPE_F32, 4, os);
+    add_variant(c, "sdpa_tm", run_sdpa_per_seq, 1, &out);
     return 0;
 }
 
@@ -460,6 +473,30 @@ static attn_status run_loop(serving_case *c, variant *v) {
     return ATTN_OK;
 }
 
+static attn_status run_loop_packed(serving_case *c, variant *v) {
+    (void)v;
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    p.causal = c->causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
+    const int64_t H = c->H, E = c->E;
+    for (int64_t b = 0; b < c->B; b++) {
+        /* sequence b's rows of the packed operands as (1, H, len, E) */
+        int64_t sh[4] = {1, H, c->lens[b], E};
+        attn_tensor tq, tk, tv, to;
+        const int64_t off = (int64_t)c->cu[b] * H * E;
+        attn_tensor_init(&tq, c->pq + off, ATTN_DTYPE_F32, 4, sh);
+        attn_tensor_init(&tk, c->pk + off, ATTN_DTYPE_F32, 4, sh);
+        attn_tensor_init(&tv, c->pv + off, ATTN_DTYPE_F32, 4, sh);
+        attn_tensor_init(&to, c->lpout + off, ATTN_DTYPE_F32, 4, sh);
+        attn_tensor *ts[4] = {&tq, &tk, &tv, &to};
+        for (int i = 0; i < 4; i++)
+            ts[i]->strides[1] = E, ts[i]->strides[2] = H * E;
+        attn_status st = attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL);
+        if (st != ATTN_OK) return st;
+    }
+    return ATTN_OK;
+}
+
 static int setup_varlen(serving_case *c, int argc, char **argv) {
     c->H = bench_opt_long(argc, argv, "--heads", 8);
     c->E = bench_opt_long(argc, argv, "--dim", 64);
@@ -486,14 +523,15 @@ static int setup_varlen(serving_case *c, int argc, char **argv) {
     c->pk = alloc(sizeof(float) * (size_t)(T * H * E));
     c->pv = alloc(sizeof(float) * (size_t)(T * H * E));
     c->pout = alloc(sizeof(float) * (size_t)(T * H * E));
+    c->lpout = calloc((size_t)(T * H * E), sizeof(float));
     c->dq = calloc((size_t)(B * H * Lm * E), sizeof(float));
     c->dk = calloc((size_t)(B * H * Lm * E), sizeof(float));
     c->dv = calloc((size_t)(B * H * Lm * E), sizeof(float));
     c->dout = calloc((size_t)(B * H * Lm * E), sizeof(float));
     c->lout = calloc((size_t)(B * H * Lm * E), sizeof(float));
     c->mask = calloc((size_t)(B * Lm), 1);
-    if (!c->pq || !c->pk || !c->pv || !c->pout || !c->dq || !c->dk || !c->dv || !c->dout ||
-        !c->lout || !c->mask)
+    if (!c->pq || !c->pk || !c->pv || !c->pout || !c->lpout || !c->dq || !c->dk || !c->dv ||
+        !c->dout || !c->lout || !c->mask)
         return 1;
     memset(c->pout, 0, sizeof(float) * (size_t)(T * H * E));
 #pragma omp parallel for schedule(dynamic, 1)
@@ -516,6 +554,7 @@ static int setup_varlen(serving_case *c, int argc, char **argv) {
     attn_tensor_init(&c->tpk, c->pk, ATTN_DTYPE_F32, 3, ps);
     attn_tensor_init(&c->tpv, c->pv, ATTN_DTYPE_F32, 3, ps);
     attn_tensor_init(&c->tpout, c->pout, ATTN_DTYPE_F32, 3, ps);
+    attn_tensor_init(&c->tlpout, c->lpout, ATTN_DTYPE_F32, 3, ps);
     attn_tensor_init(&c->tcu, c->cu, ATTN_DTYPE_I32, 1, cs);
     attn_tensor_init(&c->tdq, c->dq, ATTN_DTYPE_F32, 4, ds);
     attn_tensor_init(&c->tdk, c->dk, ATTN_DTYPE_F32, 4, ds);
@@ -531,6 +570,7 @@ static int setup_varlen(serving_case *c, int argc, char **argv) {
     add_variant(c, "varlen", run_varlen, 0, &c->tpout);
     add_variant(c, "padded", run_padded, 1, &c->tdout);
     add_variant(c, "loop", run_loop, 2, &c->tlout);
+    add_variant(c, "loop_packed", run_loop_packed, 3, &c->tlpout);
     return 0;
 }
 
@@ -548,8 +588,9 @@ static void print_varlen_info(const serving_case *c) {
     for (int64_t b = 0; b < c->B; b++)
         printf("%s%lld", b ? ", " : "", (long long)c->lens[b]);
     /* the FLOPs of the sequences' own scores, and of the padded batch's */
-    printf("], \"flops\": {\"varlen\": %.0f, \"padded\": %.0f, \"loop\": %.0f}", HE4 * pairs,
-           HE4 * padded, HE4 * pairs);
+    printf("], \"flops\": {\"varlen\": %.0f, \"padded\": %.0f, \"loop\": %.0f, "
+           "\"loop_packed\": %.0f}",
+           HE4 * pairs, HE4 * padded, HE4 * pairs, HE4 * pairs);
 }
 
 /* ---- driving ---- */
@@ -566,8 +607,9 @@ static int run_round(serving_case *c, int round, double *ms) {
 }
 
 static void print_info(const char *cmd, const serving_case *c) {
-    printf("\"case\": \"%s\", \"isa\": \"%s\", \"threads\": %d, \"variants\": [", cmd,
-           attn_isa_name(attn_get_isa()), attn_get_num_threads());
+    printf("\"case\": \"%s\", \"attn\": \"%s\", \"isa\": \"%s\", \"threads\": %d, "
+           "\"variants\": [",
+           cmd, attn_version(), attn_isa_name(attn_get_isa()), attn_get_num_threads());
     for (int i = 0; i < c->nv; i++)
         printf("%s\"%s\"", i ? ", " : "", c->v[i].name);
     printf("], ");
