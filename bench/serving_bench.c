@@ -11,19 +11,23 @@
  *       flash_attn_with_kvcache. Variants: "paged<bs>" (a paged cache of
  *       block size bs whose blocks are scattered, as a serving engine's
  *       pool is after a while: the block ids are a seeded permutation),
- *       "contiguous" (the (B, S_max, Hkv, E) cache), and "sdpa": attn_sdpa
- *       per sequence on head-major (1, Hkv, lens[b] + 1, E) keys that
- *       already hold the new row (what the kernel does without the cache's
- *       layout and the append), and "sdpa_tm": the same calls on views of the
- *       contiguous cache's own rows (its layout without the append). --thp puts the K/V buffers on
- * transparent huge pages (madvise), to tell TLB misses from the rest. attn_bench window --len L
- * --window W [--heads 4] [--dim 64] "window": L = S, window_size = (W, 0) (query i sees keys i - W
- * .. i); "blocks": L / W independent (W x 2W) attentions, one attn_sdpa call with batch L / W (the
- * work a window costs when whole W-row query blocks visit the 2W keys around them); "causal": full
- * causal attention of the window's shape. attn_bench varlen --lens N,N,... [--heads 8] [--dim 64]
- * [--causal] "varlen": attn_sdpa_varlen on the packed (total, H, E) sequences; "padded": attn_sdpa
- * on the (B, H, max_len, E) padded batch with a bool key-padding mask (B, 1, 1, max_len) (and
- * top-left causal with
+ *       "contiguous" (the (B, S_max, Hkv, E) cache), and for reference
+ *       "sdpa": attn_sdpa per sequence on head-major (1, Hkv, lens[b] + 1, E)
+ *       copies that already hold the new row (the kernel without the
+ *       cache's layout and the append), and "sdpa_tm": the same calls on
+ *       views of the contiguous cache's own rows (its layout, no append).
+ *       --thp puts the K/V buffers on transparent huge pages (madvise), to
+ *       tell TLB misses from the rest.
+ *   attn_bench window --len L --window W [--heads 4] [--dim 64]
+ *       "window": L = S, window_size = (W, 0) (query i sees keys i - W .. i);
+ *       "blocks": L / W independent (W x 2W) attentions, one attn_sdpa call
+ *       with batch L / W (the work a window costs when whole W-row query
+ *       blocks visit the 2W keys around them); "causal": full causal
+ *       attention of the window's shape.
+ *   attn_bench varlen --lens N,N,... [--heads 8] [--dim 64] [--causal]
+ *       "varlen": attn_sdpa_varlen on the packed (total, H, E) sequences;
+ *       "padded": attn_sdpa on the (B, H, max_len, E) padded batch with a
+ *       bool key-padding mask (B, 1, 1, max_len) (and top-left causal with
  *       --causal, which on the padded rows is each sequence's own);
  *       "loop": attn_sdpa once per sequence on its rows of the padded batch;
  *       "loop_packed": the same on views of the packed rows.
