@@ -418,8 +418,8 @@ def cpu_model():
                     break
     except OSError:
         return platform.processor() or platform.machine()
-    return (f"{fields.get('model name', platform.machine())} (family {fields.get('cpu family', '?')} "
-            f"model {fields.get('model', '?')})")
+    return (f"{fields.get('model name', platform.machine())} "
+            f"(family {fields.get('cpu family', '?')} model {fields.get('model', '?')})")
 
 
 def write_serving(args, res, verdict, machine, peak, bw):

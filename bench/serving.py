@@ -222,7 +222,8 @@ def bench_varlen(args, cfg, causal, reps):
     qkv = [torch.zeros(B, H, Lm, E) for _ in range(3)]
     for b, n in enumerate(lens):  # sequence b's canonical (n, H, E) rows, head-major
         for seed, t in zip((100 + b, 200 + b, 300 + b), qkv):
-            t[b, :, :n] = torch.from_numpy(hashed(seed, n * H * E).reshape(n, H, E)).permute(1, 0, 2)
+            rows = torch.from_numpy(hashed(seed, n * H * E).reshape(n, H, E))
+            t[b, :, :n] = rows.permute(1, 0, 2)
     q, k, v = qkv
     valid = torch.arange(Lm)[None, :] < torch.tensor(lens)[:, None]  # (B, Lm)
     if causal:
@@ -340,10 +341,10 @@ def table(res, machine):
     d, w = res["decode"], res["window"]
     di, wi = d["info"], w["info"]
     lines = ["", f"Serving (issue 14): attn {di['attn']} ({di['isa']}) through attn_bench "
-             f"decode|window|varlen (bench/serving_bench.c), alternating call by call with PyTorch {machine['torch']} in this process on the "
-             f"same values; medians and min–max of {len(d['ms']['torch']['runs'])} rounds "
-             f"(window, varlen: {len(w['ms']['window']['runs'])}). Speed-ups are same-run "
-             f"ratios of medians.", "",
+             f"decode|window|varlen (bench/serving_bench.c), alternating call by call with "
+             f"PyTorch {machine['torch']} in this process on the same values; medians and "
+             f"min–max of {len(d['ms']['torch']['runs'])} rounds (window, varlen: "
+             f"{len(w['ms']['window']['runs'])}). Speed-ups are same-run ratios of medians.", "",
              f"Paged decode: B = {di['B']} sequences of {di['lens'][0]:,}–{di['lens'][-1]:,} "
              f"cached tokens, {di['heads']} query heads, {di['kv_heads']} KV heads, "
              f"E = {di['dim']}, one new token each (appended, then attended to with the cache), "
