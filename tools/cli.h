@@ -11,6 +11,11 @@ enum { CLI_OK = 0, CLI_RUNTIME = 1, CLI_USAGE = 2 };
 int cli_demo(void);
 int cli_sdpa(int argc, char **argv);
 int cli_mha(int argc, char **argv);
+/* `attn varlen` and `attn kvcache` (serving_cmd.c) and their options text. */
+int cli_varlen(int argc, char **argv);
+int cli_kvcache(int argc, char **argv);
+extern const char cli_varlen_options[];
+extern const char cli_kvcache_options[];
 /* The "sdpa options:" part of the usage text, shared by `attn --help` and
  * `attn sdpa --help`. */
 extern const char cli_sdpa_options[];

@@ -1,5 +1,5 @@
 /* main.c — the attn command-line tool: dispatches to demo, sdpa (and sdpa
- * --ring), mha, heatmap, info. */
+ * --ring), varlen, kvcache, mha, heatmap, info. */
 #include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -15,6 +15,11 @@ static const char usage[] =
     "                                   the same, the sequence split over N MPI ranks\n"
     "       attn mha --weights M.safetensors [--prefix P] --num-heads H -q Q.npy -o OUT.npy\n"
     "                [options]          multi-head attention with a checkpoint's weights\n"
+    "       attn varlen -q Q.npy -k K.npy -v V.npy --cu-seqlens-q CQ.npy\n"
+    "                --cu-seqlens-k CK.npy -o OUT.npy [options]\n"
+    "                                   packed sequences of different lengths\n"
+    "       attn kvcache -q Q.npy --k-cache KC.npy --v-cache VC.npy -o OUT.npy [options]\n"
+    "                                   decoding against a KV cache (paged or not)\n"
     "       attn heatmap -w WEIGHTS.npy -o OUT.png [options]\n"
     "                                   a PNG of attention weights\n"
     "       attn info                   version, kernel path, threads, BLAS\n"
@@ -22,7 +27,8 @@ static const char usage[] =
     "\n";
 
 static void print_usage(FILE *to) {
-    fprintf(to, "%s%s\n%s\n%s", usage, cli_sdpa_options, cli_mha_options, cli_heatmap_options);
+    fprintf(to, "%s%s\n%s\n%s\n%s\n%s", usage, cli_sdpa_options, cli_varlen_options,
+            cli_kvcache_options, cli_mha_options, cli_heatmap_options);
 }
 
 static int info(void) {
@@ -63,6 +69,8 @@ static int run_command(int argc, char **argv) {
     }
     if (strcmp(argv[1], "sdpa") == 0) return cli_sdpa(argc - 2, argv + 2);
     if (strcmp(argv[1], "mha") == 0) return cli_mha(argc - 2, argv + 2);
+    if (strcmp(argv[1], "varlen") == 0) return cli_varlen(argc - 2, argv + 2);
+    if (strcmp(argv[1], "kvcache") == 0) return cli_kvcache(argc - 2, argv + 2);
     if (strcmp(argv[1], "heatmap") == 0) return cli_heatmap(argc - 2, argv + 2);
     if (strcmp(argv[1], "info") == 0) {
         if (argc == 2) return info();

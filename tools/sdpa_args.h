@@ -7,10 +7,12 @@
 #include <stddef.h>
 
 #include "attn.h"
+#include "modifiers.h"
 
 typedef struct sdpa_args {
     const char *q, *k, *v, *mask, *out, *weights, *lse;
     attn_sdpa_params params;
+    cli_modifiers mods; /* --alibi-slopes and --sinks (not with --ring) */
     int threads;
     int seed_given;
     /* --ring and its options (attn_ring_layout's values: 0 zigzag, 1

@@ -20,6 +20,7 @@ const char cli_sdpa_options[] =
     "  --scale S               score scale (default 1/sqrt(E))\n"
     "  --gqa                   grouped-query attention (query heads share K/V heads)\n"
     "  --dropout P --seed N    reproducible dropout on the attention weights\n"
+    CLI_MODIFIER_OPTIONS
     "  --weights W.npy         also write the attention weights (..., L, S)\n"
     "  --lse LSE.npy           also write the log-sum-exp per row (..., L)\n"
     "  --threads N             threads, 1 to attn_max_threads() (default:\n"
@@ -36,8 +37,9 @@ const char cli_sdpa_options[] =
     "target and is renamed over it only when every output is complete.\n"
     "With --ring, each rank reads only its rows of the inputs (C-order float32 or\n"
     "float64 in this machine's byte order) and writes them into the one output\n"
-    "file; every rank must see the same files and folders. --mask and --weights\n"
-    "are not available. Each rank uses --threads, else ATTN_NUM_THREADS, else its\n"
+    "file; every rank must see the same files and folders. --mask, --weights,\n"
+    "--window, --alibi-slopes, --softcap and --sinks are not available. Each\n"
+    "rank uses --threads, else ATTN_NUM_THREADS, else its\n"
     "share of its machine's cores.\n"
     "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
 
@@ -67,7 +69,7 @@ static bool takes_value(const char *opt) {
         "--scale", "--dropout", "--seed", "--threads", "--layout", "--ring-timeout"};
     for (size_t i = 0; i < sizeof with_value / sizeof with_value[0]; i++)
         if (strcmp(opt, with_value[i]) == 0) return true;
-    return false;
+    return cli_modifier_takes_value(opt);
 }
 
 /* --ring's own options; CLI_OK when opt is none of them. */
@@ -100,6 +102,9 @@ static int check_ring_args(int argc, char **argv, const sdpa_args *a) {
         if (a->ring && strcmp(opt, "--weights") == 0)
             return usage_error("--weights is not available with --ring: no rank holds a "
                                "row's weights for every key at once");
+        if (a->ring && cli_modifier_takes_value(opt))
+            return usage_error("%s is not available with --ring (the ring takes no score "
+                               "modifiers yet)", opt);
         if (takes_value(opt)) i++;
     }
     return CLI_OK;
@@ -129,6 +134,10 @@ int sdpa_parse_args(int argc, char **argv, sdpa_args *a, char *err, size_t err_s
         int rc = parse_ring_option(opt, val, a, &ring_option);
         if (rc != CLI_OK) return rc;
         if (ring_option) continue;
+        char why[256];
+        const int modifier = cli_modifier_option(opt, val, &a->params, &a->mods, why, sizeof why);
+        if (modifier < 0) return usage_error("%s", why);
+        if (modifier > 0) continue;
         if (path != NULL) {
             *path = val;
         } else if (strcmp(opt, "--scale") == 0) {
@@ -221,6 +230,12 @@ static int load_inputs(const sdpa_args *a, sdpa_run *r) {
     return rc;
 }
 
+/* The inputs, then the modifiers' files into a->params. */
+static int load_all(sdpa_args *a, sdpa_run *r) {
+    const int rc = load_inputs(a, r);
+    return rc == CLI_OK ? cli_modifiers_load(&a->mods, &a->params) : rc;
+}
+
 /* Allocates a C-contiguous tensor of the given shape and q's dtype. */
 static attn_status make_output(attn_tensor *t, attn_dtype dtype, int rank, const int64_t *shape) {
     int64_t n = 1;
@@ -285,7 +300,7 @@ int cli_sdpa(int argc, char **argv) {
     sdpa_run r;
     memset(&r, 0, sizeof r);
     rc = add_outputs(&a);
-    if (rc == CLI_OK) rc = load_inputs(&a, &r);
+    if (rc == CLI_OK) rc = load_all(&a, &r);
     if (rc == CLI_OK) rc = compute(&a, &r);
     if (rc == CLI_OK) rc = write_outputs(&r);
     if (rc != CLI_OK) outputs_abort(); /* removes any temporary */
@@ -301,6 +316,7 @@ int cli_sdpa(int argc, char **argv) {
     attn_npy_free(&r.k);
     attn_npy_free(&r.v);
     attn_npy_free(&r.mask);
+    cli_modifiers_free(&a.mods);
     free(r.out.data);
     free(r.w.data);
     free(r.lse.data);

@@ -10,7 +10,10 @@ PyTorch 2.13's semantics and names.
 Inputs are NumPy arrays, torch CPU tensors or anything NumPy can view, float32
 or float64, with any strides (read in place, not copied); SDPA gives NumPy
 arrays for NumPy inputs and torch tensors (with autograd, and under
-torch.compile) for torch inputs; attn.patch_torch() routes torch's own
+torch.compile) for torch inputs; attn.varlen_attention and
+attn.attention_with_kvcache are FlashAttention's flash_attn_varlen_func and
+flash_attn_with_kvcache (packed variable-length batches; decoding against a
+KV cache, paged or not, appended in place); attn.patch_torch() routes torch's own
 scaled_dot_product_attention through attn. The GIL is released while the
 kernels run. attn.load_safetensors / attn.save_safetensors read and write
 checkpoints (safetensors files) as dicts of NumPy arrays; attn.plot_attention
@@ -22,6 +25,7 @@ with MPI). See docs/python.md.
 from . import _attn  # libattn picks OpenBLAS's kernels for this CPU as it loads
 from ._mha import MultiheadAttention
 from ._sdpa import scaled_dot_product_attention
+from ._serving import attention_with_kvcache, varlen_attention
 from ._patch import patch_torch
 from ._safetensors import load_safetensors, load_safetensors_metadata, save_safetensors
 from ._plot import plot_attention
@@ -31,6 +35,8 @@ __version__ = _attn.version()
 
 __all__ = [
     "scaled_dot_product_attention",
+    "varlen_attention",
+    "attention_with_kvcache",
     "MultiheadAttention",
     "patch_torch",
     "load_safetensors",

@@ -18,6 +18,8 @@ import numpy as np
 FLOAT = "float"  # float32 or float64
 MASK = "mask"  # bool, float32 or float64
 PARAM = "param"  # any real number type; converted to the module's dtype
+INDEX = "index"  # any integer type; converted to int32 (index_array)
+CACHE = "cache"  # a KV cache: float16, bfloat16, float32 or float64
 
 
 def _is_torch_tensor(x):
@@ -29,6 +31,10 @@ def _expected(kind):
         return "float32 or float64"
     if kind == MASK:
         return "bool, float32 or float64"
+    if kind == CACHE:
+        return "float16, bfloat16, float32 or float64"
+    if kind == INDEX:
+        return "an integer type (int32, as FlashAttention takes it)"
     return "a real number type"
 
 
@@ -61,10 +67,11 @@ def no_backward(what, remedy="pass detached tensors (tensor.detach())"):
     )
 
 
-def _torch_numpy(x, name, kind, copying):
+def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
     """A NumPy view of a torch tensor, refusing every tensor whose storage
     does not hold its values. `copying`: the values are copied (parameters),
-    so a tensor requiring grad is fine."""
+    so a tensor requiring grad is fine. `bfloat16_bits`: a bfloat16 tensor
+    comes back as an int16 view of its bits (NumPy has no bfloat16)."""
     torch = _torch()
     if x.is_nested:
         raise TypeError(f"{name} is a nested tensor; nested tensors are not supported "
@@ -93,6 +100,8 @@ def _torch_numpy(x, name, kind, copying):
     if not copying and tracks_grad(x):
         raise no_backward(f"{name} requires grad")
     t = x.detach().resolve_conj().resolve_neg()
+    if bfloat16_bits and t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)  # the same memory, reinterpreted
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as e:
@@ -120,6 +129,8 @@ def as_array(x, name, kind, grad_ok=False):
         FLOAT: dt.kind == "f" and dt.itemsize in (4, 8),
         MASK: dt.kind == "b" or (dt.kind == "f" and dt.itemsize in (4, 8)),
         PARAM: dt.kind in "fiu",
+        INDEX: dt.kind in "iu",
+        CACHE: dt.kind == "f" and dt.itemsize in (2, 4, 8),
     }[kind]
     if not ok:
         raise TypeError(f"{name} has dtype {dt}; expected {_expected(kind)}")
@@ -131,18 +142,22 @@ def as_array(x, name, kind, grad_ok=False):
 # attn_last_error_arg() names an argument as attn.h does. Fields of the C
 # parameter structs ("params.dropout_p", "config.num_heads") are Python's
 # arguments without the prefix; these are the other names that differ.
-_PYTHON_ARG = {"params.causal": "is_causal"}  # operands already come with Python names
+# The window's two fields are one Python argument, as in FlashAttention.
+_PYTHON_ARG = {"params.causal": "is_causal", "params.window_left": "window_size",
+               "params.window_right": "window_size"}  # operands come with Python names
 
 
-def library_error(e):
+def library_error(e, rename=None):
     """`e`, raised by attn._attn for a failed library call (with ``status``,
     ``status_name`` and ``arg``), with ``arg`` in Python's terms; other
-    exceptions pass through unchanged."""
+    exceptions pass through unchanged. `rename`: the caller's own names for
+    C names (attn.varlen_attention's "softmax_scale" for "params.scale")."""
     arg = getattr(e, "arg", None)
     if isinstance(arg, str) and hasattr(e, "status"):
+        names = dict(_PYTHON_ARG, **(rename or {}))
         prefix, dot, field = arg.partition(".")
         in_struct = dot and prefix in ("params", "config")
-        e.arg = _PYTHON_ARG.get(arg, field if in_struct else arg)
+        e.arg = names.get(arg, field if in_struct else arg)
     return e
 
 
@@ -187,6 +202,51 @@ def check_scale(x, name="scale"):
     if not np.isfinite(s):
         raise ValueError(f"{name} is {s}; expected a finite number (or None for 1/sqrt(E))")
     return s
+
+
+def index_array(x, name):
+    """An integer array (NumPy, torch or a list) as a C-contiguous int32 NumPy
+    array: FlashAttention's index tensors (cu_seqlens, cache_seqlens,
+    block_table) are int32, and other integer types are converted when
+    every value fits. Index arrays are small: the copy costs nothing."""
+    a = as_array(x, name, INDEX)
+    if a.dtype != np.int32 and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < -2**31 or hi >= 2**31:
+            bad = lo if lo < -2**31 else hi
+            raise ValueError(f"{name} holds {_show(bad)}, which does not fit in int32")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def check_window(x, name="window_size"):
+    """FlashAttention's window_size: a pair (left, right) of ints, each -1
+    (unbounded) or >= 0."""
+    try:
+        left, right = x
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a pair (left, right) of ints, -1 for unbounded; "
+                        f"got {x!r}") from None
+    out = []
+    for side, w in (("left", left), ("right", right)):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"{name}[{side == 'right':d}] ({side}) must be an int, not "
+                            f"{type(w).__name__}")
+        w = int(w)
+        if w < -1 or w >= 2**63:
+            raise ValueError(f"{name} is {tuple(x)!r}: the {side} size is {_show(w)}; expected "
+                             f"-1 (unbounded) or an int >= 0 (and < 2**63)")
+        out.append(w)
+    return tuple(out)
+
+
+def check_softcap(x, name="softcap"):
+    """FlashAttention's softcap: 0 (none) or a finite number > 0."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float, not {type(x).__name__}")
+    c = _as_float(x, name)
+    if not (np.isfinite(c) and c >= 0.0):
+        raise ValueError(f"{name} is {c}; expected 0 (no capping) or a finite number > 0")
+    return c
 
 
 def check_int(x, name, minimum=1, optional=False, maximum=2**63 - 1, bound=None):

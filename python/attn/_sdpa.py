@@ -15,6 +15,8 @@ from ._arrays import (
     check_probability,
     check_scale,
     check_seed,
+    check_softcap,
+    check_window,
     library_error,
     random_seed,
 )
@@ -61,6 +63,10 @@ def scaled_dot_product_attention(
     seed=None,
     return_weights=False,
     return_lse=False,
+    window_size=(-1, -1),
+    alibi_slopes=None,
+    softcap=0.0,
+    sinks=None,
 ):
     """Scaled dot-product attention with the semantics of PyTorch 2.13's
     ``torch.nn.functional.scaled_dot_product_attention``::
@@ -87,6 +93,20 @@ def scaled_dot_product_attention(
 
     A row whose keys are all masked out gives 0 (PyTorch >= 2.5 does too).
 
+    Score modifiers (keyword-only; FlashAttention's names and meanings, the
+    positions aligned bottom-right: query i sits at i + S - L):
+    ``window_size=(left, right)``: query i sees key j only when
+    i + S - L - left <= j <= i + S - L + right; -1 leaves a side unbounded
+    (the default, (-1, -1), is no window). Combines with is_causal and masks.
+    ``alibi_slopes``: float32/float64, shape (Hq,) or (B, Hq) (broadcastable
+    to out's batch dimensions): -slope * |i + S - L - j| is added to the
+    scaled score. ``softcap``: when > 0, each scaled score s becomes
+    softcap * tanh(s / softcap), before ALiBi and masks (Gemma 2).
+    ``sinks``: one logit per query head, shape (Hq,): exp(sink) joins each
+    row's softmax denominator and carries no value (gpt-oss), so a row's
+    weights sum to less than 1; a row that sees no key gives out = 0 and
+    lse = sink.
+
     Torch tensors in (any of query, key, value, attn_mask) give torch tensors
     out, through the custom operator ``attn::sdpa``: when one that requires
     grad takes part in grad mode (a float attn_mask included), the result
@@ -94,6 +114,10 @@ def scaled_dot_product_attention(
     call also traces under torch.compile. Without an explicit ``seed``, the
     dropout seed of a torch call is drawn from torch's default generator,
     so ``torch.manual_seed`` repeats it. weights and lse carry no gradient.
+    ``sinks`` that require grad get their gradient too
+    (attn_sdpa_sinks_backward); ``alibi_slopes`` get none, as in
+    FlashAttention (they are fixed per head; a slopes tensor that requires
+    grad is read, and its .grad stays None).
 
     Returns ``out`` (..., Hq, L, Ev) as a NumPy array, or a tuple
     ``(out, weights, lse)`` holding whichever extras were asked for:
@@ -105,28 +129,49 @@ def scaled_dot_product_attention(
     # A CausalBias stands for an option, not for data: it alone does not make
     # the call a torch call.
     mask_data = attn_mask if _causal_bias(attn_mask) is None else None
-    if any(_is_torch_tensor(x) for x in (query, key, value, mask_data)):
+    modifiers = dict(window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
+                     sinks=sinks)
+    if any(_is_torch_tensor(x) for x in (query, key, value, mask_data, alibi_slopes, sinks)):
         from . import _torch  # torch is loaded: a torch tensor exists
 
         if _torch.compiling():  # FakeTensors: nothing to read or check yet
             return _torch.traced(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                 enable_gqa, causal_alignment, seed, return_weights, return_lse)
+                                 enable_gqa, causal_alignment, seed, return_weights, return_lse,
+                                 **modifiers)
         a = _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                       causal_alignment, seed, return_weights, return_lse, grad_ok=True)
-        return _torch.run(a, query, key, value, attn_mask)
+                       causal_alignment, seed, return_weights, return_lse, grad_ok=True,
+                       **modifiers)
+        return _torch.run(a, query, key, value, attn_mask, alibi_slopes, sinks)
     a = _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                   causal_alignment, seed, return_weights, return_lse)
+                   causal_alignment, seed, return_weights, return_lse, **modifiers)
     if a.seed is None:
         a.seed = random_seed() if a.dropout_p > 0.0 else 0
     try:
         out, weights, lse = _attn.sdpa(
             a.q, a.k, a.v, empty=np.empty, attn_mask=a.mask, causal=a.causal, scale=a.scale,
             enable_gqa=a.gqa, dropout_p=a.dropout_p, seed=a.seed, want_weights=a.want_w,
-            want_lse=a.want_lse,
+            want_lse=a.want_lse, **modifier_options(a),
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
     return results(a, out, weights, lse)
+
+
+def modifier_options(a):
+    """The score modifiers of checked arguments `a` as _attn's keywords."""
+    return dict(window_left=a.window[0], window_right=a.window[1], softcap=a.softcap,
+                alibi_slopes=a.alibi, sinks=a.sinks)
+
+
+def check_modifiers(a, window_size, alibi_slopes, softcap, sinks, grad_ok=False):
+    """Checks the score modifiers into `a` (window, softcap, alibi, sinks);
+    slopes and sinks become NumPy views. Shared with attn.varlen_attention
+    and attn.attention_with_kvcache."""
+    a.window = check_window(window_size)
+    a.softcap = check_softcap(softcap)
+    a.alibi = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes", FLOAT,
+                                                         grad_ok)
+    a.sinks = None if sinks is None else as_array(sinks, "sinks", FLOAT, grad_ok)
 
 
 def results(a, out, weights, lse):
@@ -141,11 +186,12 @@ class _Args:
     """The checked arguments of one call."""
 
     __slots__ = ("q", "k", "v", "mask", "causal", "scale", "gqa", "dropout_p", "seed",
-                 "want_w", "want_lse")
+                 "want_w", "want_lse", "window", "softcap", "alibi", "sinks")
 
 
 def _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-               causal_alignment, seed, return_weights, return_lse, grad_ok=False):
+               causal_alignment, seed, return_weights, return_lse, grad_ok=False,
+               window_size=(-1, -1), alibi_slopes=None, softcap=0.0, sinks=None):
     """Checks every argument; the arrays become NumPy views (no copies), the
     causal options attn_causal's code. `grad_ok`: tensors that require grad
     are fine (the caller records the call for autograd)."""
@@ -180,4 +226,5 @@ def _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     a.seed = check_seed(seed)
     a.want_w = check_bool(return_weights, "return_weights")
     a.want_lse = check_bool(return_lse, "return_lse")
+    check_modifiers(a, window_size, alibi_slopes, softcap, sinks, grad_ok)
     return a

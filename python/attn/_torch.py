@@ -45,17 +45,33 @@ def _array(t):
     return t.detach().resolve_conj().resolve_neg().numpy()
 
 
-def _options(attn_mask, dropout_p, causal, scale, enable_gqa, seed):
-    return dict(
-        attn_mask=None if attn_mask is None else _array(attn_mask), causal=causal,
-        scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, seed=_seed(seed),
+def _optional_array(t):
+    return None if t is None else _array(t)
+
+
+def _options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left, window_right,
+             alibi_slopes, softcap, sinks=None):
+    """_attn's keywords for the operators' options (sinks: only where given)."""
+    opts = dict(
+        attn_mask=_optional_array(attn_mask), causal=causal, scale=scale,
+        enable_gqa=enable_gqa, dropout_p=dropout_p, seed=_seed(seed), window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi_slopes=_optional_array(alibi_slopes),
     )
+    if sinks is not None:
+        opts["sinks"] = _array(sinks)
+    return opts
 
 
+# The score modifiers (window_left, window_right, alibi_slopes, softcap,
+# sinks) come last in both schemas, with defaults that leave them off, so
+# calls written before them still fit: FlashAttention's window_size, ALiBi,
+# softcap and gpt-oss's sinks (attn_sdpa_params's fields).
 @torch.library.custom_op("attn::sdpa", mutates_args=())
 def sdpa_op(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
     causal: int, scale: Optional[float], enable_gqa: bool, seed: Tensor, want_weights: bool,
+    window_left: int = -1, window_right: int = -1, alibi_slopes: Optional[Tensor] = None,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """attn_sdpa: (out, weights, lse); weights is empty unless asked for.
     causal: 0 none, 1 top-left, 2 bottom-right."""
@@ -63,7 +79,8 @@ def sdpa_op(
         out, w, lse = _attn.sdpa(
             _array(query), _array(key), _array(value), empty=np.empty, want_weights=want_weights,
             want_lse=True, lse_for_backward=True,  # weights recomputed from it sum to 1
-            **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed),
+            **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
+                       window_right, alibi_slopes, softcap, sinks),
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
@@ -83,7 +100,8 @@ def out_batch_shape(query, key, value, enable_gqa):
 
 @sdpa_op.register_fake
 def _sdpa_fake(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, seed,
-               want_weights):
+               want_weights, window_left=-1, window_right=-1, alibi_slopes=None, softcap=0.0,
+               sinks=None):
     b = out_batch_shape(query, key, value, enable_gqa)
     L, S, Ev = query.shape[-2], key.shape[-2], value.shape[-1]
     w = query.new_empty(b + (L, S)) if want_weights else query.new_empty(0)
@@ -95,17 +113,27 @@ def sdpa_backward_op(
     dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], dropout_p: float, causal: int, scale: Optional[float],
     enable_gqa: bool, seed: Tensor, want_dq: bool, want_dk: bool, want_dv: bool,
-    want_dmask: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """attn_sdpa_backward: (dq, dk, dv, dmask), each shaped like its input,
-    or empty when not wanted."""
+    want_dmask: bool, window_left: int = -1, window_right: int = -1,
+    alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+    want_dsinks: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """attn_sdpa_backward and attn_sdpa_sinks_backward: (dq, dk, dv, dmask,
+    dsinks), each shaped like its input, or empty when not wanted."""
+    opts = _options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
+                    window_right, alibi_slopes, softcap, sinks)
+    arrays = [_array(x) for x in (dout, query, key, value, out, lse)]
+    grads = [None] * 5
     try:
-        grads = _attn.sdpa_backward(
-            _array(dout), _array(query), _array(key), _array(value), _array(out), _array(lse),
-            empty=np.empty, want_dq=want_dq, want_dk=want_dk, want_dv=want_dv,
-            want_dmask=want_dmask,
-            **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed),
-        )
+        if want_dq or want_dk or want_dv or want_dmask:
+            grads[:4] = _attn.sdpa_backward(
+                *arrays, empty=np.empty, want_dq=want_dq, want_dk=want_dk, want_dv=want_dv,
+                want_dmask=want_dmask, **opts,
+            )
+        if want_dsinks:  # the same dout, out and lse: the sinks' share of the loss
+            del opts["attn_mask"]
+            sinks_array = opts.pop("sinks")
+            grads[4] = _attn.sdpa_sinks_backward(arrays[0], arrays[4], arrays[5], sinks_array,
+                                                 empty=np.empty, **opts)
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
     return tuple(query.new_empty(0) if g is None else torch.from_numpy(g) for g in grads)
@@ -113,34 +141,58 @@ def sdpa_backward_op(
 
 @sdpa_backward_op.register_fake
 def _sdpa_backward_fake(dout, query, key, value, out, lse, attn_mask, dropout_p, causal, scale,
-                        enable_gqa, seed, want_dq, want_dk, want_dv, want_dmask):
+                        enable_gqa, seed, want_dq, want_dk, want_dv, want_dmask, window_left=-1,
+                        window_right=-1, alibi_slopes=None, softcap=0.0, sinks=None,
+                        want_dsinks=False):
     def like(x, wanted):
-        return x.new_empty(x.shape) if wanted else query.new_empty(0)
+        return x.new_empty(x.shape) if wanted and x is not None else query.new_empty(0)
 
     return (like(query, want_dq), like(key, want_dk), like(value, want_dv),
-            like(attn_mask, want_dmask) if attn_mask is not None else query.new_empty(0))
+            like(attn_mask, want_dmask), like(sinks, want_dsinks))
+
+
+# sdpa_op's inputs by position (the schema's order), and the defaults of
+# the trailing ones: torch leaves out trailing arguments equal to their
+# defaults, so ctx sees 10 to 15 inputs.
+_N_INPUTS = 15
+_SINKS = 14
+_MODIFIER_DEFAULTS = (-1, -1, None, 0.0, None)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, seed, _ = inputs
+    first_default = _N_INPUTS - len(_MODIFIER_DEFAULTS)
+    inputs = tuple(inputs) + _MODIFIER_DEFAULTS[len(inputs) - first_default:]
+    (query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, seed, _,
+     window_left, window_right, alibi_slopes, softcap, sinks) = inputs
     out, weights, lse = output
     # The weights and the log-sum-exp are outputs to look at, not to train
     # through: gradients flow through out only (docs/python.md).
     ctx.mark_non_differentiable(weights, lse)
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, seed)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, seed, alibi_slopes, sinks)
     ctx.options = (dropout_p, causal, scale, enable_gqa)
+    ctx.modifiers = (window_left, window_right, softcap)
 
 
 def _backward(ctx, dout, dweights, dlse):
-    query, key, value, attn_mask, out, lse, seed = ctx.saved_tensors
-    need = ctx.needs_input_grad
+    query, key, value, attn_mask, out, lse, seed, alibi_slopes, sinks = ctx.saved_tensors
+    n_inputs = len(ctx.needs_input_grad)  # as many gradients as torch passed inputs
+    need = tuple(ctx.needs_input_grad) + (False,) * (_N_INPUTS - n_inputs)
     want_dmask = bool(need[3]) and attn_mask is not None and attn_mask.is_floating_point()
-    dq, dk, dv, dmask = sdpa_backward_op(
+    want_dsinks = bool(need[_SINKS]) and sinks is not None
+    window_left, window_right, softcap = ctx.modifiers
+    dq, dk, dv, dmask, dsinks = sdpa_backward_op(
         dout, query, key, value, out, lse, attn_mask, *ctx.options, seed,
         bool(need[0]), bool(need[1]), bool(need[2]), want_dmask,
+        window_left, window_right, alibi_slopes, softcap, sinks, want_dsinks,
     )
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dmask if want_dmask else None, None, None, None, None, None, None)
+    grads = [None] * _N_INPUTS
+    # ALiBi slopes get no gradient, as in FlashAttention: they are fixed.
+    grads[0] = dq if need[0] else None
+    grads[1] = dk if need[1] else None
+    grads[2] = dv if need[2] else None
+    grads[3] = dmask if want_dmask else None
+    grads[_SINKS] = dsinks if want_dsinks else None
+    return tuple(grads[:n_inputs])
 
 
 sdpa_op.register_autograd(_backward, setup_context=_setup_context)
@@ -173,7 +225,7 @@ def _seed_for(seed, dropout_p):
     return seed_tensor(seed)
 
 
-def run(a, query, key, value, attn_mask):
+def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     """The call on checked arguments `a` (attn/_sdpa.py) through attn::sdpa,
     so autograd records it when an input requires grad."""
     from ._sdpa import results
@@ -183,15 +235,23 @@ def run(a, query, key, value, attn_mask):
         mask = _tensor(attn_mask, a.mask)
         if mask.dim() == 0:  # a scalar broadcasts like any size-1 tensor
             mask = mask.reshape(1)
+    slopes = None if a.alibi is None else _tensor(alibi_slopes, a.alibi)
+    sink_logits = None if a.sinks is None else _tensor(sinks, a.sinks)
     out, w, lse = sdpa_op(
         _tensor(query, a.q), _tensor(key, a.k), _tensor(value, a.v), mask, a.dropout_p,
         a.causal, a.scale, a.gqa, _seed_for(a.seed, a.dropout_p), a.want_w,
+        a.window[0], a.window[1], slopes, a.softcap, sink_logits,
     )
     return results(a, out, w, lse)
 
 
+def _traced_tensor(x):
+    return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
 def traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-           causal_alignment, seed, return_weights, return_lse):
+           causal_alignment, seed, return_weights, return_lse, window_size=(-1, -1),
+           alibi_slopes=None, softcap=0.0, sinks=None):
     """The call while torch.compile traces: only what shapes and graph need.
     The checks of the eager call run when the compiled graph calls the
     operator (the library's own) or were made by torch while tracing."""
@@ -204,7 +264,9 @@ def traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     if attn_mask is not None and attn_mask.dim() == 0:
         attn_mask = attn_mask.reshape(1)
     out, w, lse = sdpa_op(query, key, value, attn_mask, float(dropout_p), causal, scale,
-                          bool(enable_gqa), _seed_for(seed, dropout_p), bool(return_weights))
+                          bool(enable_gqa), _seed_for(seed, dropout_p), bool(return_weights),
+                          int(window_size[0]), int(window_size[1]),
+                          _traced_tensor(alibi_slopes), float(softcap), _traced_tensor(sinks))
     if not (return_weights or return_lse):
         return out
     return (out,) + ((w,) if return_weights else ()) + ((lse,) if return_lse else ())

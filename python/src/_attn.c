@@ -25,8 +25,9 @@
  * its own argument names.
  *
  * The helpers the extension's other C files use (buffer views, outputs,
- * errors, Ctrl-C) are declared in _attn_shared.h; ring attention over MPI
- * lives in _attn_ring.c, compiled in when CMake found MPI.
+ * errors, Ctrl-C, the score modifiers) are declared in _attn_shared.h; the
+ * serving entry points (varlen batches, KV caches) live in _attn_serving.c,
+ * ring attention over MPI in _attn_ring.c, compiled in when CMake found MPI.
  */
 #include "_attn_shared.h" /* Python.h first, as CPython asks */
 
@@ -192,8 +193,20 @@ static attn_dtype dtype_from_format(const char *fmt, Py_ssize_t itemsize) {
     case 'f': return itemsize == 4 ? ATTN_DTYPE_F32 : 0;
     case 'd': return itemsize == 8 ? ATTN_DTYPE_F64 : 0;
     case '?': return itemsize == 1 ? ATTN_DTYPE_BOOL : 0;
+    case 'e': return itemsize == 2 ? ATTN_DTYPE_F16 : 0; /* a KV cache's storage dtype */
+    case 'i': /* int32 index tensors (cu_seqlens, cache_seqlens, block_table) */
+    case 'l': return itemsize == 4 ? ATTN_DTYPE_I32 : 0;
     }
     return 0;
+}
+
+/* Whether a format names a 16-bit integer: how bfloat16 arrives (NumPy has
+ * no bfloat16, so the Python layer passes torch.bfloat16 and ml_dtypes'
+ * bfloat16 viewed as int16/uint16, and says so with a dtype override). */
+static int is_16bit_integer(const char *fmt, Py_ssize_t itemsize) {
+    if (fmt == NULL || itemsize != 2) return 0;
+    if (*fmt == '@' || *fmt == '=') fmt++;
+    return (fmt[0] == 'h' || fmt[0] == 'H') && fmt[1] == '\0';
 }
 
 void view_release(buffer_view *v) {
@@ -234,12 +247,21 @@ static int copy_contiguous(buffer_view *v, Py_ssize_t numel) {
 
 /*
  * Fills *v from `obj`. Inputs are read-only requests and may be copied when
- * their layout cannot be expressed in elements; outputs (writable) never are.
- * On failure an exception is set and nothing is held.
+ * their layout cannot be expressed in elements; outputs (writable) never are,
+ * so a write through a writable view always lands in the caller's memory.
+ * `as`: 0, or ATTN_DTYPE_BF16 for a buffer of 16-bit integers that holds
+ * bfloat16 bit patterns. On failure an exception is set and nothing is held.
  */
-int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
+int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
+                buffer_view *v) {
     memset(v, 0, sizeof *v);
     if (PyObject_GetBuffer(obj, &v->buf, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        if (writable && PyObject_GetBuffer(obj, &v->buf, PyBUF_RECORDS_RO) == 0) {
+            PyBuffer_Release(&v->buf); /* readable: only the write is refused */
+            PyErr_Format(PyExc_ValueError, "%s is read-only; it is written in place", name);
+            return -1;
+        }
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
                      "%s must be an array (a NumPy array or another object with the strided "
@@ -249,12 +271,15 @@ int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
     }
     v->held = 1;
     const Py_buffer *b = &v->buf;
-    attn_dtype dt = dtype_from_format(b->format, b->itemsize);
-    if (dt == 0) {
+    attn_dtype dt = as == ATTN_DTYPE_BF16 && is_16bit_integer(b->format, b->itemsize)
+                        ? ATTN_DTYPE_BF16
+                        : dtype_from_format(b->format, b->itemsize);
+    if (dt == 0 || (as != 0 && dt != as)) {
         PyErr_Format(PyExc_TypeError,
                      "%s has element format '%s' (%zd bytes); expected native float32 ('f'), "
-                     "float64 ('d') or bool ('?')",
-                     name, b->format ? b->format : "B", b->itemsize);
+                     "float64 ('d'), bool ('?'), float16 ('e') or int32 ('i')%s",
+                     name, b->format ? b->format : "B", b->itemsize,
+                     as != 0 ? ", or 16-bit integers holding bfloat16" : "");
         goto fail;
     }
     if (b->ndim > ATTN_MAX_RANK) {
@@ -299,7 +324,9 @@ int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
         return 0;
     }
     if (writable) {
-        PyErr_Format(PyExc_ValueError, "%s: output buffers must be aligned to their items",
+        PyErr_Format(PyExc_ValueError,
+                     "%s is written in place, so it must be aligned to its items (a copy would "
+                     "not be the caller's memory)",
                      name);
         goto fail;
     }
@@ -318,6 +345,10 @@ int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
 fail:
     view_release(v);
     return -1;
+}
+
+int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
+    return view_get_as(obj, name, writable, 0, v);
 }
 
 /* An optional input: Py_None leaves *present at 0. */
@@ -405,7 +436,8 @@ int convert_u64(PyObject *obj, void *out) {
 PyDoc_STRVAR(sdpa_doc,
              "sdpa(query, key, value, *, empty, attn_mask=None, causal=0, scale=None,\n"
              "     enable_gqa=False, dropout_p=0.0, seed=0, rng_offset=0, want_weights=False,\n"
-             "     want_lse=False, lse_for_backward=False) -> (out, weights, lse)\n\n"
+             "     want_lse=False, lse_for_backward=False, window_left=-1, window_right=-1,\n"
+             "     softcap=0.0, alibi_slopes=None, sinks=None) -> (out, weights, lse)\n\n"
              "attn_sdpa() on buffers. causal: 0 none, 1 top-left, 2 bottom-right;\n"
              "scale: None or a float; empty(shape, dtype_name) allocates the outputs.\n"
              "weights and lse are None unless asked for. A library failure's exception\n"
@@ -431,18 +463,42 @@ int sdpa_params_from(const sdpa_options *o, attn_sdpa_params *p) {
     return p->scale == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
+/* Views of the slopes and sinks, and every field into *p; -1 with an
+ * exception set. modifiers_release undoes it either way. */
+int modifiers_apply(modifiers *m, attn_sdpa_params *p) {
+    int has_alibi, has_sinks;
+    if (view_get_optional(m->alibi, "alibi_slopes", &m->alibi_v, &has_alibi) < 0 ||
+        view_get_optional(m->sinks, "sinks", &m->sinks_v, &has_sinks) < 0)
+        return -1;
+    p->window_left = (int64_t)m->window_left;
+    p->window_right = (int64_t)m->window_right;
+    p->softcap = m->softcap;
+    p->alibi_slopes = has_alibi ? &m->alibi_v.t : NULL;
+    p->sinks = has_sinks ? &m->sinks_v.t : NULL;
+    return 0;
+}
+
+void modifiers_release(modifiers *m) {
+    view_release(&m->alibi_v);
+    view_release(&m->sinks_v);
+}
+
 static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
     static char *kwlist[] = {"query", "key", "value", "empty", "attn_mask", "causal", "scale",
                              "enable_gqa", "dropout_p", "seed", "rng_offset", "want_weights",
-                             "want_lse", "lse_for_backward", NULL};
+                             "want_lse", "lse_for_backward", "window_left", "window_right",
+                             "softcap", "alibi_slopes", "sinks", NULL};
     PyObject *oq, *ok, *ov, *empty = NULL;
     sdpa_options o = {Py_None, Py_None, 0, 0, 0.0, 0, 0};
+    modifiers m = MODIFIERS_DEFAULT;
     int want_w = 0, want_lse = 0, lse_for_backward = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOiOpdO&O&ppp:sdpa", kwlist, &oq, &ok,
-                                     &ov, &empty, &o.mask, &o.causal, &o.scale, &o.gqa,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOiOpdO&O&pppLLdOO:sdpa", kwlist, &oq,
+                                     &ok, &ov, &empty, &o.mask, &o.causal, &o.scale, &o.gqa,
                                      &o.dropout_p, convert_u64, &o.seed, convert_u64,
-                                     &o.rng_offset, &want_w, &want_lse, &lse_for_backward) ||
+                                     &o.rng_offset, &want_w, &want_lse, &lse_for_backward,
+                                     &m.window_left, &m.window_right, &m.softcap, &m.alibi,
+                                     &m.sinks) ||
         require_empty(empty, "sdpa") < 0)
         return NULL;
     attn_sdpa_params p;
@@ -467,6 +523,7 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     }
     if (view_get_optional(o.mask, "attn_mask", &mask, &has_mask) < 0) goto done;
     if (has_mask) p.attn_mask = &mask.t;
+    if (modifiers_apply(&m, &p) < 0) goto done;
 
     /* Validate everything and learn the shapes before allocating. */
     int rank;
@@ -509,6 +566,7 @@ done:
     view_release(&k);
     view_release(&v);
     view_release(&mask);
+    modifiers_release(&m);
     view_release(&out);
     view_release(&w);
     view_release(&lse);
@@ -525,7 +583,8 @@ done:
 PyDoc_STRVAR(sdpa_backward_doc,
              "sdpa_backward(dout, query, key, value, out, lse, *, empty, attn_mask=None,\n"
              "     causal=0, scale=None, enable_gqa=False, dropout_p=0.0, seed=0,\n"
-             "     rng_offset=0, want_dq=True, want_dk=True, want_dv=True, want_dmask=False)\n"
+             "     rng_offset=0, want_dq=True, want_dk=True, want_dv=True, want_dmask=False,\n"
+             "     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None)\n"
              "     -> (dq, dk, dv, dmask)\n\n"
              "attn_sdpa_backward() on buffers: the gradients of sdpa(query, key, value,\n"
              "...) given dout, and that call's out and lse (the same options, so that\n"
@@ -605,25 +664,28 @@ static PyObject *py_sdpa_backward(PyObject *self, PyObject *args, PyObject *kwds
     static char *kwlist[] = {"dout", "query", "key", "value", "out", "lse", "empty",
                              "attn_mask", "causal", "scale", "enable_gqa", "dropout_p",
                              "seed", "rng_offset", "want_dq", "want_dk", "want_dv",
-                             "want_dmask", NULL};
+                             "want_dmask", "window_left", "window_right", "softcap",
+                             "alibi_slopes", "sinks", NULL};
     PyObject *objs[BW_NIN], *empty = NULL;
     sdpa_options o = {Py_None, Py_None, 0, 0, 0.0, 0, 0};
+    modifiers m = MODIFIERS_DEFAULT;
     backward_call c;
     memset(&c, 0, sizeof c);
     c.want[BW_DQ] = c.want[BW_DK] = c.want[BW_DV] = 1;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOOOO|$OOiOpdO&O&pppp:sdpa_backward", kwlist, &objs[BW_DOUT],
+            args, kwds, "OOOOOO|$OOiOpdO&O&ppppLLdOO:sdpa_backward", kwlist, &objs[BW_DOUT],
             &objs[BW_Q], &objs[BW_K], &objs[BW_V], &objs[BW_OUT], &objs[BW_LSE], &empty,
             &o.mask, &o.causal, &o.scale, &o.gqa, &o.dropout_p, convert_u64, &o.seed,
             convert_u64, &o.rng_offset, &c.want[BW_DQ], &c.want[BW_DK], &c.want[BW_DV],
-            &c.want[BW_DMASK]) ||
+            &c.want[BW_DMASK], &m.window_left, &m.window_right, &m.softcap, &m.alibi,
+            &m.sinks) ||
         require_empty(empty, "sdpa_backward") < 0)
         return NULL;
     objs[BW_MASK] = o.mask;
     attn_sdpa_params p;
     if (sdpa_params_from(&o, &p) < 0) return NULL;
     PyObject *result = NULL;
-    if (backward_inputs(&c, objs) < 0) goto done;
+    if (backward_inputs(&c, objs) < 0 || modifiers_apply(&m, &p) < 0) goto done;
     if (c.has_mask) p.attn_mask = &c.in[BW_MASK].t;
     /* The forward's own validation first, so a bad query or option is
      * reported before any gradient is allocated. */
@@ -652,7 +714,65 @@ static PyObject *py_sdpa_backward(PyObject *self, PyObject *args, PyObject *kwds
     }
 done:
     backward_call_release(&c);
+    modifiers_release(&m);
     return result;
+}
+
+/* ------------------------------------------------------------------------ */
+/* sdpa_sinks_backward                                                       */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(sdpa_sinks_backward_doc,
+             "sdpa_sinks_backward(dout, out, lse, sinks, *, empty, causal=0, scale=None,\n"
+             "     enable_gqa=False, dropout_p=0.0, seed=0, rng_offset=0, window_left=-1,\n"
+             "     window_right=-1, softcap=0.0, alibi_slopes=None) -> dsinks\n\n"
+             "attn_sdpa_sinks_backward() on buffers: the gradient of the sinks of an sdpa\n"
+             "call (its out and lse, the same options), shaped like sinks.");
+
+static PyObject *py_sdpa_sinks_backward(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"dout", "out", "lse", "sinks", "empty", "causal", "scale",
+                             "enable_gqa", "dropout_p", "seed", "rng_offset", "window_left",
+                             "window_right", "softcap", "alibi_slopes", NULL};
+    PyObject *odout, *oout, *olse, *empty = NULL;
+    sdpa_options o = {Py_None, Py_None, 0, 0, 0.0, 0, 0};
+    modifiers m = MODIFIERS_DEFAULT;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$OiOpdO&O&LLdO:sdpa_sinks_backward",
+                                     kwlist, &odout, &oout, &olse, &m.sinks, &empty, &o.causal,
+                                     &o.scale, &o.gqa, &o.dropout_p, convert_u64, &o.seed,
+                                     convert_u64, &o.rng_offset, &m.window_left,
+                                     &m.window_right, &m.softcap, &m.alibi) ||
+        require_empty(empty, "sdpa_sinks_backward") < 0)
+        return NULL;
+    attn_sdpa_params p;
+    if (sdpa_params_from(&o, &p) < 0) return NULL;
+    buffer_view in[3], d;
+    memset(in, 0, sizeof in);
+    memset(&d, 0, sizeof d);
+    static const char *const names[3] = {"dout", "out", "lse"};
+    PyObject *objs[3] = {odout, oout, olse}, *r = NULL;
+    for (int i = 0; i < 3; i++)
+        if (view_get(objs[i], names[i], 0, &in[i]) < 0) goto done;
+    if (modifiers_apply(&m, &p) < 0) goto done;
+    if (p.sinks == NULL) {
+        PyErr_SetString(PyExc_TypeError, "sinks must be an array, not None");
+        goto done;
+    }
+    r = new_output(empty, p.sinks->rank, p.sinks->shape, p.sinks->dtype, "dsinks", &d);
+    if (r == NULL) goto done;
+    attn_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_sdpa_sinks_backward(&in[0].t, &in[1].t, &in[2].t, &p, &d.t);
+    Py_END_ALLOW_THREADS
+    if (st != ATTN_OK) {
+        raise_status(st);
+        Py_CLEAR(r);
+    }
+done:
+    for (int i = 0; i < 3; i++) view_release(&in[i]);
+    view_release(&d);
+    modifiers_release(&m);
+    return r;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1680,6 +1800,8 @@ static PyMethodDef module_methods[] = {
     {"sdpa", (PyCFunction)(void (*)(void))py_sdpa, METH_VARARGS | METH_KEYWORDS, sdpa_doc},
     {"sdpa_backward", (PyCFunction)(void (*)(void))py_sdpa_backward,
      METH_VARARGS | METH_KEYWORDS, sdpa_backward_doc},
+    {"sdpa_sinks_backward", (PyCFunction)(void (*)(void))py_sdpa_sinks_backward,
+     METH_VARARGS | METH_KEYWORDS, sdpa_sinks_backward_doc},
     {"version", py_version, METH_NOARGS, "the linked library's version string"},
     {"set_num_threads", py_set_num_threads, METH_O, "attn_set_num_threads(n); 0 = default"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},
@@ -1725,6 +1847,10 @@ PyMODINIT_FUNC PyInit__attn(void) {
     }
     if (PyModule_AddObject(m, "MHA", (PyObject *)&MHAType) < 0) {
         Py_DECREF(&MHAType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (serving_add_functions(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -28,6 +28,10 @@ typedef struct buffer_view {
 } buffer_view;
 
 int view_get(PyObject *obj, const char *name, int writable, buffer_view *v);
+/* view_get for a buffer of 16-bit integers holding bfloat16 (as =
+ * ATTN_DTYPE_BF16); as = 0 is view_get. */
+int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
+                buffer_view *v);
 int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present);
 void view_release(buffer_view *v);
 PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
@@ -57,6 +61,30 @@ typedef struct sdpa_options {
 } sdpa_options;
 
 int sdpa_params_from(const sdpa_options *o, attn_sdpa_params *p);
+
+/* The score modifiers of attn_sdpa_params (FlashAttention's window_size,
+ * alibi_slopes, softcap, sinks) as every attention entry point parses them:
+ * keywords window_left, window_right ("L"), softcap ("d"), alibi_slopes and
+ * sinks ("O"). MODIFIERS_DEFAULT is attn_sdpa_params_init's: no window, no
+ * ALiBi, no softcap, no sinks. */
+typedef struct modifiers {
+    long long window_left, window_right;
+    double softcap;
+    PyObject *alibi, *sinks; /* Py_None for none */
+    buffer_view alibi_v, sinks_v;
+} modifiers;
+
+#define MODIFIERS_DEFAULT \
+    { .window_left = -1, .window_right = -1, .softcap = 0.0, .alibi = Py_None, .sinks = Py_None }
+
+/* Views of the slopes and sinks, and every field into *p: 0, or -1 with an
+ * exception set. modifiers_release releases the views either way. */
+int modifiers_apply(modifiers *m, attn_sdpa_params *p);
+void modifiers_release(modifiers *m);
+
+/* attn.varlen / attn.kvcache (_attn_serving.c): adds sdpa_varlen and
+ * sdpa_kvcache to the module. */
+int serving_add_functions(PyObject *module);
 
 #ifdef ATTN_HAVE_RING
 /* Adds the ring functions (_attn_ring.c) to the module. */

@@ -33,13 +33,8 @@
  * vector versions have no such branch). */
 #define ATTN__EXP2F_MAX 128.0f
 
-/* The scalar polynomial, for portable files: the generic kernels call it in
- * their inner loops, where an out-of-line call would cost speed. */
-static inline float attn__exp2f_inline(float x) {
-    if (isnan(x)) return x;
-    if (x < ATTN__EXP2F_MIN) return 0.0f;
-    if (x > ATTN__EXP2F_MAX) return INFINITY;
-    float n = floorf(x + 0.5f), f = x - n;
+/* 2^f for f in [-0.5, 0.5]: the polynomial alone, Horner from C6 down. */
+static inline float attn__exp2f_poly(float f) {
     float p = ATTN__EXP2F_C6;
     p = p * f + ATTN__EXP2F_C5;
     p = p * f + ATTN__EXP2F_C4;
@@ -47,7 +42,17 @@ static inline float attn__exp2f_inline(float x) {
     p = p * f + ATTN__EXP2F_C2;
     p = p * f + ATTN__EXP2F_C1;
     p = p * f + ATTN__EXP2F_C0;
-    return ldexpf(p, (int)n);
+    return p;
+}
+
+/* The scalar polynomial, for portable files: the generic kernels call it in
+ * their inner loops, where an out-of-line call would cost speed. */
+static inline float attn__exp2f_inline(float x) {
+    if (isnan(x)) return x;
+    if (x < ATTN__EXP2F_MIN) return 0.0f;
+    if (x > ATTN__EXP2F_MAX) return INFINITY;
+    float n = floorf(x + 0.5f), f = x - n;
+    return ldexpf(attn__exp2f_poly(f), (int)n);
 }
 
 /* float64 uses libm's exp2: the float64 path is the accurate one, and no

@@ -215,7 +215,7 @@ static inline int64_t attn__last_key(const attn__problem *p, int64_t b, int64_t 
         if (p->causal == ATTN_CAUSAL_BOTTOM_RIGHT && diagonal < last) last = diagonal;
         if (p->causal == ATTN_CAUSAL_TOP_LEFT && p->q_pos0 + i - p->k_pos0 < last)
             last = p->q_pos0 + i - p->k_pos0;
-        if (p->window_right >= 0 && diagonal + p->window_right < last)
+        if (p->window_right >= 0 && p->window_right < last - diagonal) /* no overflow */
             last = diagonal + p->window_right;
     }
     return last < -1 ? -1 : last;
@@ -224,9 +224,9 @@ static inline int64_t attn__last_key(const attn__problem *p, int64_t b, int64_t 
 /* The first key (local index) query row i of batch index b may see: the
  * window's left side, else 0. May exceed attn__last_key (then none). */
 static inline int64_t attn__first_key(const attn__problem *p, int64_t b, int64_t i) {
-    if (p->window_left < 0) return 0;
-    const int64_t first = attn__diagonal(p, b, i) - p->window_left;
-    return first > 0 ? first : 0;
+    const int64_t diagonal = attn__diagonal(p, b, i);
+    if (p->window_left < 0 || p->window_left >= diagonal) return 0; /* no overflow */
+    return diagonal - p->window_left;
 }
 
 /* ALiBi's slope for batch index b (0 without ALiBi): the score of key j

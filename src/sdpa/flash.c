@@ -460,14 +460,7 @@ static inline float softcap_tanhf(float y) {
     small = small * a2 - 1.0f / 3.0f;
     small = (small * a2) * a + a;
     const float x = 2.0f * a * (float)LOG2E; /* e^2a = 2^x, 0 <= x < 26 */
-    const float n = (float)(int)(x + 0.5f), f = x - n;
-    float e = ATTN__EXP2F_C6;
-    e = e * f + ATTN__EXP2F_C5;
-    e = e * f + ATTN__EXP2F_C4;
-    e = e * f + ATTN__EXP2F_C3;
-    e = e * f + ATTN__EXP2F_C2;
-    e = e * f + ATTN__EXP2F_C1;
-    e = e * f + ATTN__EXP2F_C0;
+    const float n = (float)(int)(x + 0.5f), e = attn__exp2f_poly(x - n);
     const uint32_t pow_bits = (uint32_t)((int)n + 127) << 23; /* 2^n */
     float pow2n;
     memcpy(&pow2n, &pow_bits, sizeof pow2n);

@@ -139,11 +139,13 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
 
     /* Weighted sum of the values. A key whose weight is exactly 0 (masked,
      * dropped or underflowed) contributes nothing, even a NaN or Inf value;
-     * the fused kernels keep the same rule. */
+     * the fused kernels keep the same rule. Keys the row does not see are
+     * never read: in a NaN row their weight is NaN too, and past a ragged
+     * sequence's keys there is no row to read. */
     for (int64_t e = 0; e < p->Ev; e++) {
         double acc = 0.0;
         for (int64_t j = 0; j < p->S; j++)
-            if (s[j] != 0.0)
+            if (visible[j] && s[j] != 0.0)
                 acc += s[j] * attn__load(p->v.data, p->v.dtype,
                                          vo + attn__row_offset(p, &p->v, b, j) + e * p->v.cs);
         attn__store(p->out.data, p->out.dtype, oo + e * p->out.cs, acc);

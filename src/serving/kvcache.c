@@ -257,7 +257,7 @@ static attn_status read_table(const kv_args *a, const int64_t *len, int64_t nblk
     const int64_t num_blocks = a->k_cache->shape[0], bs = a->rows_per_block;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t rows = len != NULL ? len[b] : a->capacity;
-        const int64_t used = (rows + bs - 1) / bs;
+        const int64_t used = rows / bs + (rows % bs != 0);
         for (int64_t t = 0; t < used; t++) {
             const int64_t id = attn__index2(a->table, b, t);
             if (id < 0 || id >= num_blocks)
@@ -379,11 +379,11 @@ static void row_operand(attn__operand *op, const attn_tensor *t) {
     memset(op, 0, sizeof *op);
     op->data = t->data;
     op->dtype = t->dtype;
-    op->bstride[0] = t->strides[0];
-    op->bstride[1] = t->strides[2];
+    op->bstride[0] = attn__stride(t, 0);
+    op->bstride[1] = attn__stride(t, 2);
     op->bdiv[0] = op->bdiv[1] = 1;
-    op->rs = t->strides[1];
-    op->cs = t->strides[3];
+    op->rs = attn__stride(t, 1);
+    op->cs = attn__stride(t, 3);
 }
 
 /* A cache as the problem's k or v: sequence b's filled rows (len[b], or all
@@ -394,19 +394,19 @@ static void cache_operand(attn__operand *op, const kv_args *a, const attn_tensor
     op->data = c->data;
     op->dtype = c->dtype;
     op->bdiv[0] = 1;
-    op->bstride[1] = c->strides[2];
+    op->bstride[1] = attn__stride(c, 2);
     op->bdiv[1] = a->Hq / a->Hkv;
-    op->rs = c->strides[1];
-    op->cs = c->strides[3];
+    op->rs = attn__stride(c, 1);
+    op->cs = attn__stride(c, 3);
     op->seq_len = len;
     if (a->paged) {
         op->bstride[0] = 0; /* the table locates the sequence */
         op->pages = pages;
         op->pages_rs = nblk;
         op->page_rows = a->rows_per_block;
-        op->page_stride = c->strides[0];
+        op->page_stride = attn__stride(c, 0);
     } else {
-        op->bstride[0] = c->strides[0];
+        op->bstride[0] = attn__stride(c, 0);
     }
 }
 
@@ -415,10 +415,10 @@ static void lse_operand(attn__operand *op, const attn_tensor *t) {
     memset(op, 0, sizeof *op);
     op->data = t->data;
     op->dtype = t->dtype;
-    op->bstride[0] = t->strides[0];
-    op->bstride[1] = t->strides[1];
+    op->bstride[0] = attn__stride(t, 0);
+    op->bstride[1] = attn__stride(t, 1);
     op->bdiv[0] = op->bdiv[1] = 1;
-    op->rs = t->strides[2];
+    op->rs = attn__stride(t, 2);
 }
 
 /* Every check that needs no index value: tensors, outputs, params. */
@@ -435,7 +435,7 @@ static attn_status check_args(attn__problem *p, kv_args *a, const attn_sdpa_para
 }
 
 /* The index values (lengths, block ids, written rows) into len and pages
- * (allocated here; freed by the caller), and the problem's L and S. */
+ * (allocated here; freed by the caller), and the problem's sizes. */
 static attn_status read_indices(attn__problem *p, const kv_args *a, int64_t **len,
                                 int32_t **pages, int64_t *nblk) {
     if (a->seqlens != NULL && (*len = attn__alloc_array((size_t)a->B, sizeof **len)) == NULL)
@@ -445,8 +445,8 @@ static attn_status read_indices(attn__problem *p, const kv_args *a, int64_t **le
     if (st != ATTN_OK) return st;
     p->L = a->Lq;
     p->S = longest > 0 ? longest : 1; /* a row that sees no key still has an output */
-    if (!a->paged) return ATTN_OK;
-    *nblk = (longest + a->rows_per_block - 1) / a->rows_per_block;
+    if ((st = attn__serving_sizes(p, a->qn)) != ATTN_OK || !a->paged) return st;
+    *nblk = longest / a->rows_per_block + (longest % a->rows_per_block != 0);
     if (*nblk == 0) *nblk = 1;
     if ((*pages = attn__alloc_array((size_t)(a->B * *nblk), sizeof **pages)) == NULL)
         return ATTN_ERR_NOMEM;
@@ -492,7 +492,6 @@ attn_status attn_sdpa_kvcache(const attn_tensor *q, attn_tensor *k_cache, attn_t
     int32_t *pages = NULL; /* (B, nblk) the block ids in use */
     int64_t nblk = 0;
     st = read_indices(&p, &a, &len, &pages, &nblk);
-    if (st == ATTN_OK) st = attn__serving_sizes(&p, a.qn);
     /* Cancelled before it starts: nothing is written. */
     if (st == ATTN_OK && attn__cancelled(p.cancel)) st = attn__fail_cancelled();
     if (st == ATTN_OK) {

@@ -35,6 +35,14 @@ attn_status attn__serving_scalars(attn__problem *p, const attn_sdpa_params *para
 attn_status attn__check_index(const attn_tensor *t, const char *name, int rank,
                               const int64_t *shape, const char *expected);
 
+/* Stride d of a checked view for the problem: 0 on a dimension of size 1,
+ * whose stride is any number (attn.h) and must not scale a sequence's start
+ * row: an empty sequence at the end of a packed tensor of one row starts
+ * at row 1. */
+static inline int64_t attn__stride(const attn_tensor *t, int d) {
+    return t->shape[d] == 1 ? 0 : t->strides[d];
+}
+
 /* Element i (rank 1) or (i, j) (rank 2) of a checked int32 index tensor. */
 static inline int64_t attn__index1(const attn_tensor *t, int64_t i) {
     return ((const int32_t *)t->data)[i * t->strides[0]];

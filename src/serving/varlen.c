@@ -176,10 +176,10 @@ static void packed_operand(attn__operand *op, const attn_tensor *t, int64_t grou
     op->dtype = t->dtype;
     op->bstride[0] = 0; /* the sequence's rows are located by seq_start */
     op->bdiv[0] = 1;
-    op->bstride[1] = t->strides[1];
+    op->bstride[1] = attn__stride(t, 1);
     op->bdiv[1] = group;
-    op->rs = t->strides[0];
-    op->cs = t->strides[2];
+    op->rs = attn__stride(t, 0);
+    op->cs = attn__stride(t, 2);
     op->seq_start = start;
     op->seq_len = len;
 }
@@ -191,8 +191,8 @@ static void lse_operand(attn__operand *op, const attn_tensor *t, const int64_t *
     op->data = t->data;
     op->dtype = t->dtype;
     op->bdiv[0] = op->bdiv[1] = 1;
-    op->bstride[1] = t->strides[0];
-    op->rs = t->strides[1];
+    op->bstride[1] = attn__stride(t, 0);
+    op->rs = attn__stride(t, 1);
     op->seq_start = start;
     op->seq_len = len;
 }

@@ -28,14 +28,22 @@
 static char dir[64];
 
 /* Runs `attn <args>`, capturing stdout+stderr into buf; returns the exit code. */
+/* The output of popen'd `p` into buf (size - 1 bytes at most), the rest
+ * read and dropped: closing the pipe early would kill a long output's writer
+ * with SIGPIPE (exit 141). Returns the exit code. */
+static int collect(FILE *p, char *buf, size_t size) {
+    size_t n = p ? fread(buf, 1, size - 1, p) : 0;
+    buf[n] = '\0';
+    char rest[4096];
+    while (p && fread(rest, 1, sizeof rest, p) > 0) continue;
+    int status = p ? pclose(p) : -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 static int run(const char *args, char *buf, size_t size) {
     char cmd[2048];
     snprintf(cmd, sizeof cmd, "cd %s && '%s' %s 2>&1", dir, ATTN_CLI, args);
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(buf, 1, size - 1, p) : 0;
-    buf[n] = '\0';
-    int status = p ? pclose(p) : -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return collect(popen(cmd, "r"), buf, size);
 }
 
 /* The same with stdout going to /dev/full (every write fails with ENOSPC);
@@ -43,11 +51,7 @@ static int run(const char *args, char *buf, size_t size) {
 static int run_to_full(const char *args, char *buf, size_t size) {
     char cmd[2048];
     snprintf(cmd, sizeof cmd, "cd %s && '%s' %s 2>&1 >/dev/full", dir, ATTN_CLI, args);
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(buf, 1, size - 1, p) : 0;
-    buf[n] = '\0';
-    int status = p ? pclose(p) : -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return collect(popen(cmd, "r"), buf, size);
 }
 
 static int count(const char *hay, const char *needle) {

@@ -12,7 +12,7 @@
  * Appends are checked byte for byte over the whole cache, guard bytes
  * included. Every path the machine runs is tested.
  */
-#include "core/internal.h" /* attn__float_to_f16 / bf16 and back: the cache's rounding */
+#include "core/internal.h" /* the 16-bit formats and their rounding: what a cache holds */
 #include "testutil.h"
 
 enum { MAXB = 8, GUARD = 64 /* elements of guard before and after a cache */ };
@@ -47,13 +47,18 @@ static double elem_get(const attn_tensor *t, int64_t off) {
     }
 }
 
-/* Stores x as a KV cache holds it: float64 -> float32 -> the 16-bit format. */
+/* Stores x as a KV cache holds it: rounded once to the 16-bit format
+ * (through float32 rounded to odd, which keeps the one rounding exact). */
 static void elem_set(const attn_tensor *t, int64_t off, double x) {
     switch (t->dtype) {
     case ATTN_DTYPE_F32: ((float *)t->data)[off] = (float)x; break;
     case ATTN_DTYPE_F64: ((double *)t->data)[off] = x; break;
-    case ATTN_DTYPE_F16: ((uint16_t *)t->data)[off] = attn__float_to_f16((float)x); break;
-    case ATTN_DTYPE_BF16: ((uint16_t *)t->data)[off] = attn__float_to_bf16((float)x); break;
+    case ATTN_DTYPE_F16:
+        ((uint16_t *)t->data)[off] = attn__float_to_f16(attn__float_round_to_odd(x));
+        break;
+    case ATTN_DTYPE_BF16:
+        ((uint16_t *)t->data)[off] = attn__float_to_bf16(attn__float_round_to_odd(x));
+        break;
     default: break;
     }
 }
@@ -478,6 +483,16 @@ static void varlen_edges(void) {
         varlen_vs_oracle(&c, "queries without keys");
         CHECK(get3(&c.out.t, 0, 0, 0) == 0.0 && elem_get(&c.lse.t, 0) == -INFINITY,
               "a row without keys: out %g, lse %g", get3(&c.out.t, 0, 0, 0), elem_get(&c.lse.t, 0));
+        varlen_free(&c);
+
+        /* An empty sequence at the end of one-row tensors starts at row 1;
+         * any stride is legal on a dimension of size 1 and must not scale it. */
+        const int lq1[2] = {0, 1}, lk1[2] = {1, 0}; /* sequence 1: a query, no key */
+        varlen_fixed(&c, &r, ATTN_DTYPE_F32, 2, lq1, lk1, 2, 2, 4, 4);
+        test_tensor *packed[3] = {&c.q, &c.k, &c.v};
+        for (int i = 0; i < 3; i++) packed[i]->t.strides[0] = INT64_MAX;
+        CHECK_OK(varlen_call(&c));
+        varlen_vs_oracle(&c, "an empty last sequence");
         varlen_free(&c);
 
         /* The same bits with max_seqlen rounded up, on 1 and 2 threads. */

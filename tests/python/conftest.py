@@ -39,6 +39,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"  sdpa backward: {g['checks']} gradients checked, at most "
             f"{100 * g['worst_usage']:.0f}% of the bar used"
         )
+    serving = sys.modules.get("test_serving_conformance")
+    if serving is not None:
+        for line in serving.summary_lines():
+            tr.write_line(line)
     for kind in ("sdpa", "mha", "encoder"):
         s = stats[kind]
         if s["cases"] == 0:

@@ -1,0 +1,275 @@
+"""The serving options of the attn tool: `attn sdpa --window/--alibi-slopes/
+--softcap/--sinks`, `attn varlen` and `attn kvcache`, round trips through
+.npy files against the Python package (the same library) and the float64
+formula of test_serving_api.py; index files in every layout NumPy writes;
+usage and runtime errors. The tool is build/tools/attn (make test builds
+it), or ATTN_CLI.
+"""
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import attn
+from test_serving_api import kvcache_reference, reference, varlen_reference
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+CLI = os.environ.get("ATTN_CLI", os.path.join(ROOT, "build", "tools", "attn"))
+
+pytestmark = pytest.mark.skipif(
+    not os.access(CLI, os.X_OK), reason=f"the attn tool is not built at {CLI} (make build)")
+
+
+def run(*args):
+    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def ok(*args):
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def save(tmp_path, name, array):
+    path = tmp_path / f"{name}.npy"
+    np.save(path, array)
+    return path
+
+
+def close(ours, ref, tol=1e-12):
+    np.testing.assert_allclose(ours, np.asarray(ref), rtol=tol, atol=tol)
+
+
+# ---- attn sdpa's modifiers ----
+
+
+def test_sdpa_modifier_options(tmp_path, rng):
+    q, k, v = (rng.standard_normal(s) for s in ((3, 5, 8), (3, 7, 8), (3, 7, 4)))
+    slopes, sinks = np.array([0.5, 0.25, 0.125]), np.array([0.3, -1.0, 2.0])
+    files = {n: save(tmp_path, n, a) for n, a in
+             dict(q=q, k=k, v=v, slopes=slopes, sinks=sinks).items()}
+    out, lse = tmp_path / "out.npy", tmp_path / "lse.npy"
+    r = ok("sdpa", "-q", files["q"], "-k", files["k"], "-v", files["v"], "-o", out, "--lse", lse,
+           "--window", "2,1", "--softcap", "1.5", "--alibi-slopes", files["slopes"], "--sinks",
+           files["sinks"], "--causal=bottom-right")
+    assert "sdpa:" in r.stdout
+    ref_out, ref_lse = reference(q, k, v, causal=True, window=(2, 1), alibi=slopes, softcap=1.5,
+                                 sinks=sinks)
+    close(np.load(out), ref_out)
+    close(np.load(lse), ref_lse)
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("--window", "-2,0", "--window: '-2,0'"),
+    ("--window", "3", "--window: '3'"),
+    ("--window", "1,2,3", "--window"),
+    ("--window", " 1,2", "--window"),
+    ("--window", "1,x", "--window"),
+    ("--softcap", "-1", "--softcap: '-1'"),
+    ("--softcap", "inf", "--softcap"),
+])
+def test_sdpa_bad_modifier_values_are_usage_errors(tmp_path, option, value, match):
+    q = save(tmp_path, "q", np.ones((2, 3, 4)))
+    r = run("sdpa", "-q", q, "-k", q, "-v", q, "-o", tmp_path / "o.npy", option, value)
+    assert r.returncode == 2 and match in r.stderr
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_sdpa_modifier_file_of_the_wrong_shape_names_it(tmp_path):
+    q = save(tmp_path, "q", np.ones((2, 3, 4)))
+    bad = save(tmp_path, "slopes", np.ones(5))
+    r = run("sdpa", "-q", q, "-k", q, "-v", q, "-o", tmp_path / "o.npy", "--alibi-slopes", bad)
+    assert r.returncode == 1 and "alibi_slopes" in r.stderr
+
+
+# ---- attn varlen ----
+
+
+def varlen_files(tmp_path, rng, index_dtype=np.int32):
+    lens_q, lens_k = [3, 1, 5], [4, 6, 2]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(index_dtype)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(index_dtype)
+    q = rng.standard_normal((10, 4, 8))
+    k, v = rng.standard_normal((12, 2, 8)), rng.standard_normal((12, 2, 6))
+    arrays = dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k)
+    return arrays, {n: save(tmp_path, n, a) for n, a in arrays.items()}
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64, ">i4", ">i8"])
+def test_varlen_round_trip(tmp_path, rng, index_dtype):
+    a, f = varlen_files(tmp_path, rng, index_dtype)
+    out, lse = tmp_path / "out.npy", tmp_path / "lse.npy"
+    r = ok("varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q", f["cu_q"],
+           "--cu-seqlens-k", f["cu_k"], "-o", out, "--lse", lse, "--causal", "--window", "3,0",
+           "--softcap", "2.5")
+    assert "varlen: 3 sequences" in r.stdout
+    cu_q, cu_k = a["cu_q"].astype(np.int32), a["cu_k"].astype(np.int32)
+    want_out, want_lse = attn.varlen_attention(a["q"], a["k"], a["v"], cu_q, cu_k, 5, 6,
+                                               causal=True, window_size=(3, 0), softcap=2.5,
+                                               return_softmax_lse=True)
+    np.testing.assert_array_equal(np.load(out), want_out)  # one library: the same bits
+    np.testing.assert_array_equal(np.load(lse), want_lse)
+    ref_out, ref_lse = varlen_reference(a["q"], a["k"], a["v"], cu_q, cu_k, causal=True,
+                                        window=(3, 0), softcap=2.5)
+    close(np.load(out), ref_out)
+    close(np.load(lse), ref_lse)
+
+
+def test_varlen_fortran_order_index_file_and_modifier_files(tmp_path, rng):
+    a, f = varlen_files(tmp_path, rng)
+    np.save(f["cu_q"], np.asfortranarray(a["cu_q"]))  # 1-D: the same bytes either way
+    slopes = rng.random((3, 4))
+    sinks = rng.standard_normal(4)
+    out = tmp_path / "out.npy"
+    ok("varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q", f["cu_q"],
+       "--cu-seqlens-k", f["cu_k"], "-o", out, "--alibi-slopes", save(tmp_path, "s", slopes),
+       "--sinks", save(tmp_path, "k2", sinks), "--max-seqlen-q", 9, "--max-seqlen-k", 9)
+    ref_out, _ = varlen_reference(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], alibi=slopes,
+                                  sinks=sinks)
+    close(np.load(out), ref_out)
+
+
+@pytest.mark.parametrize("cu_q, code, match", [
+    (np.array([0.0, 3, 10]), 1, "index files are int32"),
+    (np.array([0, 3, 10], np.int16), 1, "index files are int32"),
+    (np.array([0, 5, 3, 10], np.int32), 1, "cu_seqlens_q"),
+    (np.array([0, 3, 4, 99], np.int32), 1, "cu_seqlens_q"),
+    (np.array([0, 3, 2**40]), 1, "does not fit in int32"),
+])
+def test_varlen_bad_index_files(tmp_path, rng, cu_q, code, match):
+    _, f = varlen_files(tmp_path, rng)
+    r = run("varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q",
+            save(tmp_path, "bad", cu_q), "--cu-seqlens-k", f["cu_k"], "-o", tmp_path / "o.npy")
+    assert r.returncode == code and match in r.stderr, r.stderr
+    assert not (tmp_path / "o.npy").exists()
+
+
+@pytest.mark.parametrize("args, match", [
+    ([], "-o OUT.npy is required"),
+    (["-o", "o.npy"], "-q, -k and -v are required"),
+    (["-o", "o.npy", "-q", "q", "-k", "k", "-v", "v"], "--cu-seqlens-q and --cu-seqlens-k"),
+    (["--k-cache", "x"], "unknown option '--k-cache'"),
+    (["--dropout", "0.5", "-o", "o", "-q", "q", "-k", "k", "-v", "v", "--cu-seqlens-q", "a",
+      "--cu-seqlens-k", "b"], "--dropout needs --seed"),
+    (["--max-seqlen-q", "-3"], "--max-seqlen-q: '-3'"),
+    (["--window"], "--window needs a value"),
+])
+def test_varlen_usage_errors(args, match):
+    r = run("varlen", *args)
+    assert r.returncode == 2 and match in r.stderr, r.stderr
+
+
+# ---- attn kvcache ----
+
+
+def kvcache_files(tmp_path, rng, paged=False):
+    B, Hq, Hkv, E = 2, 4, 2, 8
+    if paged:
+        table = np.array([[3, 0, 5], [1, 4, 2]], np.int32)
+        k_cache, v_cache = (rng.standard_normal((6, 4, Hkv, E)) for _ in range(2))
+    else:
+        table = None
+        k_cache, v_cache = (rng.standard_normal((B, 12, Hkv, E)) for _ in range(2))
+    arrays = dict(q=rng.standard_normal((B, 2, Hq, E)), k_cache=k_cache, v_cache=v_cache,
+                  k=rng.standard_normal((B, 2, Hkv, E)), v=rng.standard_normal((B, 2, Hkv, E)),
+                  seqlens=np.array([3, 7], np.int32))
+    if table is not None:
+        arrays["table"] = table
+    return arrays, {n: save(tmp_path, n, a) for n, a in arrays.items()}
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_round_trip_writes_the_caches_to_new_files(tmp_path, rng, paged):
+    a, f = kvcache_files(tmp_path, rng, paged)
+    inputs_before = {n: p.read_bytes() for n, p in f.items()}
+    out, lse = tmp_path / "out.npy", tmp_path / "lse.npy"
+    kc_out, vc_out = tmp_path / "kc2.npy", tmp_path / "vc2.npy"
+    args = ["kvcache", "-q", f["q"], "--k-cache", f["k_cache"], "--v-cache", f["v_cache"],
+            "--k", f["k"], "--v", f["v"], "--cache-seqlens", f["seqlens"], "-o", out, "--lse",
+            lse, "--k-cache-out", kc_out, "--v-cache-out", vc_out, "--sinks",
+            save(tmp_path, "sinks", np.array([0.1, 0.2, 0.3, 0.4]))]
+    if paged:
+        args += ["--block-table", f["table"]]
+    r = ok(*args)
+    assert "kvcache:" in r.stdout and ("paged" in r.stdout) == paged
+    for n, p in f.items():  # no input file was written
+        assert p.read_bytes() == inputs_before[n], n
+    k_cache, v_cache = a["k_cache"].copy(), a["v_cache"].copy()
+    want_out, want_lse = attn.attention_with_kvcache(
+        a["q"], k_cache, v_cache, a["k"], a["v"], cache_seqlens=a["seqlens"],
+        block_table=a.get("table"), sinks=np.array([0.1, 0.2, 0.3, 0.4]),
+        return_softmax_lse=True)
+    np.testing.assert_array_equal(np.load(out), want_out)
+    np.testing.assert_array_equal(np.load(lse), want_lse)
+    np.testing.assert_array_equal(np.load(kc_out), k_cache)  # the appended caches
+    np.testing.assert_array_equal(np.load(vc_out), v_cache)
+    assert not np.array_equal(k_cache, a["k_cache"])
+    ref = kvcache_reference(a["q"], k_cache, v_cache, a["seqlens"] + 2,
+                            sinks=np.array([0.1, 0.2, 0.3, 0.4]), block_table=a.get("table"))
+    close(np.load(out), ref[0])
+
+
+def test_kvcache_no_causal_and_no_new_rows(tmp_path, rng):
+    a, f = kvcache_files(tmp_path, rng)
+    out = tmp_path / "out.npy"
+    ok("kvcache", "-q", f["q"], "--k-cache", f["k_cache"], "--v-cache", f["v_cache"],
+       "--cache-seqlens", f["seqlens"], "--no-causal", "-o", out)
+    ref = kvcache_reference(a["q"], a["k_cache"], a["v_cache"], a["seqlens"], causal=False)
+    close(np.load(out), ref[0])
+
+
+def test_kvcache_refuses_an_output_over_an_input(tmp_path, rng):
+    _, f = kvcache_files(tmp_path, rng)
+    before = f["k_cache"].read_bytes()
+    link = tmp_path / "link.npy"
+    os.symlink(f["k_cache"], link)
+    for target in (f["k_cache"], link):
+        r = run("kvcache", "-q", f["q"], "--k-cache", f["k_cache"], "--v-cache", f["v_cache"],
+                "--k", f["k"], "--v", f["v"], "--cache-seqlens", f["seqlens"], "-o",
+                tmp_path / "o.npy", "--k-cache-out", target)
+        assert r.returncode == 2 and "--k-cache-out" in r.stderr and "never" in r.stderr
+    assert f["k_cache"].read_bytes() == before
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_kvcache_overflow_is_refused_and_nothing_written(tmp_path, rng):
+    _, f = kvcache_files(tmp_path, rng)
+    full = save(tmp_path, "full", np.array([3, 11], np.int32))  # 11 + 2 new rows > 12
+    r = run("kvcache", "-q", f["q"], "--k-cache", f["k_cache"], "--v-cache", f["v_cache"],
+            "--k", f["k"], "--v", f["v"], "--cache-seqlens", full, "-o", tmp_path / "o.npy",
+            "--k-cache-out", tmp_path / "kc.npy")
+    assert r.returncode == 1 and "cache_seqlens" in r.stderr
+    assert not (tmp_path / "o.npy").exists() and not (tmp_path / "kc.npy").exists()
+
+
+def test_kvcache_block_id_out_of_range(tmp_path, rng):
+    _, f = kvcache_files(tmp_path, rng, paged=True)
+    bad = save(tmp_path, "bad", np.array([[3, 0, 5], [1, 4, 60]], np.int32))
+    r = run("kvcache", "-q", f["q"], "--k-cache", f["k_cache"], "--v-cache", f["v_cache"],
+            "--k", f["k"], "--v", f["v"], "--cache-seqlens", f["seqlens"], "--block-table", bad,
+            "-o", tmp_path / "o.npy")
+    assert r.returncode == 1 and "block_table" in r.stderr
+
+
+@pytest.mark.parametrize("args, match", [
+    (["-o", "o.npy"], "-q, --k-cache and --v-cache are required"),
+    (["-o", "o", "-q", "q", "--k-cache", "a", "--v-cache", "b", "--k", "k"],
+     "give --k and --v together"),
+    (["--cu-seqlens-q", "x"], "unknown option '--cu-seqlens-q'"),
+    (["--dropout", "0.1"], "unknown option '--dropout'"),
+    (["--softcap", "nan"], "--softcap: 'nan'"),
+])
+def test_kvcache_usage_errors(args, match):
+    r = run("kvcache", *args)
+    assert r.returncode == 2 and match in r.stderr, r.stderr
+
+
+def test_help_texts_list_the_serving_commands():
+    top = ok("--help").stdout
+    for text in ("attn varlen", "attn kvcache", "--window L,R", "--k-cache-out"):
+        assert text in top
+    assert "--alibi-slopes" in ok("sdpa", "--help").stdout
+    assert "--block-table" in ok("kvcache", "--help").stdout
+    assert "--cu-seqlens-k" in ok("varlen", "-h").stdout
