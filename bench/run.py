@@ -480,7 +480,7 @@ def main():
         peak = max(peak0["gflops"], peak1["gflops"])
         verdict = serving.figures(res, bw["gbps"], peak)
         machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
-                       read_bandwidth_gbps=[bw["gbps"], res["decode"]["bandwidth_gbps"]])
+                       read_bandwidth_gbps=[bw["gbps"], res["decode"]["bandwidth_probe_gbps"]])
         print("\n".join(write_serving(args, res, verdict, machine, peak,
                                        res["decode"]["bandwidth_gbps"])))
         log(f"wrote {args.out}/serving.json, serving.md")
