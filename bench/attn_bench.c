@@ -23,7 +23,7 @@
  *                                        q, k, v, dout from DIR/NAME.npy, dq, dk,
  *                                        dv written to DIR/NAME.npy
  *
- *   attn_bench decode|window|varlen ...
+ *   attn_bench decode|window|varlen|kv-read ...
  *                                        the serving cases (bench/serving_bench.c):
  *                                        attn_sdpa_kvcache, the sliding window,
  *                                        attn_sdpa_varlen, each beside the
@@ -508,7 +508,7 @@ int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr,
                 "usage: attn_bench peak|bandwidth|memory|memory-backward|sdpa|backward|"
-                "decode|window|varlen ...\n");
+                "decode|window|varlen|kv-read ...\n");
         return 2;
     }
     const long threads = opt_long(argc, argv, "--threads", 0);
@@ -527,7 +527,7 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "backward") == 0) return cmd_backward(argc - 2, argv + 2);
     if (strcmp(argv[1], "memory-backward") == 0) return cmd_memory_backward(argc - 2, argv + 2);
     if (strcmp(argv[1], "decode") == 0 || strcmp(argv[1], "window") == 0 ||
-        strcmp(argv[1], "varlen") == 0)
+        strcmp(argv[1], "varlen") == 0 || strcmp(argv[1], "kv-read") == 0)
         return bench_serving(argv[1], argc - 2, argv + 2);
     fprintf(stderr, "attn_bench: unknown command '%s'\n", argv[1]);
     return 2;

@@ -31,6 +31,10 @@
  *       --causal, which on the padded rows is each sequence's own);
  *       "loop": attn_sdpa once per sequence on its rows of the padded batch;
  *       "loop_packed": the same on views of the packed rows.
+ *   attn_bench kv-read [--rows N] [--heads 8] [--dim 128] [--block 16] [--pad 0]
+ *       No attention: the read bandwidth of the decode's K/V rows walked
+ *       three ways (cmd_kv_read), to tell the layout's cost from the
+ *       kernel's; --pad P puts P unused floats after each row.
  *
  * Inputs are bench_hashed() values (bench.h), which bench/run.py draws
  * again in NumPy for PyTorch: element i of a sequence's canonical
@@ -59,6 +63,7 @@
 
 #include "attn.h"
 #include "bench.h"
+#include "peak.h"
 
 #define MAX_VARIANTS 8
 #define MAX_SEQS     1024
@@ -701,7 +706,69 @@ static int serve(const char *cmd, serving_case *c, int argc, char **argv) {
     return 0;
 }
 
+/* ---- kv-read: the decode's K/V traversals without attention ---- */
+
+/* GB/s of reading rows x (H x E) floats, best of 5, three ways: "stream"
+ * (each thread a contiguous share), "per_head" (one task per head reading
+ * its E floats of every row, as the kernels walk a token-major cache head
+ * by head), "blocks" (blocks of `block` rows shared among the threads, each
+ * block read head by head). */
+static int cmd_kv_read(int argc, char **argv) {
+    const int64_t rows = bench_opt_long(argc, argv, "--rows", 2 * 147456);
+    const int64_t H = bench_opt_long(argc, argv, "--heads", 8);
+    const int64_t E = bench_opt_long(argc, argv, "--dim", 128);
+    const int64_t block = bench_opt_long(argc, argv, "--block", 16);
+    const int64_t pad = bench_opt_long(argc, argv, "--pad", 0); /* floats after each row */
+    if (rows < 1 || H < 1 || E < 1 || block < 1 || pad < 0) {
+        fprintf(stderr, "usage: attn_bench kv-read [--rows N] [--heads 8] [--dim 128] "
+                        "[--block 16] [--pad 0]\n");
+        return 2;
+    }
+    const int64_t row = H * E + pad, n = rows * row;
+    float *x = alloc(sizeof(float) * (size_t)n);
+    if (x == NULL) return 1;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        x[i] = 1.0f;
+    const char *names[3] = {"stream", "per_head", "blocks"};
+    double best[3] = {0, 0, 0}, sink = 0;
+    for (int round = 0; round < 5; round++)
+        for (int m = 0; m < 3; m++) {
+            double sum = 0;
+            const double t0 = bench_now();
+            if (m == 0) {
+#pragma omp parallel for schedule(static) reduction(+ : sum)
+                for (int64_t r = 0; r < rows; r++)
+                    sum += bandwidth_read(x + r * row, row);
+            } else if (m == 1) {
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : sum)
+                for (int64_t h = 0; h < H; h++)
+                    for (int64_t r = 0; r < rows; r++)
+                        sum += bandwidth_read(x + r * row + h * E, E);
+            } else {
+#pragma omp parallel for schedule(static) reduction(+ : sum)
+                for (int64_t b0 = 0; b0 < rows; b0 += block)
+                    for (int64_t h = 0; h < H; h++)
+                        for (int64_t r = b0; r < b0 + block && r < rows; r++)
+                            sum += bandwidth_read(x + r * row + h * E, E);
+            }
+            const double g = (double)(rows * H * E) * 4 / (bench_now() - t0) / 1e9;
+            best[m] = g > best[m] ? g : best[m];
+            sink += sum;
+        }
+    printf("{\"rows\": %lld, \"heads\": %lld, \"dim\": %lld, \"block\": %lld, \"pad\": %lld, "
+           "\"threads\": %d, \"gbps\": {",
+           (long long)rows, (long long)H, (long long)E, (long long)block, (long long)pad,
+           attn_get_num_threads());
+    for (int m = 0; m < 3; m++)
+        printf("%s\"%s\": %.2f", m ? ", " : "", names[m], best[m]);
+    printf("}, \"check\": %.0f}\n", sink / 15);
+    free(x);
+    return 0;
+}
+
 int bench_serving(const char *cmd, int argc, char **argv) {
+    if (strcmp(cmd, "kv-read") == 0) return cmd_kv_read(argc, argv);
     /* Large and freed only at exit: the process exists for this one case. */
     serving_case *c = calloc(1, sizeof *c);
     if (c == NULL) return 1;
