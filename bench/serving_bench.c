@@ -129,10 +129,30 @@ static int parse_list(const char *s, int64_t *x, int max) {
     return n;
 }
 
+/* Every buffer a case allocates, freed together when it ends. */
+static void *owned[4 * MAX_SEQS + 64];
+static int nowned;
+
+static void *own(void *p, size_t bytes) {
+    if (p == NULL || nowned == (int)(sizeof owned / sizeof owned[0])) {
+        fprintf(stderr, "attn_bench: out of memory (%zu bytes)\n", bytes);
+        free(p);
+        return NULL;
+    }
+    return owned[nowned++] = p;
+}
+
+static void free_owned(void) {
+    while (nowned > 0)
+        free(owned[--nowned]);
+}
+
 static void *alloc(size_t bytes) {
-    void *p = malloc(bytes == 0 ? 1 : bytes);
-    if (p == NULL) fprintf(stderr, "attn_bench: out of memory (%zu bytes)\n", bytes);
-    return p;
+    return own(malloc(bytes == 0 ? 1 : bytes), bytes);
+}
+
+static void *alloc_zero(size_t n, size_t size) {
+    return own(calloc(n == 0 ? 1 : n, size), n * size);
 }
 
 /* A K/V buffer: malloc's, or with --thp 2 MiB-aligned and advised to use
@@ -147,7 +167,7 @@ static void *alloc_kv(size_t bytes) {
         void *p = NULL;
         if (posix_memalign(&p, huge, (bytes + huge - 1) / huge * huge) != 0) return alloc(bytes);
         madvise(p, (bytes + huge - 1) / huge * huge, MADV_HUGEPAGE);
-        return p;
+        return own(p, bytes);
     }
 #endif
     return alloc(bytes);
@@ -249,13 +269,15 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
         int64_t nblocks = 0, maxb = cdiv(smax, bs);
         for (int64_t b = 0; b < B; b++)
             nblocks += cdiv(c->lens[b] + 1, bs);
-        int32_t *perm = alloc(sizeof(int32_t) * (size_t)nblocks);
+        int32_t *perm = malloc(sizeof(int32_t) * (size_t)(nblocks > 0 ? nblocks : 1));
         c->tables[i] = alloc(sizeof(int32_t) * (size_t)(B * maxb));
         c->kc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
         c->vc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
         c->out_paged[i] = alloc(sizeof(float) * (size_t)(B * Hq * E));
-        if (!perm || !c->tables[i] || !c->kc_paged[i] || !c->vc_paged[i] || !c->out_paged[i])
+        if (!perm || !c->tables[i] || !c->kc_paged[i] || !c->vc_paged[i] || !c->out_paged[i]) {
+            free(perm);
             return 1;
+        }
         uint32_t s = 12345u + (uint32_t)bs;
         for (int64_t j = 0; j < nblocks; j++)
             perm[j] = (int32_t)j;
@@ -532,13 +554,13 @@ static int setup_varlen(serving_case *c, int argc, char **argv) {
     c->pk = alloc(sizeof(float) * (size_t)(T * H * E));
     c->pv = alloc(sizeof(float) * (size_t)(T * H * E));
     c->pout = alloc(sizeof(float) * (size_t)(T * H * E));
-    c->lpout = calloc((size_t)(T * H * E), sizeof(float));
-    c->dq = calloc((size_t)(B * H * Lm * E), sizeof(float));
-    c->dk = calloc((size_t)(B * H * Lm * E), sizeof(float));
-    c->dv = calloc((size_t)(B * H * Lm * E), sizeof(float));
-    c->dout = calloc((size_t)(B * H * Lm * E), sizeof(float));
-    c->lout = calloc((size_t)(B * H * Lm * E), sizeof(float));
-    c->mask = calloc((size_t)(B * Lm), 1);
+    c->lpout = alloc_zero((size_t)(T * H * E), sizeof(float));
+    c->dq = alloc_zero((size_t)(B * H * Lm * E), sizeof(float));
+    c->dk = alloc_zero((size_t)(B * H * Lm * E), sizeof(float));
+    c->dv = alloc_zero((size_t)(B * H * Lm * E), sizeof(float));
+    c->dout = alloc_zero((size_t)(B * H * Lm * E), sizeof(float));
+    c->lout = alloc_zero((size_t)(B * H * Lm * E), sizeof(float));
+    c->mask = alloc_zero((size_t)(B * Lm), 1);
     if (!c->pq || !c->pk || !c->pv || !c->pout || !c->lpout || !c->dq || !c->dk || !c->dv ||
         !c->dout || !c->lout || !c->mask)
         return 1;
@@ -655,7 +677,7 @@ static int serve(const char *cmd, serving_case *c, int argc, char **argv) {
     if (run_round(c, 0, ms)) return 1; /* warm-up */
     const int reps = (int)bench_opt_long(argc, argv, "--reps", 0);
     if (reps > 0) { /* by itself */
-        double *all = alloc(sizeof(double) * (size_t)(reps * c->nv));
+        double *all = malloc(sizeof(double) * (size_t)(reps * c->nv));
         if (all == NULL) return 1;
         for (int r = 0; r < reps; r++) {
             if (run_round(c, r, ms)) return 1;
@@ -725,7 +747,7 @@ static int cmd_kv_read(int argc, char **argv) {
         return 2;
     }
     const int64_t row = H * E + pad, n = rows * row;
-    float *x = alloc(sizeof(float) * (size_t)n);
+    float *x = malloc(sizeof(float) * (size_t)n);
     if (x == NULL) return 1;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++)
@@ -769,12 +791,12 @@ static int cmd_kv_read(int argc, char **argv) {
 
 int bench_serving(const char *cmd, int argc, char **argv) {
     if (strcmp(cmd, "kv-read") == 0) return cmd_kv_read(argc, argv);
-    /* Large and freed only at exit: the process exists for this one case. */
-    serving_case *c = calloc(1, sizeof *c);
+    serving_case *c = alloc_zero(1, sizeof *c);
     if (c == NULL) return 1;
     int rc = strcmp(cmd, "decode") == 0   ? setup_decode(c, argc, argv)
              : strcmp(cmd, "window") == 0 ? setup_window(c, argc, argv)
                                           : setup_varlen(c, argc, argv);
     if (rc == 0) rc = serve(cmd, c, argc, argv);
+    free_owned();
     return rc;
 }
