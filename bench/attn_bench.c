@@ -23,6 +23,12 @@
  *                                        q, k, v, dout from DIR/NAME.npy, dq, dk,
  *                                        dv written to DIR/NAME.npy
  *
+ *   attn_bench decode|window|varlen|kv-read ...
+ *                                        the serving cases (bench/serving_bench.c):
+ *                                        attn_sdpa_kvcache, the sliding window,
+ *                                        attn_sdpa_varlen, each beside the
+ *                                        references it is compared with
+ *
  * --cpu-time (with --threads 1) measures the calling thread's CPU time
  * instead of wall time: on a shared machine it excludes the time the thread
  * is preempted, which makes kernel tuning repeatable. `peak --cpu-time` does
@@ -41,6 +47,7 @@
 #endif
 
 #include "attn.h"
+#include "bench.h"
 #include "peak.h"
 
 /* The vector probes exist when the build compiled them (as the kernels). */
@@ -485,10 +492,23 @@ static int cmd_sdpa(int argc, char **argv) {
     return 0;
 }
 
+/* ---- what bench/serving_bench.c shares (bench.h) ---- */
+
+double bench_now(void) { return now(); }
+long bench_opt_long(int argc, char **argv, const char *name, long fallback) {
+    return opt_long(argc, argv, name, fallback);
+}
+const char *bench_opt_str(int argc, char **argv, const char *name) {
+    return opt_str(argc, argv, name);
+}
+int bench_has_flag(int argc, char **argv, const char *name) { return has_flag(argc, argv, name); }
+double bench_median(const double *x, int n) { return median(x, n); }
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr,
-                "usage: attn_bench peak|bandwidth|memory|memory-backward|sdpa|backward ...\n");
+                "usage: attn_bench peak|bandwidth|memory|memory-backward|sdpa|backward|"
+                "decode|window|varlen|kv-read ...\n");
         return 2;
     }
     const long threads = opt_long(argc, argv, "--threads", 0);
@@ -506,6 +526,9 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "sdpa") == 0) return cmd_sdpa(argc - 2, argv + 2);
     if (strcmp(argv[1], "backward") == 0) return cmd_backward(argc - 2, argv + 2);
     if (strcmp(argv[1], "memory-backward") == 0) return cmd_memory_backward(argc - 2, argv + 2);
+    if (strcmp(argv[1], "decode") == 0 || strcmp(argv[1], "window") == 0 ||
+        strcmp(argv[1], "varlen") == 0 || strcmp(argv[1], "kv-read") == 0)
+        return bench_serving(argv[1], argc - 2, argv + 2);
     fprintf(stderr, "attn_bench: unknown command '%s'\n", argv[1]);
     return 2;
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """attn against PyTorch, side by side, in one run.
 
-    python3 bench/run.py [--quick] [--threads N] [--reps N] [--only TEXT]
+    python3 bench/run.py [--quick] [--threads N] [--reps N] [--only TEXT] [--serving]
 
 For every shape the same seeded float32 inputs go to attn and to PyTorch 2.13
 (``F.scaled_dot_product_attention``; ``nn.MultiheadAttention`` in eval mode
@@ -25,8 +25,15 @@ causal), % of the same-run FMA peak, the PyTorch/attn ratios, the largest
 difference of dq, dk, dv; and ``attn_bench memory-backward``'s peak RSS at
 L = S = 65536 (8192 with --quick).
 
+The serving cases of issue 14 (bench/serving.py: a paged KV-cache decode,
+the sliding window, varlen batches; attn through `attn_bench decode|window|
+varlen`, alternating call by call with PyTorch) end the run; --serving runs
+them alone (with the peak and bandwidth probes) and writes only
+bench/results/serving.json and serving.md.
+
 Writes bench/results/results.json, bench/results/results.md and
-bench/results/throughput.png, and prints the Markdown table.
+bench/results/throughput.png (and serving.json, serving.md), and prints the
+Markdown table.
 """
 import argparse
 import json
@@ -47,6 +54,8 @@ import attn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import serving  # noqa: E402  (bench/serving.py)
 
 # (name, kind, params). SDPA params: B, H, L, S, E, causal, kv_heads.
 PREFILL = [(1, 8, 512, 512, 64), (1, 16, 2048, 2048, 64), (1, 8, 8192, 8192, 64),
@@ -394,12 +403,53 @@ def plot(cases, path):
     return True
 
 
+def cpu_model():
+    """/proc/cpuinfo's model name, family and model (platform.processor()
+    is empty on Linux)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
+    except OSError:
+        return platform.processor() or platform.machine()
+    return (f"{fields.get('model name', platform.machine())} "
+            f"(family {fields.get('cpu family', '?')} model {fields.get('model', '?')})")
+
+
+def write_serving(args, res, verdict, machine, peak, bw):
+    """bench/results/serving.json and serving.md: the serving section alone."""
+    with open(os.path.join(args.out, "serving.json"), "w") as f:
+        json.dump(dict(machine=machine, serving=res,
+                       targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict]),
+                  f, indent=1)
+    info = res["decode"]["info"]
+    lines = [f"attn {info['attn']} ({info['isa']}) vs PyTorch {machine['torch']}, "
+             f"float32, {args.threads} threads, {machine['date']}, {machine['cpu_model']}. "
+             f"Measured in the same run: FMA peak {peak:.0f} GFLOP/s ({machine['peak_isa']}), "
+             f"read bandwidth {bw:.1f} GB/s."]
+    lines += serving.table(res, machine)
+    lines += ["", "| target | case | measured | met |", "|---|---|---:|:---:|"]
+    lines += [f"| {b} | {a} | {v} | {'yes' if m else '**no**'} |" for a, b, m, v in verdict]
+    with open(os.path.join(args.out, "serving.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
-    ap.add_argument("--only", default="", help="run cases whose label contains this text")
+    ap.add_argument("--only", default="", help="run cases whose label contains this text "
+                    "('serving': the serving section)")
+    ap.add_argument("--serving", action="store_true",
+                    help="only the serving section; writes only serving.json and serving.md")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "build", "bench", "attn_bench"))
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--memory-probe", help=argparse.SUPPRESS)
@@ -418,6 +468,23 @@ def main():
     bw = probe(args, "bandwidth")
     log(f"measured FMA peak {peak0['gflops']:.1f} GFLOP/s ({peak0['isa']}), "
         f"read bandwidth {bw['gbps']:.1f} GB/s")
+
+    machine = dict(cpu=platform.processor() or platform.machine(), cpu_model=cpu_model(),
+                   threads=args.threads, peak_isa=peak0["isa"], attn=attn.__version__,
+                   attn_isa=attn.kernel_info()["isa"], torch=torch.__version__,
+                   date=time.strftime("%Y-%m-%d %H:%M"))
+    run_serving = args.serving or not args.only or args.only == "serving"
+    if args.serving:
+        res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"])
+        peak1 = probe(args, "peak")
+        peak = max(peak0["gflops"], peak1["gflops"])
+        verdict = serving.figures(res, bw["gbps"], peak)
+        machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
+                       read_bandwidth_gbps=[bw["gbps"], res["decode"]["bandwidth_probe_gbps"]])
+        print("\n".join(write_serving(args, res, verdict, machine, peak,
+                                       res["decode"]["bandwidth_gbps"])))
+        log(f"wrote {args.out}/serving.json, serving.md")
+        return
 
     plan = []
     prefill = PREFILL if not args.quick else [(1, 8, 512, 512, 64)]
@@ -476,6 +543,10 @@ def main():
             f"{c['ratio']:.2f}x, {c['gflops_attn']:.1f} GFLOP/s, {c['extra']} "
             f"({time.perf_counter() - t0:.0f} s)")
 
+    serving_res = None
+    if run_serving:
+        serving_res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"])
+
     memory = None
     if not args.quick and not args.only:
         log("memory: attn_bench memory (L = S = 65536, H = 1, E = 64) ...")
@@ -529,17 +600,21 @@ def main():
                         f"{memory['used_mib'] - memory['inputs_outputs_mib']:.1f} MiB; "
                         f"budget {memory['budget_mib']:.0f} MiB)"))
     verdict += backward_verdicts(backward, memory_bwd)
+    serving_verdict = []
+    if serving_res is not None:
+        serving_verdict = serving.figures(serving_res, bw["gbps"], peak)
+        verdict += serving_verdict
 
-    machine = dict(cpu=platform.processor() or platform.machine(), threads=args.threads,
-                   fma_peak_gflops=[peak0["gflops"], peak1["gflops"]], peak_isa=peak0["isa"],
-                   read_bandwidth_gbps=bw["gbps"], attn=attn.__version__,
-                   attn_isa=attn.kernel_info()["isa"], torch=torch.__version__,
-                   date=time.strftime("%Y-%m-%d %H:%M"))
+    machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
+                   read_bandwidth_gbps=bw["gbps"])
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(dict(machine=machine, cases=cases, memory=memory,
                        targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict],
-                       backward=backward, memory_backward=memory_bwd),
+                       backward=backward, memory_backward=memory_bwd, serving=serving_res),
                   f, indent=1)
+    if serving_res is not None:
+        write_serving(args, serving_res, serving_verdict, machine, peak,
+                      serving_res["decode"]["bandwidth_gbps"])
 
     lines = [f"attn {machine['attn']} ({machine['attn_isa']}) vs PyTorch {machine['torch']}, "
              f"float32, {args.threads} threads, {machine['date']}. Measured in the same run: "
@@ -550,6 +625,8 @@ def main():
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     lines += [fmt_row(c, peak) for c in cases if c["group"] != "sweep"]
     lines += backward_table(backward)
+    if serving_res is not None:
+        lines += serving.table(serving_res, machine)
     lines += ["", "| target | case | measured | met |", "|---|---|---:|:---:|"]
     lines += [f"| {b} | {a} | {v} | {'yes' if m else '**no**'} |" for a, b, m, v in verdict]
     table = "\n".join(lines)
@@ -557,7 +634,8 @@ def main():
         f.write(table + "\n")
     plotted = plot(cases, os.path.join(args.out, "throughput.png"))
     print(table)
-    log(f"wrote {args.out}/results.json, results.md" + (", throughput.png" if plotted else ""))
+    log(f"wrote {args.out}/results.json, results.md" + (", throughput.png" if plotted else "") +
+        (", serving.json, serving.md" if serving_res is not None else ""))
 
 
 if __name__ == "__main__":
