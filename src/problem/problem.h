@@ -298,6 +298,12 @@ typedef struct attn__problem_request {
     attn_sdpa_params modifiers_copy;
 } attn__problem_request;
 
+/* Checks causal, scale and dropout (attn_sdpa_params' fields, named so in
+ * messages) into p, whose E must be set (the default scale is 1/sqrt(E)). */
+attn_status attn__problem_scalars(attn__problem *p, attn_causal causal, int has_scale,
+                                  double scale, double dropout_p, uint64_t seed,
+                                  uint64_t rng_offset);
+
 /* Fills p's score modifiers from params (already read in full by
  * attn__read_params; NULL: none), checking each field; the slopes and sinks
  * broadcast against p's batch shape, which must be set. */

@@ -254,28 +254,35 @@ static attn_status batch_dims(attn__problem *p, const attn__problem_request *r) 
     return ATTN_OK;
 }
 
-/* Causality, scale, dropout. */
-static attn_status check_scalars(attn__problem *p, const attn__problem_request *r) {
-    if (r->causal != ATTN_CAUSAL_NONE && r->causal != ATTN_CAUSAL_TOP_LEFT &&
-        r->causal != ATTN_CAUSAL_BOTTOM_RIGHT)
+attn_status attn__problem_scalars(attn__problem *p, attn_causal causal, int has_scale,
+                                  double scale, double dropout_p, uint64_t seed,
+                                  uint64_t rng_offset) {
+    if (causal != ATTN_CAUSAL_NONE && causal != ATTN_CAUSAL_TOP_LEFT &&
+        causal != ATTN_CAUSAL_BOTTOM_RIGHT)
         return attn__fail_arg(ATTN_ERR_INVALID, "params.causal",
                               "causal is %d; expected ATTN_CAUSAL_NONE, ATTN_CAUSAL_TOP_LEFT or "
                               "ATTN_CAUSAL_BOTTOM_RIGHT",
-                              (int)r->causal);
-    p->causal = r->causal;
-    if (r->has_scale && !isfinite(r->scale))
+                              (int)causal);
+    p->causal = causal;
+    if (has_scale && !isfinite(scale))
         return attn__fail_arg(ATTN_ERR_INVALID, "params.scale",
-                              "scale is %g; expected a finite number", r->scale);
-    p->scale = r->has_scale ? r->scale : 1.0 / sqrt((double)p->E);
-    if (!(r->dropout_p >= 0.0 && r->dropout_p <= 1.0))
+                              "scale is %g; expected a finite number", scale);
+    p->scale = has_scale ? scale : 1.0 / sqrt((double)p->E);
+    if (!(dropout_p >= 0.0 && dropout_p <= 1.0))
         return attn__fail_arg(ATTN_ERR_INVALID, "params.dropout_p",
-                              "dropout_p is %g; expected a probability in [0, 1]", r->dropout_p);
-    p->dropout = r->dropout_p > 0.0;
-    p->dropout_p = r->dropout_p;
-    p->keep_threshold = attn__dropout_threshold(r->dropout_p);
-    p->seed = r->seed;
-    p->rng_offset = r->rng_offset;
+                              "dropout_p is %g; expected a probability in [0, 1]", dropout_p);
+    p->dropout = dropout_p > 0.0;
+    p->dropout_p = dropout_p;
+    p->keep_threshold = attn__dropout_threshold(dropout_p);
+    p->seed = seed;
+    p->rng_offset = rng_offset;
     return ATTN_OK;
+}
+
+/* Causality, scale, dropout. */
+static attn_status check_scalars(attn__problem *p, const attn__problem_request *r) {
+    return attn__problem_scalars(p, r->causal, r->has_scale, r->scale, r->dropout_p, r->seed,
+                                 r->rng_offset);
 }
 
 /* Where the problem sits in a larger one (attn_sdpa_params' slice fields):

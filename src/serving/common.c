@@ -1,5 +1,4 @@
 /* common.c — see serving.h. */
-#include <math.h>
 #include <string.h>
 
 #include "serving.h"
@@ -46,27 +45,9 @@ const char *attn__serving_name(const attn_sdpa_params *params, attn__role_id rol
 }
 
 attn_status attn__serving_scalars(attn__problem *p, const attn_sdpa_params *params) {
-    /* The checks and messages of attn_sdpa's (validate.c, check_scalars). */
-    if (params->causal != ATTN_CAUSAL_NONE && params->causal != ATTN_CAUSAL_TOP_LEFT &&
-        params->causal != ATTN_CAUSAL_BOTTOM_RIGHT)
-        return attn__fail_arg(ATTN_ERR_INVALID, "params.causal",
-                              "causal is %d; expected ATTN_CAUSAL_NONE, ATTN_CAUSAL_TOP_LEFT or "
-                              "ATTN_CAUSAL_BOTTOM_RIGHT",
-                              (int)params->causal);
-    p->causal = params->causal;
-    if (params->has_scale && !isfinite(params->scale))
-        return attn__fail_arg(ATTN_ERR_INVALID, "params.scale",
-                              "scale is %g; expected a finite number", params->scale);
-    p->scale = params->has_scale ? params->scale : 1.0 / sqrt((double)p->E);
-    if (!(params->dropout_p >= 0.0 && params->dropout_p <= 1.0))
-        return attn__fail_arg(ATTN_ERR_INVALID, "params.dropout_p",
-                              "dropout_p is %g; expected a probability in [0, 1]",
-                              params->dropout_p);
-    p->dropout = params->dropout_p > 0.0;
-    p->dropout_p = params->dropout_p;
-    p->keep_threshold = attn__dropout_threshold(params->dropout_p);
-    p->seed = params->seed;
-    p->rng_offset = params->rng_offset;
+    attn_status st = attn__problem_scalars(p, params->causal, params->has_scale, params->scale,
+                                           params->dropout_p, params->seed, params->rng_offset);
+    if (st != ATTN_OK) return st;
     p->cancel = attn__cancel_flag();
     return attn__problem_modifiers(p, params);
 }
