@@ -14,7 +14,8 @@
  *                                        checks the backward's peak RSS <= inputs
  *                                        (q, k, v, dout, out, lse) + dq, dk, dv + 64 MiB
  *   attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N] [--cpu-time]
- *                                        times attn alone (median ms, GFLOP/s)
+ *                  [--softcap C]         times attn alone (median ms, GFLOP/s);
+ *                                        --softcap: with logit soft-capping at C
  *   attn_bench backward B H L S E [--causal] [--kv-heads H] [--reps N]
  *                       [--load DIR] [--save DIR] [--cpu-time]
  *                                        times attn_sdpa (with lse) then
@@ -443,7 +444,8 @@ static int cmd_memory_backward(int argc, char **argv) {
 
 static int cmd_sdpa(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N]\n");
+        fprintf(stderr, "usage: attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N] "
+                        "[--softcap C]\n");
         return 2;
     }
     const int64_t B = atol(argv[0]), H = atol(argv[1]), L = atol(argv[2]), S = atol(argv[3]),
@@ -465,6 +467,8 @@ static int cmd_sdpa(int argc, char **argv) {
     attn_sdpa_params_init(&p);
     p.causal = causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
     p.enable_gqa = Hk != H;
+    const char *softcap = opt_str(argc, argv, "--softcap");
+    p.softcap = softcap != NULL ? strtod(softcap, NULL) : 0;
     if (attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL) != ATTN_OK) { /* warm-up */
         fprintf(stderr, "attn_bench sdpa: %s\n", attn_last_error());
         return 1;
@@ -479,11 +483,11 @@ static int cmd_sdpa(int argc, char **argv) {
     double checksum = 0;
     for (int64_t i = 0; i < B * H * L * E; i += 101) checksum += o[i];
     printf("{\"shape\": [%lld, %lld, %lld, %lld, %lld], \"kv_heads\": %lld, \"causal\": %s, "
-           "\"isa\": \"%s\", \"threads\": %d, \"median_ms\": %.3f, \"best_ms\": %.3f, "
-           "\"gflops\": %.2f, \"checksum\": %.6f}\n",
+           "\"softcap\": %g, \"isa\": \"%s\", \"threads\": %d, \"median_ms\": %.3f, "
+           "\"best_ms\": %.3f, \"gflops\": %.2f, \"checksum\": %.6f}\n",
            (long long)B, (long long)H, (long long)L, (long long)S, (long long)E, (long long)Hk,
-           causal ? "true" : "false", attn_isa_name(attn_get_isa()), attn_get_num_threads(),
-           ms[reps / 2], ms[0], flops / ms[reps / 2] / 1e6, checksum);
+           causal ? "true" : "false", p.softcap, attn_isa_name(attn_get_isa()),
+           attn_get_num_threads(), ms[reps / 2], ms[0], flops / ms[reps / 2] / 1e6, checksum);
     free(q);
     free(k);
     free(v);

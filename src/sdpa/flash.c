@@ -435,8 +435,8 @@ static bool bwd_grads_finite(const attn__problem *p, const flash_work *w) {
 }
 
 /* tanh for the float32 soft-cap, written so that the compiler vectorizes
- * the tile loop (libm's tanhf is a call per score and made soft-capping
- * cost 2.7x the attention, (1,8,2048,2048,64) on Zen 4). Below |y| = 1/4 the
+ * the tile loop (libm's tanhf is a call per score, which left the loop
+ * scalar; see docs/design.md for what soft-capping costs). Below |y| = 1/4 the
  * odd Taylor series through y^11 (next term < 2e-9 relative); above,
  * 1 - 2/(e^2|y| + 1) with e^2|y| from the exp2 polynomial, which loses at
  * most two bits to the subtraction at |y| = 1/4; |y| is clamped at 9, where
