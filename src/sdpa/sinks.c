@@ -66,12 +66,16 @@ attn_status attn_sdpa_sinks_backward(const attn_tensor *dout, const attn_tensor 
                                      const attn_tensor *lse, const attn_sdpa_params *user,
                                      attn_tensor *dsinks) {
     attn__clear_error();
+    if (user == NULL) /* the defaults have no sinks */
+        return attn__fail_arg(ATTN_ERR_NULL, "params.sinks",
+                              "params is NULL: there are no sinks to differentiate");
     attn_sdpa_params params;
     attn_sdpa_params_init(&params);
-    attn_status st = attn__read_params(&params, sizeof params, ATTN__SIZE_THROUGH(attn_sdpa_params, arg_names),
-                                       user, "params", "attn_sdpa_params_init");
+    attn_status st = attn__read_params(&params, sizeof params,
+                                       ATTN__SIZE_THROUGH(attn_sdpa_params, arg_names), user,
+                                       "params", "attn_sdpa_params_init");
     if (st != ATTN_OK) return st;
-    if (user == NULL || params.sinks == NULL)
+    if (params.sinks == NULL)
         return attn__fail_arg(ATTN_ERR_NULL, "params.sinks",
                               "params.sinks is NULL: there are no sinks to differentiate");
     if ((st = check_rows(dout, out, lse)) != ATTN_OK) return st;

@@ -578,5 +578,48 @@ static void sink_dominates_lse(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
-HARNESS_MAIN(T(sink_dominates_lse), T(random_modifiers), T(window_skips_blocks), T(backward_modifiers),
+/* attn_sdpa_sinks_backward's arguments: each bad one named, nothing
+ * written; an allocation failure is ATTN_ERR_NOMEM with nothing leaked. */
+static void sinks_backward_hostile(void) {
+    float out[2 * 3 * 4] = {0}, dout[2 * 3 * 4] = {0}, lse[2 * 3] = {0}, sinks[2] = {1, 2};
+    float ds[2] = {7, 7}, ds3[3];
+    double lse64[2 * 3] = {0};
+    const int64_t os[3] = {2, 3, 4}, ls[2] = {2, 3}, hs[1] = {2}, bad[1] = {3}, lbad[2] = {2, 4};
+    attn_tensor to, tg, tl, tl64, tlbad, ts, tds, tds3, tgd;
+    attn_tensor_init(&to, out, ATTN_DTYPE_F32, 3, os);
+    attn_tensor_init(&tg, dout, ATTN_DTYPE_F32, 3, os);
+    attn_tensor_init(&tl, lse, ATTN_DTYPE_F32, 2, ls);
+    attn_tensor_init(&tl64, lse64, ATTN_DTYPE_F64, 2, ls);
+    attn_tensor_init(&tlbad, lse, ATTN_DTYPE_F32, 2, lbad);
+    attn_tensor_init(&ts, sinks, ATTN_DTYPE_F32, 1, hs);
+    attn_tensor_init(&tds, ds, ATTN_DTYPE_F32, 1, hs);
+    attn_tensor_init(&tds3, ds3, ATTN_DTYPE_F32, 1, bad);
+    tgd = tg;
+    tgd.dtype = ATTN_DTYPE_F64;
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, &p, &tds), ATTN_ERR_NULL);
+    CHECK(strcmp(attn_last_error_arg(), "params.sinks") == 0, "%s", attn_last_error_arg());
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, NULL, &tds), ATTN_ERR_NULL);
+    p.sinks = &ts;
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, &p, &tds3), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "dsinks") == 0, "%s", attn_last_error_arg());
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tlbad, &p, &tds), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "lse") == 0, "%s", attn_last_error_arg());
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tgd, &to, &tl, &p, &tds), ATTN_ERR_SHAPE);
+    CHECK(strcmp(attn_last_error_arg(), "dout") == 0, "%s", attn_last_error_arg());
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, &p, NULL), ATTN_ERR_NULL);
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, &p, &ts), ATTN_ERR_OVERLAP);
+    CHECK(ds[0] == 7 && ds[1] == 7, "a refused call wrote dsinks");
+    test_failer f;
+    failer_install(&f, 1, false);
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl64, &p, &tds), ATTN_ERR_NOMEM);
+    attn_set_allocator(NULL);
+    CHECK(f.live == 0, "%ld blocks leaked", f.live);
+    /* dout = 0: every gradient 0; a float64 lse is accepted */
+    CHECK_OK(attn_sdpa_sinks_backward(&tg, &to, &tl64, &p, &tds));
+    CHECK(ds[0] == 0 && ds[1] == 0, "dsinks %g %g", (double)ds[0], (double)ds[1]);
+}
+
+HARNESS_MAIN(T(sink_dominates_lse), T(sinks_backward_hostile), T(random_modifiers), T(window_skips_blocks), T(backward_modifiers),
              T(backward_fused_f32), T(backward_fused_random), T(hostile_modifiers))
