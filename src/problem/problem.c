@@ -40,8 +40,11 @@ void attn__problem_key_slice(const attn__problem *whole, int64_t j0, int64_t nk,
                              attn__problem *slice) {
     *slice = *whole;
     const size_t k_size = attn_dtype_size(whole->k.dtype), v_size = attn_dtype_size(whole->v.dtype);
-    slice->k.data = (char *)whole->k.data + (ptrdiff_t)(j0 * whole->k.rs) * (ptrdiff_t)k_size;
-    slice->v.data = (char *)whole->v.data + (ptrdiff_t)(j0 * whole->v.rs) * (ptrdiff_t)v_size;
+    /* paged rows stay where they are: attn__row_offset adds k_pos0 */
+    if (whole->k.pages == NULL)
+        slice->k.data = (char *)whole->k.data + (ptrdiff_t)(j0 * whole->k.rs) * (ptrdiff_t)k_size;
+    if (whole->v.pages == NULL)
+        slice->v.data = (char *)whole->v.data + (ptrdiff_t)(j0 * whole->v.rs) * (ptrdiff_t)v_size;
     for (int m = 0; m < whole->nmask; m++) {
         attn__operand *op = &slice->mask[m].op;
         op->data = (char *)op->data +

@@ -173,25 +173,34 @@ static inline int64_t attn__batch_offset(const attn__problem *p, const attn__ope
 }
 
 /* Offset of row r of batch index b from attn__batch_offset: r·rs, or where
- * the row's page puts it. */
+ * the row's page puts it. Pages are addressed by the row's position in the
+ * whole sequence (a key slice of a paged cache keeps its data pointer and
+ * moves k_pos0 instead, see attn__problem_key_slice). */
 static inline int64_t attn__row_offset(const attn__problem *p, const attn__operand *op, int64_t b,
                                        int64_t r) {
     if (op->pages == NULL) return r * op->rs;
     const int32_t *table = op->pages + attn__seq_of(p, b) * op->pages_rs;
+    r += p->k_pos0;
     return (int64_t)table[r / op->page_rows] * op->page_stride + (r % op->page_rows) * op->rs;
 }
 
 /* How many rows from row r on lie one stride apart (the rest of r's page). */
-static inline int64_t attn__rows_together(const attn__operand *op, int64_t r) {
-    return op->pages == NULL ? INT64_MAX : op->page_rows - r % op->page_rows;
+static inline int64_t attn__rows_together(const attn__problem *p, const attn__operand *op,
+                                          int64_t r) {
+    if (op->pages == NULL) return INT64_MAX;
+    return op->page_rows - (p->k_pos0 + r) % op->page_rows;
 }
 
-/* Query rows and keys that batch index b holds (< L, S when ragged). */
+/* Query rows and keys that batch index b holds (< L, S when ragged). A key
+ * slice of a ragged problem holds the part of each sequence's keys that
+ * falls in it: none when the sequence ends before the slice. */
 static inline int64_t attn__rows_of(const attn__problem *p, int64_t b) {
     return p->q.seq_len != NULL ? p->q.seq_len[attn__seq_of(p, b)] : p->L;
 }
 static inline int64_t attn__keys_of(const attn__problem *p, int64_t b) {
-    return p->k.seq_len != NULL ? p->k.seq_len[attn__seq_of(p, b)] : p->S;
+    if (p->k.seq_len == NULL) return p->S;
+    const int64_t held = p->k.seq_len[attn__seq_of(p, b)] - p->k_pos0;
+    return held < 0 ? 0 : held < p->S ? held : p->S;
 }
 
 /* The key (local index) on query row i's bottom-right diagonal: position
@@ -201,7 +210,8 @@ static inline int64_t attn__keys_of(const attn__problem *p, int64_t b) {
  * at it. */
 static inline int64_t attn__diagonal(const attn__problem *p, int64_t b, int64_t i) {
     const int64_t L_all = p->q.seq_len != NULL ? attn__rows_of(p, b) : p->L_total;
-    const int64_t S_all = p->k.seq_len != NULL ? attn__keys_of(p, b) : p->S_total;
+    const int64_t S_all =
+        p->k.seq_len != NULL ? p->k.seq_len[attn__seq_of(p, b)] : p->S_total;
     return p->q_pos0 + i + S_all - L_all - p->k_pos0;
 }
 
@@ -361,7 +371,9 @@ void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *pa
 /* A slice of a whole problem: keys [j0, j0 + nk) (nk >= 1), with the
  * slice's global key position, so that causality and dropout stay those of
  * `whole`. Outputs are left as in `whole`; the caller points them at its
- * partial buffers. Not for ragged problems (their key counts differ). */
+ * partial buffers. Ragged keys slice too: each sequence holds its keys that
+ * fall in [j0, j0 + nk) (attn__keys_of), paged rows are found from their
+ * whole-sequence position (attn__row_offset). */
 void attn__problem_key_slice(const attn__problem *whole, int64_t j0, int64_t nk,
                              attn__problem *slice);
 

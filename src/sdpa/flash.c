@@ -32,9 +32,11 @@
 /* ---- shape of the work, shared by both precisions ---- */
 
 typedef struct flash_work {
-    int64_t G;        /* query heads per group (they share K/V)            */
+    int64_t G;        /* query heads per group (a task's heads)            */
     int64_t ngroups;  /* nbatch / G                                        */
     int64_t nrows;    /* rows per group: G * L                             */
+    int64_t gang;     /* K/V heads a group reads (1, or ganged decoding)   */
+    int64_t kv_rows;  /* rows per K/V head: nrows / gang                   */
     bool direct;      /* few rows: keys-in-columns layout, K read in place */
     int64_t BR;       /* query rows per block                              */
     int64_t lanes;    /* queries-in-lanes layout: lanes of a block (BR)    */
@@ -90,6 +92,34 @@ int64_t attn__flash_blocks_visited(void) {
     return atomic_exchange_explicit(&blocks_visited, 0, memory_order_relaxed);
 }
 
+/* Ganged decoding: when the keys-in-columns layout runs on a cache whose
+ * rows hold every K/V head of a token ((B, S, H_kv, E), as serving engines
+ * keep it), one task takes all H_kv heads of a sequence and each key block
+ * is copied once, row after row, into a buffer every head then reads from
+ * cache. A task per head would read 512 bytes of each 4 KiB row, a stride
+ * the hardware prefetchers do not follow (12% of the read bandwidth
+ * measured on Zen 4, docs/design.md). Returns the K/V heads per task. */
+static int64_t gang_size(const attn__problem *p, const flash_work *w) {
+    if (!w->direct || p->nb == 0 || p->has_weights) return 1;
+    const int hd = p->nb - 1;
+    const int64_t kv_heads = p->bshape[hd] / w->G;
+    const bool interleaved = p->k.bstride[hd] > 0 && p->k.bstride[hd] < p->k.rs &&
+                             p->v.bstride[hd] > 0 && p->v.bstride[hd] < p->v.rs;
+    const bool grouped = p->k.bdiv[hd] == w->G && p->v.bdiv[hd] == w->G;
+    return kv_heads > 1 && interleaved && grouped ? kv_heads : 1;
+}
+
+/* Keys per block of ganged decoding: the gang's K and V rows of a block in
+ * half the L2, at most the context's block, at least one column step. */
+static int64_t gang_keys(const attn__problem *p, const attn__ukernel *kern, int64_t gang,
+                         size_t real_size) {
+    const int64_t per_key = gang * (p->E + p->Ev) * (int64_t)real_size;
+    const int64_t step = kern->col_step > 16 ? kern->col_step : 16;
+    int64_t keys = attn__l2_bytes() / 2 / per_key / step * step;
+    if (keys > kern->direct_keys) keys = kern->direct_keys;
+    return keys < step ? step : keys;
+}
+
 /* Keys per block in the queries-in-lanes layout: the context's size for
  * the first width class that holds the head. */
 static int64_t lanes_keys(const attn__ukernel *kern, int64_t width) {
@@ -120,12 +150,20 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
     const int64_t width = p->E > p->Ev ? p->E : p->Ev;
     w.BC = w.direct ? kern->direct_keys : lanes_keys(kern, width);
+    w.gang = gang_size(p, &w);
+    w.kv_rows = w.nrows;
+    if (w.gang > 1) { /* the gang's heads are one group of rows */
+        w.G *= w.gang;
+        w.ngroups /= w.gang;
+        w.nrows *= w.gang;
+        w.BR = w.nrows;
+        w.BC = gang_keys(p, kern, w.gang, attn_dtype_size(p->dtype));
+    }
     w.chunk = p->S;
     w.nchunks = 1;
-    /* Ragged keys (varlen, a KV cache) are not split: a key slice of them
-     * would need each sequence's own chunk bounds (attn__problem_key_slice). */
-    const bool ragged = p->k.seq_len != NULL || p->k.pages != NULL;
-    if (w.ngroups * w.nqb < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN && !p->has_weights && !ragged) {
+    /* Ragged keys (varlen, a KV cache) split too: each sequence's slice
+     * holds its own keys in the chunk, possibly none. */
+    if (w.ngroups * w.nqb < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN && !p->has_weights) {
         int64_t chunk = (p->S + MAX_CHUNKS - 1) / MAX_CHUNKS;
         if (chunk < CHUNK_MIN) chunk = CHUNK_MIN;
         chunk = (chunk + w.BC - 1) / w.BC * w.BC;
@@ -242,8 +280,9 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     flash_scratch_size z;
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
     z.q = w->BR * p->E;                        /* Q rows, or Qt (E x lanes)     */
-    z.kp = key_buffer(p, &p->k) ? w->BC * p->E : 0;  /* K rows, when loaded */
-    z.vp = key_buffer(p, &p->v) ? w->BC * p->Ev : 0; /* V rows, likewise    */
+    /* K rows, when loaded (a gang's: every head's) */
+    z.kp = w->gang > 1 || key_buffer(p, &p->k) ? w->gang * w->BC * p->E : 0;
+    z.vp = w->gang > 1 || key_buffer(p, &p->v) ? w->gang * w->BC * p->Ev : 0; /* likewise */
     z.s = w->direct ? kern->pv_rows * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
@@ -326,6 +365,8 @@ static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, si
     w.nrows = w.G * p->L;
     const int64_t step = kern->lane_step;
     w.lanes = w.nrows < kern->lanes ? (w.nrows + step - 1) / step * step : kern->lanes;
+    w.gang = 1;
+    w.kv_rows = w.nrows;
     w.BR = w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
     w.BC = bwd_keys(kern, p, real_size);
@@ -474,6 +515,36 @@ static inline float softcap_tanhf(float y) {
     float t;
     memcpy(&t, &t_bits, sizeof t);
     return t;
+}
+
+/* Whether the keys-in-columns scores of the group holding batch index b
+ * are summed in float64 (qk_direct; float32 sums, qk_rows, otherwise): for
+ * tiny work, counted over the sequence's whole key count, so that a key
+ * chunk, a ring step or a sequence of a ragged batch sums as its whole
+ * attention, or its own call, does. Large inputs whose products cancel
+ * (|q|, |k| ~ 200) lose accuracy in float32 sums that a tiny problem, where
+ * speed is moot, need not lose. */
+static bool exact_scores(const attn__problem *p, const flash_work *w, const attn__ukernel *kern,
+                         int64_t b) {
+    const int64_t S = p->k.seq_len != NULL ? p->k.seq_len[attn__seq_of(p, b)] : p->S_total;
+    return w->kv_rows > kern->direct_rows || w->kv_rows * S * p->E <= TINY_WORK;
+}
+
+/* Scores in the keys-in-columns layout: float64 sums when exact, and in
+ * float64; float32 sums where the context has them. */
+static void qk_cols_f(const attn__ukernel *kern, bool exact, const float *q, int64_t ldq,
+                      const float *k, int64_t ldk, int64_t E, int rows, int64_t nk, float *s,
+                      int64_t lds) {
+    if (!exact && kern->qk_rows_f != NULL)
+        kern->qk_rows_f(q, ldq, k, ldk, E, rows, nk, s, lds);
+    else
+        kern->qk_direct_f(q, ldq, k, ldk, E, rows, nk, s, lds);
+}
+static void qk_cols_d(const attn__ukernel *kern, bool exact, const double *q, int64_t ldq,
+                      const double *k, int64_t ldk, int64_t E, int rows, int64_t nk, double *s,
+                      int64_t lds) {
+    (void)exact;
+    kern->qk_direct_d(q, ldq, k, ldk, E, rows, nk, s, lds);
 }
 
 /* Instantiate the driver for float and for double. */

@@ -805,7 +805,7 @@ static double kv_run_check(kv_case *c, const char *what) {
 
 /* A random case: decoding mostly (Lq 1..4), sometimes a prefill chunk;
  * bs = 0 for a contiguous cache. */
-static void kv_make(kv_case *c, rng *r, int64_t bs, bool with_mods) {
+static void kv_make_long(kv_case *c, rng *r, int64_t bs, bool with_mods, int64_t most) {
     memset(c, 0, sizeof *c);
     c->dt = rng_int(r, 0, 2) ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64;
     const attn_dtype cdts[4] = {c->dt, c->dt, ATTN_DTYPE_F16, ATTN_DTYPE_BF16};
@@ -819,13 +819,17 @@ static void kv_make(kv_case *c, rng *r, int64_t bs, bool with_mods) {
     c->Lnew = rng_int(r, 0, 3) == 0 ? 0 : rng_int(r, 0, 3) == 0 ? rng_int(r, 1, 20) : rng_int(r, 1, 2);
     c->bs = bs;
     c->with_seqlens = true;
-    const int64_t most = bs >= 64 ? 3 * bs : 150;
+    if (most == 0) most = bs >= 64 ? 3 * bs : 150;
     for (int64_t b = 0; b < c->B; b++)
         c->seqlens[b] = (int32_t)(rng_int(r, 0, 7) == 0 ? 0 : rng_int(r, 0, most));
     kv_build(c, r);
     c->with_lse = rng_int(r, 0, 2) != 0;
     c->p.causal = rng_int(r, 0, 2) ? ATTN_CAUSAL_BOTTOM_RIGHT : CAUSALS[rng_int(r, 0, 2)];
     draw_mods(r, with_mods, c->B, c->Hq, (double)c->E, &c->md, &c->p, &c->m);
+}
+
+static void kv_make(kv_case *c, rng *r, int64_t bs, bool with_mods) {
+    kv_make_long(c, r, bs, with_mods, 0);
 }
 
 /* The paged case's twin over contiguous caches holding the same rows, with
@@ -902,6 +906,42 @@ static void kv_cases(int64_t bs, bool with_mods, int count) {
 }
 
 static void kvcache_contiguous(void) { kv_cases(0, false, cases_per_path(40)); }
+
+/* Long caches (up to 5,000 rows): a decode step's few rows split the keys
+ * into chunks of each sequence's own length (sequences that end before a
+ * chunk hold none of it), and a (B, S, H_kv, E) cache is read by tasks that
+ * take every K/V head of a sequence (ganged decoding). Against the oracle,
+ * and paged caches give the bits of their contiguous twins whatever the
+ * block size (ganged blocks do not follow pages). */
+static void kvcache_long(void) {
+    rng r = {harness_seed() ^ 0x1046};
+    const int64_t sizes[3] = {0, 16, 256};
+    for (int pi = 0; pi < NPATHS; pi++) {
+        CHECK_OK(attn_set_isa(PATHS[pi]));
+        double worst = 0;
+        for (int i = 0; i < cases_per_path(6); i++) {
+            kv_case c, twin;
+            const int64_t bs = sizes[i % 3];
+            kv_make_long(&c, &r, bs, i % 2 == 1, 5000);
+            if (bs) kv_mirror(&c, &twin, &r);
+            char what[96];
+            snprintf(what, sizeof what, "long kvcache case %d (block size %lld, %s cache, Hkv %lld)",
+                     i, (long long)bs, attn_dtype_name(c.cdt), (long long)c.Hkv);
+            worst = fmax(worst, kv_run_check(&c, what));
+            if (bs) {
+                CHECK_OK(kv_call(&twin));
+                const bool ganged = c.Hkv > 1 && c.Lq * (c.Hq / c.Hkv) <= 16;
+                CHECK(!ganged || kv_same_result(&c, &twin), "%s (%s): paged and contiguous caches differ",
+                      what, attn_isa_name(PATHS[pi]));
+                kv_free(&twin);
+            }
+            kv_free(&c);
+        }
+        printf("  %-8s long caches: %d cases, worst error %.3f of the tolerance\n",
+               attn_isa_name(PATHS[pi]), cases_per_path(6), worst);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
 
 static void kvcache_paged(void) {
     const int64_t sizes[4] = {1, 16, 64, 256};
@@ -1395,6 +1435,7 @@ int main(int argc, char **argv) {
         T(kvcache_contiguous),     T(kvcache_paged),          T(kvcache_full),
         T(kvcache_hostile_indices), T(kvcache_hostile_args),  T(varlen_modifiers),
         T(kvcache_modifiers),      T(nonfinite_key_in_short_sequence), T(huge_windows),
+        T(kvcache_long),
     };
     return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
 }

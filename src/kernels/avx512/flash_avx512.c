@@ -7,6 +7,7 @@
  * Register tiles (32 zmm registers):
  *   qkt  8 keys x 48 queries: 24 accumulators, 3 Qt vectors, broadcast k
  *   pv   6 query rows x 64 output features: 24 accumulators, 4 V vectors
+ *   qk_rows  6 query rows x 4 keys (decoding): 24 accumulators, 4 K vectors
  * Edge tiles (fewer keys, rows or features) are the same code specialised
  * by the compiler for each shape, with masked loads and stores for tails.
  */
@@ -272,6 +273,67 @@ static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk
     }
 }
 
+/* The four lane sums of a, b, c, d, in that order. */
+ALWAYS_INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    /* each 128-bit lane: a, b, c, d partial sums */
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xee));
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+/* Scores of `R` rows against keys j .. j+3, float32 sums: 4R accumulators,
+ * reduced four keys at a time (sum4). Tail features through a lane mask. */
+ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int64_t ldk,
+                                int64_t E, const int R, float *s, int64_t lds) {
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < E; e += 16) {
+        const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
+        __m512 kv[4];
+        for (int c = 0; c < 4; c++) kv[c] = _mm512_maskz_loadu_ps(mk, k + c * ldk + e);
+        for (int r = 0; r < R; r++) {
+            const __m512 qv = _mm512_maskz_loadu_ps(mk, q + r * ldq + e);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm_storeu_ps(s + r * lds, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+/* One score, float32 sums: the tail keys of qk_rows_f. */
+static float dot_ps(const float *q, const float *k, int64_t E) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t e = 0; e < E; e += 16) {
+        const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + e), _mm512_maskz_loadu_ps(mk, k + e), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* S = Q · Kᵀ with K read in place, float32 sums (ukernel.h: qk_rows_f):
+ * keys four at a time, then the last 1-3 one by one. */
+static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
+                      int rows, int64_t nk, float *s, int64_t lds) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const float *kj = k + j * ldk;
+        switch (rows) {
+        case 6: qk_rows_tile(q, ldq, kj, ldk, E, 6, s + j, lds); break;
+        case 5: qk_rows_tile(q, ldq, kj, ldk, E, 5, s + j, lds); break;
+        case 4: qk_rows_tile(q, ldq, kj, ldk, E, 4, s + j, lds); break;
+        case 3: qk_rows_tile(q, ldq, kj, ldk, E, 3, s + j, lds); break;
+        case 2: qk_rows_tile(q, ldq, kj, ldk, E, 2, s + j, lds); break;
+        default: qk_rows_tile(q, ldq, kj, ldk, E, 1, s + j, lds); break;
+        }
+    }
+    for (; j < nk; j++)
+        for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k + j * ldk, E);
+}
+
 /* ---- online softmax, one row per query (keys-in-columns layout) ---- */
 
 static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, float *m, float *l,
@@ -427,6 +489,7 @@ void attn__ukernel_init_avx512(attn__ukernel *ctx) {
     ctx->qkt_f = qkt_f;
     ctx->softmax_t_f = softmax_t_f;
     ctx->qk_direct_f = qk_direct_f;
+    ctx->qk_rows_f = qk_rows_f;
     ctx->softmax_f = softmax_f;
     ctx->pv_f = pv_f;
     ctx->softmax_bwd_t_f = softmax_bwd_t_f;
