@@ -104,9 +104,11 @@ typedef struct attn__ukernel {
     /* Optional (NULL: qk_direct_f): qk_direct_f's scores with float32 sums,
      * for keys-in-columns blocks that are not tiny (decoding), where the
      * float64 sums cost more than streaming K (about four times the
-     * multiply-adds, measured on Zen 4). */
+     * multiply-adds, measured on Zen 4). `streamed`: K is read in place
+     * from memory (not from a buffer the driver filled), so keys are read
+     * in address order. */
     void (*qk_rows_f)(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds);
+                      int rows, int64_t nk, float *s, int64_t lds, bool streamed);
     void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float *m,
                       float *l, float *alpha);
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,

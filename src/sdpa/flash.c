@@ -531,19 +531,21 @@ static bool exact_scores(const attn__problem *p, const flash_work *w, const attn
 }
 
 /* Scores in the keys-in-columns layout: float64 sums when exact, and in
- * float64; float32 sums where the context has them. */
-static void qk_cols_f(const attn__ukernel *kern, bool exact, const float *q, int64_t ldq,
-                      const float *k, int64_t ldk, int64_t E, int rows, int64_t nk, float *s,
-                      int64_t lds) {
+ * float64; float32 sums where the context has them (streamed: K read in
+ * place, not from a buffer). */
+static void qk_cols_f(const attn__ukernel *kern, bool exact, bool streamed, const float *q,
+                      int64_t ldq, const float *k, int64_t ldk, int64_t E, int rows, int64_t nk,
+                      float *s, int64_t lds) {
     if (!exact && kern->qk_rows_f != NULL)
-        kern->qk_rows_f(q, ldq, k, ldk, E, rows, nk, s, lds);
+        kern->qk_rows_f(q, ldq, k, ldk, E, rows, nk, s, lds, streamed);
     else
         kern->qk_direct_f(q, ldq, k, ldk, E, rows, nk, s, lds);
 }
-static void qk_cols_d(const attn__ukernel *kern, bool exact, const double *q, int64_t ldq,
-                      const double *k, int64_t ldk, int64_t E, int rows, int64_t nk, double *s,
-                      int64_t lds) {
+static void qk_cols_d(const attn__ukernel *kern, bool exact, bool streamed, const double *q,
+                      int64_t ldq, const double *k, int64_t ldk, int64_t E, int rows, int64_t nk,
+                      double *s, int64_t lds) {
     (void)exact;
+    (void)streamed;
     kern->qk_direct_d(q, ldq, k, ldk, E, rows, nk, s, lds);
 }
 

@@ -172,21 +172,30 @@ ALWAYS_INLINE __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
 }
 
-/* Scores of `R` rows (at most 3: 4R accumulators and 4 K vectors in 16
- * registers) against keys j .. j+3, float32 sums; E a multiple of 8. */
+/* Scores of `R` rows (at most 3: 4R accumulators and the K vectors in 16
+ * registers) against keys j .. j+3, float32 sums; E a multiple of 8. The
+ * two key orders of the AVX-512 kernel (SEQ: K streamed from memory). */
 ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int64_t ldk,
-                                int64_t E, const int R, float *s, int64_t lds) {
+                                int64_t E, const int R, float *s, int64_t lds, const bool SEQ) {
     __m256 acc[3][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < E; e += 8) {
-        __m256 kv[4];
-        for (int c = 0; c < 4; c++) kv[c] = _mm256_loadu_ps(k + c * ldk + e);
-        for (int r = 0; r < R; r++) {
-            const __m256 qv = _mm256_loadu_ps(q + r * ldq + e);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
+    if (SEQ)
+        for (int c = 0; c < 4; c++)
+            for (int64_t e = 0; e < E; e += 8) {
+                const __m256 kv = _mm256_loadu_ps(k + c * ldk + e);
+                for (int r = 0; r < R; r++)
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
+            }
+    else
+        for (int64_t e = 0; e < E; e += 8) {
+            __m256 kv[4];
+            for (int c = 0; c < 4; c++) kv[c] = _mm256_loadu_ps(k + c * ldk + e);
+            for (int r = 0; r < R; r++) {
+                const __m256 qv = _mm256_loadu_ps(q + r * ldq + e);
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
+            }
         }
-    }
     for (int r = 0; r < R; r++)
         _mm_storeu_ps(s + r * lds, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
@@ -202,21 +211,25 @@ static float dot_ps(const float *q, const float *k, int64_t E) {
     return x;
 }
 
-/* S = Q · Kᵀ with K read in place, float32 sums (ukernel.h: qk_rows_f):
- * three rows by four keys at a time. */
+/* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): three rows by four keys
+ * at a time. */
 static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds) {
+                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
     int64_t j = 0;
     if (E % 8 == 0)
         for (; j + 4 <= nk; j += 4)
             for (int r = 0; r < rows; r += 3) {
                 const float *qr = q + r * ldq, *kj = k + j * ldk;
                 float *sr = s + r * lds + j;
-                switch (rows - r < 3 ? rows - r : 3) {
-                case 3: qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds); break;
-                case 2: qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds); break;
-                default: qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds); break;
-                }
+                const int R = rows - r < 3 ? rows - r : 3;
+                if (streamed)
+                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true)
+                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true)
+                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true);
+                else
+                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, false)
+                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, false)
+                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, false);
             }
     for (; j < nk; j++)
         for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k + j * ldk, E);

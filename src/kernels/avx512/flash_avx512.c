@@ -285,21 +285,36 @@ ALWAYS_INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 /* Scores of `R` rows against keys j .. j+3, float32 sums: 4R accumulators,
- * reduced four keys at a time (sum4). Tail features through a lane mask. */
+ * reduced four keys at a time (sum4). K in cache (SEQ false): the four
+ * keys side by side, each Q vector loaded once for four products. K
+ * streamed from memory (SEQ true): each key whole before the next, front to
+ * back, the order the prefetchers follow. Each order costs the other's case
+ * 10-25% (measured on Zen 4, docs/design.md). Tail features through a lane
+ * mask. */
 ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int64_t ldk,
-                                int64_t E, const int R, float *s, int64_t lds) {
+                                int64_t E, const int R, float *s, int64_t lds, const bool SEQ) {
     __m512 acc[ROWS][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < E; e += 16) {
-        const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
-        __m512 kv[4];
-        for (int c = 0; c < 4; c++) kv[c] = _mm512_maskz_loadu_ps(mk, k + c * ldk + e);
-        for (int r = 0; r < R; r++) {
-            const __m512 qv = _mm512_maskz_loadu_ps(mk, q + r * ldq + e);
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv[c], acc[r][c]);
+    if (SEQ)
+        for (int c = 0; c < 4; c++)
+            for (int64_t e = 0; e < E; e += 16) {
+                const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
+                const __m512 kv = _mm512_maskz_loadu_ps(mk, k + c * ldk + e);
+                for (int r = 0; r < R; r++)
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + r * ldq + e), kv,
+                                                acc[r][c]);
+            }
+    else
+        for (int64_t e = 0; e < E; e += 16) {
+            const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
+            __m512 kv[4];
+            for (int c = 0; c < 4; c++) kv[c] = _mm512_maskz_loadu_ps(mk, k + c * ldk + e);
+            for (int r = 0; r < R; r++) {
+                const __m512 qv = _mm512_maskz_loadu_ps(mk, q + r * ldq + e);
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv[c], acc[r][c]);
+            }
         }
-    }
     for (int r = 0; r < R; r++)
         _mm_storeu_ps(s + r * lds, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
@@ -314,20 +329,29 @@ static float dot_ps(const float *q, const float *k, int64_t E) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* S = Q · Kᵀ with K read in place, float32 sums (ukernel.h: qk_rows_f):
- * keys four at a time, then the last 1-3 one by one. */
+#define QK_ROWS_CASE(R)                                                             \
+    case R:                                                                         \
+        if (streamed)                                                               \
+            qk_rows_tile(q, ldq, kj, ldk, E, R, s + j, lds, true);                  \
+        else                                                                        \
+            qk_rows_tile(q, ldq, kj, ldk, E, R, s + j, lds, false);                 \
+        break;
+
+/* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): keys four at a time,
+ * then the last 1-3 one by one. */
 static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds) {
+                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
     int64_t j = 0;
     for (; j + 4 <= nk; j += 4) {
         const float *kj = k + j * ldk;
         switch (rows) {
-        case 6: qk_rows_tile(q, ldq, kj, ldk, E, 6, s + j, lds); break;
-        case 5: qk_rows_tile(q, ldq, kj, ldk, E, 5, s + j, lds); break;
-        case 4: qk_rows_tile(q, ldq, kj, ldk, E, 4, s + j, lds); break;
-        case 3: qk_rows_tile(q, ldq, kj, ldk, E, 3, s + j, lds); break;
-        case 2: qk_rows_tile(q, ldq, kj, ldk, E, 2, s + j, lds); break;
-        default: qk_rows_tile(q, ldq, kj, ldk, E, 1, s + j, lds); break;
+            QK_ROWS_CASE(6)
+            QK_ROWS_CASE(5)
+            QK_ROWS_CASE(4)
+            QK_ROWS_CASE(3)
+            QK_ROWS_CASE(2)
+        default:
+            QK_ROWS_CASE(1)
         }
     }
     for (; j < nk; j++)
