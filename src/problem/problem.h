@@ -314,6 +314,12 @@ attn_status attn__problem_scalars(attn__problem *p, attn_causal causal, int has_
                                   double scale, double dropout_p, uint64_t seed,
                                   uint64_t rng_offset);
 
+/* Checks a tensor (attn__check_tensor, one element at least) of exactly
+ * this shape; the message names `what` the shape is, when not NULL, e.g.
+ * "(B, Lq, Hq, Ev)". */
+attn_status attn__check_shape(const attn_tensor *t, const char *name, attn__role role, int rank,
+                              const int64_t *shape, const char *what);
+
 /* Fills p's score modifiers from params (already read in full by
  * attn__read_params; NULL: none), checking each field; the slopes and sinks
  * broadcast against p's batch shape, which must be set. */

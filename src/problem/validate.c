@@ -38,20 +38,28 @@ static void fill_operand(attn__operand *op, const attn_tensor *t, int nb) {
     op->cs = t->strides[t->rank - 1];
 }
 
-/* A tensor of one exact shape and dtype: an output, or (role ATTN__INPUT)
- * an input the backward pass reads (dout, out, lse). */
-static attn_status check_exact(const attn_tensor *t, const char *name, attn__role role,
-                               attn_dtype dtype, int rank, const int64_t *shape) {
+attn_status attn__check_shape(const attn_tensor *t, const char *name, attn__role role, int rank,
+                              const int64_t *shape, const char *what) {
     attn_status st = attn__check_tensor(t, name, 1, role);
     if (st != ATTN_OK) return st;
     bool same = t->rank == rank;
     for (int d = 0; same && d < rank; d++) same = t->shape[d] == shape[d];
     if (!same) {
         char want[160], got[160];
-        return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s has shape %s; expected %s", name,
-                          attn__shape_str(got, sizeof got, t->rank, t->shape),
-                          attn__shape_str(want, sizeof want, rank, shape));
+        return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s has shape %s; expected %s%s%s", name,
+                              attn__shape_str(got, sizeof got, t->rank, t->shape),
+                              attn__shape_str(want, sizeof want, rank, shape),
+                              what != NULL ? " " : "", what != NULL ? what : "");
     }
+    return ATTN_OK;
+}
+
+/* A tensor of one exact shape and dtype: an output, or (role ATTN__INPUT)
+ * an input the backward pass reads (dout, out, lse). */
+static attn_status check_exact(const attn_tensor *t, const char *name, attn__role role,
+                               attn_dtype dtype, int rank, const int64_t *shape) {
+    attn_status st = attn__check_shape(t, name, role, rank, shape, NULL);
+    if (st != ATTN_OK) return st;
     if (t->dtype != dtype)
         return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s like the query", name,
                           attn_dtype_name(t->dtype), attn_dtype_name(dtype));

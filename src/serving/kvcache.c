@@ -29,23 +29,7 @@ typedef struct kv_args {
     int64_t capacity;       /* rows a sequence can hold */
 } kv_args;
 
-/* A tensor of one exact shape and dtype (`what` says what it is in a
- * message about the shape). */
-static attn_status check_exact(const attn_tensor *t, const char *name, attn__role role, int rank,
-                               const int64_t *shape, const char *what) {
-    attn_status st = attn__check_tensor(t, name, 1, role);
-    if (st != ATTN_OK) return st;
-    bool same = t->rank == rank;
-    for (int d = 0; same && d < rank; d++) same = t->shape[d] == shape[d];
-    if (!same) {
-        char want[160], got[160];
-        return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s has shape %s; expected %s %s", name,
-                              attn__shape_str(got, sizeof got, t->rank, t->shape),
-                              attn__shape_str(want, sizeof want, rank, shape), what);
-    }
-    return ATTN_OK;
-}
-
+/* A dtype error naming what the argument should have been. */
 static attn_status wrong_dtype(const char *name, attn_dtype got, const char *expected) {
     return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s", name,
                           attn_dtype_name(got), expected);
@@ -142,8 +126,8 @@ static attn_status check_new_rows(const attn__problem *p, kv_args *a) {
     a->Lnew = a->k->shape[1];
     const int64_t kshape[4] = {a->B, a->Lnew, a->Hkv, p->E};
     const int64_t vshape[4] = {a->B, a->Lnew, a->Hkv, p->Ev};
-    if ((st = check_exact(a->k, a->kn, ATTN__INPUT, 4, kshape, "(B, Lnew, Hkv, E)")) != ATTN_OK ||
-        (st = check_exact(a->v, a->vn, ATTN__INPUT, 4, vshape, "(B, Lnew, Hkv, Ev)")) != ATTN_OK)
+    if ((st = attn__check_shape(a->k, a->kn, ATTN__INPUT, 4, kshape, "(B, Lnew, Hkv, E)")) != ATTN_OK ||
+        (st = attn__check_shape(a->v, a->vn, ATTN__INPUT, 4, vshape, "(B, Lnew, Hkv, Ev)")) != ATTN_OK)
         return st;
     if (a->k->dtype != p->dtype || a->v->dtype != p->dtype)
         return attn__fail_arg(ATTN_ERR_DTYPE, a->k->dtype != p->dtype ? a->kn : a->vn,
@@ -190,13 +174,13 @@ static attn_status check_outputs(const attn__problem *p, const kv_args *a,
                                  const attn_sdpa_params *params) {
     const int64_t oshape[4] = {a->B, a->Lq, a->Hq, p->Ev}, lshape[3] = {a->B, a->Hq, a->Lq};
     attn_status st;
-    if ((st = check_exact(a->out, a->outn, ATTN__OUTPUT, 4, oshape, "(B, Lq, Hq, Ev)")) != ATTN_OK)
+    if ((st = attn__check_shape(a->out, a->outn, ATTN__OUTPUT, 4, oshape, "(B, Lq, Hq, Ev)")) != ATTN_OK)
         return st;
     if (a->out->dtype != p->dtype)
         return attn__fail_arg(ATTN_ERR_DTYPE, a->outn, "%s is %s; expected %s like the query",
                               a->outn, attn_dtype_name(a->out->dtype), attn_dtype_name(p->dtype));
     if (a->lse != NULL) {
-        if ((st = check_exact(a->lse, a->lsen, ATTN__OUTPUT, 3, lshape, "(B, Hq, Lq)")) != ATTN_OK)
+        if ((st = attn__check_shape(a->lse, a->lsen, ATTN__OUTPUT, 3, lshape, "(B, Hq, Lq)")) != ATTN_OK)
             return st;
         if (a->lse->dtype != p->dtype && a->lse->dtype != ATTN_DTYPE_F64)
             return attn__fail_arg(ATTN_ERR_DTYPE, a->lsen,
