@@ -981,6 +981,78 @@ static void kvcache_full(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* attn_sdpa on (B, H, S, E) views of token-major (B, S, H, E) buffers, the
+ * layout ganged decoding reads (every K/V head of a key row in one pass):
+ * few query rows per KV head, long keys (split into chunks), GQA, float32
+ * and float64, on every path; against the same call on head-major copies of
+ * the same values, within the oracle's tolerance (the two walk different
+ * key blocks). */
+static void sdpa_token_major(void) {
+    rng r = {harness_seed() ^ 0x70c3};
+    for (int pi = 0; pi < NPATHS; pi++) {
+        CHECK_OK(attn_set_isa(PATHS[pi]));
+        double worst = 0;
+        for (int i = 0; i < cases_per_path(6); i++) {
+            const attn_dtype dt = i % 3 == 2 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+            const size_t es = attn_dtype_size(dt);
+            const int64_t B = rng_int(&r, 1, 3), Hkv = rng_int(&r, 2, 4), G = rng_int(&r, 1, 4);
+            const int64_t H = Hkv * G, L = rng_int(&r, 1, 3), S = rng_int(&r, 1500, 5000);
+            const int64_t E = rng_int(&r, 0, 1) ? 64 : rng_int(&r, 1, 40);
+            const int64_t nq = B * H * L * E, nk = B * S * Hkv * E;
+            char *q = malloc((size_t)nq * es), *out = malloc((size_t)nq * es);
+            char *ref = malloc((size_t)nq * es), *kt = malloc((size_t)nk * es);
+            char *vt = malloc((size_t)nk * es), *kh = malloc((size_t)nk * es);
+            char *vh = malloc((size_t)nk * es);
+            for (int64_t x = 0; x < nq; x++) elem_set(&(attn_tensor){.data = q, .dtype = dt}, x, rng_normal(&r));
+            /* token-major kt[b][j][h][e] and head-major kh[b][h][j][e] of one value */
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t j = 0; j < S; j++)
+                    for (int64_t h = 0; h < Hkv; h++)
+                        for (int64_t e = 0; e < E; e++) {
+                            const int64_t t = ((b * S + j) * Hkv + h) * E + e;
+                            const int64_t hm = ((b * Hkv + h) * S + j) * E + e;
+                            const double kx = rng_normal(&r), vx = rng_normal(&r);
+                            elem_set(&(attn_tensor){.data = kt, .dtype = dt}, t, kx);
+                            elem_set(&(attn_tensor){.data = kh, .dtype = dt}, hm, kx);
+                            elem_set(&(attn_tensor){.data = vt, .dtype = dt}, t, vx);
+                            elem_set(&(attn_tensor){.data = vh, .dtype = dt}, hm, vx);
+                        }
+            const int64_t qs[4] = {B, H, L, E}, ks[4] = {B, Hkv, S, E}, ts[4] = {B, S, Hkv, E};
+            attn_tensor tq, to, tr, tkh, tvh, tkt, tvt;
+            CHECK_OK(attn_tensor_init(&tq, q, dt, 4, qs));
+            CHECK_OK(attn_tensor_init(&to, out, dt, 4, qs));
+            CHECK_OK(attn_tensor_init(&tr, ref, dt, 4, qs));
+            CHECK_OK(attn_tensor_init(&tkh, kh, dt, 4, ks));
+            CHECK_OK(attn_tensor_init(&tvh, vh, dt, 4, ks));
+            CHECK_OK(attn_tensor_init(&tkt, kt, dt, 4, ts)); /* (B, S, Hkv, E) in memory, */
+            CHECK_OK(attn_tensor_init(&tvt, vt, dt, 4, ts)); /* seen as (B, Hkv, S, E)    */
+            CHECK_OK(attn_tensor_transpose(&tkt, 1, 2));
+            CHECK_OK(attn_tensor_transpose(&tvt, 1, 2));
+            attn_sdpa_params p;
+            attn_sdpa_params_init(&p);
+            p.enable_gqa = 1;
+            p.causal = rng_int(&r, 0, 1) ? ATTN_CAUSAL_BOTTOM_RIGHT : ATTN_CAUSAL_NONE;
+            if (rng_int(&r, 0, 2) == 0) p.window_left = rng_int(&r, 100, 3000);
+            CHECK_OK(attn_sdpa(&tq, &tkt, &tvt, &p, &to, NULL, NULL));
+            CHECK_OK(attn_sdpa(&tq, &tkh, &tvh, &p, &tr, NULL, NULL));
+            /* both sum the same products, in blocks of different keys: the
+             * difference is far below the S-term oracle bound */
+            const double tol = tol_of(dt, E, 64, 4.0);
+            for (int64_t x = 0; x < nq; x++) {
+                const double a = elem_get(&to, x), e = elem_get(&tr, x);
+                CHECK(fabs(a - e) <= tol, "token-major case %d (%s, %s): element %lld is %.9g, "
+                      "head-major %.9g", i, attn_isa_name(PATHS[pi]), attn_dtype_name(dt),
+                      (long long)x, a, e);
+                worst = fmax(worst, fabs(a - e) / tol);
+            }
+            free(q), free(out), free(ref), free(kt), free(vt), free(kh), free(vh);
+        }
+        printf("  %-8s token-major sdpa: %d cases, worst difference %.3f of the tolerance\n",
+               attn_isa_name(PATHS[pi]), cases_per_path(6), worst);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 /* ======================================================================== */
 /* Hostile arguments: a clear error naming the argument, nothing written    */
 /* ======================================================================== */
@@ -1435,7 +1507,7 @@ int main(int argc, char **argv) {
         T(kvcache_contiguous),     T(kvcache_paged),          T(kvcache_full),
         T(kvcache_hostile_indices), T(kvcache_hostile_args),  T(varlen_modifiers),
         T(kvcache_modifiers),      T(nonfinite_key_in_short_sequence), T(huge_windows),
-        T(kvcache_long),
+        T(kvcache_long),           T(sdpa_token_major),
     };
     return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
 }
