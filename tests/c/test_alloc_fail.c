@@ -515,7 +515,9 @@ static void backward_failures(void) {
 
 /* Three sequences (one empty), Hq = 4 over Hkv = 2, E = 8, Ev = 6:
  * varlen packs them; the KV cache holds 5, 0 and 9 rows and gets 2 more
- * per sequence, contiguous (float32) or paged (float16, blocks of 4). */
+ * per sequence, contiguous (float32) or paged (float16, blocks of 4); or,
+ * long, 2,500, 0 and 3,000 rows of a contiguous cache, which the decode
+ * splits into key chunks merged by lse (their partial buffers allocated). */
 typedef struct serving_state {
     bool kvcache, paged;
     test_tensor q, k, v, out, lse;      /* varlen: packed; kvcache: q, new k, v, out, lse */
@@ -568,7 +570,8 @@ static void *serving_cache(attn_tensor *t, rng *r, attn_dtype dt, int64_t n0, in
     return buf;
 }
 
-static void serving_setup(serving_state *s, rng *r, bool kvcache, bool paged, bool modifiers) {
+static void serving_setup(serving_state *s, rng *r, bool kvcache, bool paged, bool modifiers,
+                          bool long_cache) {
     memset(s, 0, sizeof *s);
     s->kvcache = kvcache;
     s->paged = paged;
@@ -599,15 +602,17 @@ static void serving_setup(serving_state *s, rng *r, bool kvcache, bool paged, bo
         return;
     }
     const int32_t seqlens[3] = {5, 0, 9}, table[9] = {6, 2, -1, 0, -1, -1, 5, 1, 3};
-    memcpy(s->seqlens, seqlens, sizeof seqlens);
+    const int32_t long_lens[3] = {2500, 0, 3000};
+    memcpy(s->seqlens, long_cache ? long_lens : seqlens, sizeof seqlens);
     memcpy(s->table, table, sizeof table);
     const int64_t B = 3, ts[2] = {3, 3}, qs[4] = {3, 2, 4, 8}, ks[4] = {3, 2, 2, 8},
                   vs[4] = {3, 2, 2, 6}, os[4] = {3, 2, 4, 6}, ls[3] = {3, 4, 2};
     attn_tensor_init(&s->tseq, s->seqlens, ATTN_DTYPE_I32, 1, &B);
     attn_tensor_init(&s->ttable, s->table, ATTN_DTYPE_I32, 2, ts);
     const attn_dtype cdt = paged ? ATTN_DTYPE_F16 : dt;
-    s->kc_buf = serving_cache(&s->kc, r, cdt, paged ? 7 : 3, paged ? 4 : 16, 8);
-    s->vc_buf = serving_cache(&s->vc, r, cdt, paged ? 7 : 3, paged ? 4 : 16, 6);
+    const int64_t rows = paged ? 4 : long_cache ? 3100 : 16;
+    s->kc_buf = serving_cache(&s->kc, r, cdt, paged ? 7 : 3, rows, 8);
+    s->vc_buf = serving_cache(&s->vc, r, cdt, paged ? 7 : 3, rows, 6);
     tt_make(&s->q, r, dt, 4, qs, LAYOUT_RANDOM, 1, 0);
     tt_make(&s->k, r, dt, 4, ks, LAYOUT_RANDOM, 1, 0);
     tt_make(&s->v, r, dt, 4, vs, LAYOUT_RANDOM, 1, 0);
@@ -628,12 +633,13 @@ static void serving_failures(void) {
     rng r = {harness_seed() ^ 0x5e7};
     const struct {
         const char *name;
-        bool kvcache, paged, modifiers;
+        bool kvcache, paged, modifiers, long_cache;
     } cases[] = {
-        {"attn_sdpa_varlen (f32, lse)", false, false, false},
-        {"attn_sdpa_varlen (window, ALiBi, softcap)", false, false, true},
-        {"attn_sdpa_kvcache (contiguous, append)", true, false, false},
-        {"attn_sdpa_kvcache (paged f16, ALiBi)", true, true, true},
+        {"attn_sdpa_varlen (f32, lse)", false, false, false, false},
+        {"attn_sdpa_varlen (window, ALiBi, softcap)", false, false, true, false},
+        {"attn_sdpa_kvcache (contiguous, append)", true, false, false, false},
+        {"attn_sdpa_kvcache (paged f16, ALiBi)", true, true, true, false},
+        {"attn_sdpa_kvcache (long: key chunks)", true, false, false, true},
     };
     for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
         if (!attn_isa_supported((attn_isa)i)) continue;
@@ -641,7 +647,8 @@ static void serving_failures(void) {
         printf(" path %s:\n", attn_isa_name((attn_isa)i));
         for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
             serving_state st;
-            serving_setup(&st, &r, cases[c].kvcache, cases[c].paged, cases[c].modifiers);
+            serving_setup(&st, &r, cases[c].kvcache, cases[c].paged, cases[c].modifiers,
+                          cases[c].long_cache);
             scenario s = {cases[c].name, serving_run, &st};
             run_scenario(&s);
             serving_teardown(&st);
