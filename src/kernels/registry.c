@@ -18,15 +18,21 @@ static attn__ukernel contexts[CTX_COUNT];
  * that another may be reading). */
 static pthread_once_t built = PTHREAD_ONCE_INIT;
 
+/* Each ISA's init runs only where the CPU runs that ISA: it is compiled
+ * with the ISA's flags like its kernels, and the compiler may use them even
+ * there (GCC stored the AVX-512 context's function pointers with a zmm
+ * move, a SIGILL on an AVX2-only CPU; valgrind, whose CPU has no AVX-512,
+ * caught it). A context the CPU cannot run stays the generic one, never
+ * chosen (attn_isa_supported). */
 static void build_contexts(void) {
     attn__ukernel_init_generic(&contexts[CTX_GENERIC]);
     contexts[CTX_AVX2] = contexts[CTX_GENERIC];
     contexts[CTX_AVX512] = contexts[CTX_GENERIC];
 #ifdef ATTN_HAVE_AVX2
-    attn__ukernel_init_avx2(&contexts[CTX_AVX2]);
+    if (attn_isa_supported(ATTN_ISA_AVX2)) attn__ukernel_init_avx2(&contexts[CTX_AVX2]);
 #endif
 #ifdef ATTN_HAVE_AVX512
-    attn__ukernel_init_avx512(&contexts[CTX_AVX512]);
+    if (attn_isa_supported(ATTN_ISA_AVX512)) attn__ukernel_init_avx512(&contexts[CTX_AVX512]);
 #endif
 }
 
