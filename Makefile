@@ -16,7 +16,7 @@ PYTHON     ?= python3
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all demo build bench bench-ring test test-c test-asan test-python test-determinism test-python-asan python test-install test-tsan test-valgrind fuzz fuzz-build clean help
+.PHONY: all demo build bench bench-counts bench-ring test test-c test-asan test-python test-determinism test-python-asan python test-install test-tsan test-valgrind fuzz fuzz-build clean help
 
 all: build
 
@@ -33,6 +33,7 @@ help:
 	@echo "make fuzz        build the libFuzzer targets (clang) and run each FUZZ_SECONDS (60)"
 	@echo "make bench       attn vs PyTorch side by side (BENCH_ARGS=--quick for a smoke run)"
 	@echo "make bench-ring  ring attention over MPI: 1 -> 2 ranks, one host and over a veth pair"
+	@echo "make bench-counts  instructions per call of the kernels under callgrind, per commit (avx2, generic)"
 	@echo "make clean       remove build trees"
 
 build:
@@ -48,6 +49,12 @@ BENCH_ARGS ?=
 bench: build python
 	@./scripts/bootstrap.sh bench
 	@$(PYTHON) bench/run.py --bench-bin $(BUILD)/bench/attn_bench $(BENCH_ARGS)
+
+# Instruction counts of the kernels under callgrind, per commit, in
+# bench/results/<cpu>/counts.json and counts.md (bench/counts.py).
+bench-counts: build
+	@./scripts/bootstrap.sh valgrind
+	@$(PYTHON) bench/counts.py --bench-bin $(BUILD)/bench/attn_bench
 
 # attn_ring 1 -> 2 ranks, one host and two network namespaces over a veth
 # (root); writes bench/results/ring.json and ring.md (bench/ring_run.py).
