@@ -115,6 +115,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "build", "bench", "attn_bench"))
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--commit", help="the label of these counts (default: git HEAD), for a "
+                    "binary built from another commit")
     args = ap.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (scripts/bootstrap.sh valgrind)")
@@ -134,8 +136,9 @@ def main():
     if os.path.exists(path):
         with open(path) as f:
             entries = json.load(f)
-    here = commit()
-    entries = [e for e in entries if e["commit"] != here]
+    here = args.commit or commit()
+    base = here.removesuffix("-dirty")  # a commit's later run replaces its earlier ones
+    entries = [e for e in entries if e["commit"].removesuffix("-dirty") != base]
     entries.append(dict(commit=here, date=time.strftime("%Y-%m-%d %H:%M"), counts=counts))
     with open(path, "w") as f:
         json.dump(entries, f, indent=1)
