@@ -140,7 +140,8 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
      * backward's lse: that must be the lse of the scores the backward
      * computes, which are the queries-in-lanes layout's. */
     w.direct = !p->lse_for_backward &&
-               (w.nrows <= kern->direct_rows || w.nrows * p->S * p->E <= TINY_WORK);
+               (w.nrows <= kern->direct_rows ||
+                (double)w.nrows * (double)p->S * (double)p->E <= TINY_WORK);
     /* A group of fewer rows than the context's lanes (small heads: MHA with
      * L = 32) gets as few lane steps as it needs, not 48 lanes of which a
      * third idle. */
@@ -527,7 +528,8 @@ static inline float softcap_tanhf(float y) {
 static bool exact_scores(const attn__problem *p, const flash_work *w, const attn__ukernel *kern,
                          int64_t b) {
     const int64_t S = p->k.seq_len != NULL ? p->k.seq_len[attn__seq_of(p, b)] : p->S_total;
-    return w->kv_rows > kern->direct_rows || w->kv_rows * S * p->E <= TINY_WORK;
+    return w->kv_rows > kern->direct_rows ||
+           (double)w->kv_rows * (double)S * (double)p->E <= TINY_WORK; /* no overflow */
 }
 
 /* Scores in the keys-in-columns layout: float64 sums when exact, and in
