@@ -63,42 +63,18 @@
 #define PEAK_AVX2(n) peak_fma_scalar(n)
 #endif
 
-static clockid_t timer = CLOCK_MONOTONIC; /* CLOCK_THREAD_CPUTIME_ID with --cpu-time */
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(timer, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* Value of "--name V" in argv, or fallback. */
-static long opt_long(int argc, char **argv, const char *name, long fallback) {
-    for (int i = 0; i + 1 < argc; i++)
-        if (strcmp(argv[i], name) == 0) return strtol(argv[i + 1], NULL, 10);
-    return fallback;
-}
-static int has_flag(int argc, char **argv, const char *name) {
-    for (int i = 0; i < argc; i++)
-        if (strcmp(argv[i], name) == 0) return 1;
-    return 0;
-}
 
 /* ---- peak: all threads run FMA chains at once; best of several rounds ---- */
 
 static int cmd_peak(int argc, char **argv) {
-    const int threads = (int)opt_long(argc, argv, "--threads", attn_get_num_threads());
+    const int threads = (int)bench_opt_long(argc, argv, "--threads", attn_get_num_threads());
     const char *isa = attn_isa_supported(ATTN_ISA_AVX512) ? "avx512"
                       : attn_isa_supported(ATTN_ISA_AVX2) ? "avx2"
                                                           : "scalar";
     double best = 0;
     for (int round = 0; round < 7; round++) {
         double flops = 0;
-        const double t0 = now();
+        const double t0 = bench_now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
         {
             const int64_t iters = 4000000;
@@ -106,7 +82,7 @@ static int cmd_peak(int argc, char **argv) {
                      : strcmp(isa, "avx2") == 0 ? PEAK_AVX2(iters)
                                                  : peak_fma_scalar(iters / 4);
         }
-        const double g = flops / (now() - t0) / 1e9;
+        const double g = flops / (bench_now() - t0) / 1e9;
         if (g > best) best = g;
     }
     printf("{\"isa\": \"%s\", \"threads\": %d, \"gflops\": %.2f}\n", isa, threads, best);
@@ -116,15 +92,15 @@ static int cmd_peak(int argc, char **argv) {
 /* ---- bandwidth: every thread streams its share of a large buffer ---- */
 
 static int cmd_bandwidth(int argc, char **argv) {
-    const int threads = (int)opt_long(argc, argv, "--threads", attn_get_num_threads());
-    const int64_t n = opt_long(argc, argv, "--mib", 512) * (1 << 20) / 4;
+    const int threads = (int)bench_opt_long(argc, argv, "--threads", attn_get_num_threads());
+    const int64_t n = bench_opt_long(argc, argv, "--mib", 512) * (1 << 20) / 4;
     float *x = malloc((size_t)n * sizeof(float));
     if (x == NULL) return 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) x[i] = 1.0f; /* first touch by the reading thread */
     double best = 0, sink = 0;
     for (int round = 0; round < 5; round++) {
-        const double t0 = now();
+        const double t0 = bench_now();
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
         {
 #ifdef _OPENMP
@@ -135,7 +111,7 @@ static int cmd_bandwidth(int argc, char **argv) {
             const int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
             sink += bandwidth_read(x + lo, hi - lo);
         }
-        const double g = (double)n * 4 / (now() - t0) / 1e9;
+        const double g = (double)n * 4 / (bench_now() - t0) / 1e9;
         if (g > best) best = g;
     }
     free(x);
@@ -176,7 +152,7 @@ static float *filled(int64_t n, unsigned seed) {
 }
 
 static int cmd_memory(int argc, char **argv) {
-    const int64_t L = opt_long(argc, argv, "--len", 65536), E = opt_long(argc, argv, "--dim", 64);
+    const int64_t L = bench_opt_long(argc, argv, "--len", 65536), E = bench_opt_long(argc, argv, "--dim", 64);
     const double baseline = rss_mib();
     const int64_t n = L * E;
     float *q = filled(n, 1), *k = filled(n, 2), *v = filled(n, 3), *o = filled(n, 4);
@@ -188,9 +164,9 @@ static int cmd_memory(int argc, char **argv) {
     attn_tensor_init(&tv, v, ATTN_DTYPE_F32, 4, shape);
     attn_tensor_init(&to, o, ATTN_DTYPE_F32, 4, shape);
     const double before = rss_mib();
-    const double t0 = now();
+    const double t0 = bench_now();
     attn_status st = attn_sdpa(&tq, &tk, &tv, NULL, &to, NULL, NULL);
-    const double secs = now() - t0;
+    const double secs = bench_now() - t0;
     if (st != ATTN_OK) {
         fprintf(stderr, "attn_bench memory: %s\n", attn_last_error());
         return 1;
@@ -292,12 +268,12 @@ static attn_status bwd_backward(bwd_problem *b) {
 
 /* The forward then the backward; their times in ms. */
 static attn_status bwd_run(bwd_problem *b, double *fwd_ms, double *bwd_ms) {
-    const double t0 = now();
+    const double t0 = bench_now();
     attn_status st = bwd_forward(b);
-    const double t1 = now();
+    const double t1 = bench_now();
     if (st == ATTN_OK) st = bwd_backward(b);
     *fwd_ms = (t1 - t0) * 1e3;
-    *bwd_ms = (now() - t1) * 1e3;
+    *bwd_ms = (bench_now() - t1) * 1e3;
     return st;
 }
 
@@ -316,12 +292,6 @@ static int bwd_save(const bwd_problem *b, const char *dir) {
     return 0;
 }
 
-/* Value of "--name TEXT" in argv, or NULL. */
-static const char *opt_str(int argc, char **argv, const char *name) {
-    for (int i = 0; i + 1 < argc; i++)
-        if (strcmp(argv[i], name) == 0) return argv[i + 1];
-    return NULL;
-}
 
 /* Prints a JSON list of n values (in the order they were measured). */
 static void print_list(const char *name, const double *x, int n) {
@@ -330,15 +300,6 @@ static void print_list(const char *name, const double *x, int n) {
     printf("], ");
 }
 
-static double median(const double *x, int n) {
-    double *s = malloc(sizeof(double) * (size_t)n);
-    if (s == NULL) return NAN;
-    memcpy(s, x, sizeof(double) * (size_t)n);
-    qsort(s, (size_t)n, sizeof(double), cmp_double);
-    const double m = n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
-    free(s);
-    return m;
-}
 
 /* ---- backward: forward + backward timed, one warm-up then N reps ---- */
 
@@ -350,18 +311,18 @@ static int cmd_backward(int argc, char **argv) {
     }
     bwd_problem b = {.B = atol(argv[0]), .H = atol(argv[1]), .L = atol(argv[2]),
                      .S = atol(argv[3]), .E = atol(argv[4])};
-    b.Hk = opt_long(argc, argv, "--kv-heads", b.H);
-    b.causal = has_flag(argc, argv, "--causal");
-    const int reps = (int)opt_long(argc, argv, "--reps", 10);
+    b.Hk = bench_opt_long(argc, argv, "--kv-heads", b.H);
+    b.causal = bench_has_flag(argc, argv, "--causal");
+    const int reps = (int)bench_opt_long(argc, argv, "--reps", 10);
     if (reps < 1) {
         fprintf(stderr, "attn_bench backward: --reps must be >= 1\n");
         return 2;
     }
-    const char *save_dir = opt_str(argc, argv, "--save");
+    const char *save_dir = bench_opt_str(argc, argv, "--save");
     double *fwd = malloc(sizeof(double) * (size_t)reps);
     double *bwd = malloc(sizeof(double) * (size_t)reps);
     double *both = malloc(sizeof(double) * (size_t)reps);
-    int rc = !fwd || !bwd || !both || bwd_setup(&b, opt_str(argc, argv, "--load"));
+    int rc = !fwd || !bwd || !both || bwd_setup(&b, bench_opt_str(argc, argv, "--load"));
     for (int r = -1; r < reps && rc == 0; r++) { /* r = -1: the warm-up */
         double f, g;
         if (bwd_run(&b, &f, &g) != ATTN_OK) {
@@ -374,7 +335,7 @@ static int cmd_backward(int argc, char **argv) {
     if (rc == 0 && save_dir != NULL) rc = bwd_save(&b, save_dir);
     if (rc == 0) {
         const double bhlse = (double)(b.B * b.H * b.L) * (double)b.S * (double)b.E;
-        const double half = b.causal ? 0.5 : 1, mb = median(bwd, reps), mt = median(both, reps);
+        const double half = b.causal ? 0.5 : 1, mb = bench_median(bwd, reps), mt = bench_median(both, reps);
         double checksum = 0;
         for (int64_t i = 0; i < b.B * b.H * b.L * b.E; i += 101) checksum += b.dq[i];
         printf("{\"shape\": [%lld, %lld, %lld, %lld, %lld], \"kv_heads\": %lld, \"causal\": %s, "
@@ -408,16 +369,16 @@ static int reset_hwm(void) {
 }
 
 static int cmd_memory_backward(int argc, char **argv) {
-    const int64_t L = opt_long(argc, argv, "--len", 65536), E = opt_long(argc, argv, "--dim", 64);
+    const int64_t L = bench_opt_long(argc, argv, "--len", 65536), E = bench_opt_long(argc, argv, "--dim", 64);
     const double baseline = rss_mib();
     bwd_problem b = {.B = 1, .H = 1, .Hk = 1, .L = L, .S = L, .E = E};
     if (bwd_setup(&b, NULL)) return 1;
-    const double t0 = now();
+    const double t0 = bench_now();
     attn_status st = bwd_forward(&b);
     const int reset = st == ATTN_OK && reset_hwm(); /* the forward's peak is not counted */
-    const double before = rss_mib(), t1 = now();
+    const double before = rss_mib(), t1 = bench_now();
     if (st == ATTN_OK) st = bwd_backward(&b);
-    const double fwd_s = t1 - t0, bwd_s = now() - t1;
+    const double fwd_s = t1 - t0, bwd_s = bench_now() - t1;
     if (st != ATTN_OK) {
         fprintf(stderr, "attn_bench memory-backward: %s\n", attn_last_error());
         return 1;
@@ -450,9 +411,9 @@ static int cmd_sdpa(int argc, char **argv) {
     }
     const int64_t B = atol(argv[0]), H = atol(argv[1]), L = atol(argv[2]), S = atol(argv[3]),
                   E = atol(argv[4]);
-    const int64_t Hk = opt_long(argc, argv, "--kv-heads", H);
-    const int reps = (int)opt_long(argc, argv, "--reps", 10);
-    const int causal = has_flag(argc, argv, "--causal");
+    const int64_t Hk = bench_opt_long(argc, argv, "--kv-heads", H);
+    const int reps = (int)bench_opt_long(argc, argv, "--reps", 10);
+    const int causal = bench_has_flag(argc, argv, "--causal");
     int64_t qs[4] = {B, H, L, E}, ks[4] = {B, Hk, S, E};
     float *q = filled(B * H * L * E, 1), *k = filled(B * Hk * S * E, 2),
           *v = filled(B * Hk * S * E, 3), *o = filled(B * H * L * E, 4);
@@ -467,27 +428,28 @@ static int cmd_sdpa(int argc, char **argv) {
     attn_sdpa_params_init(&p);
     p.causal = causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
     p.enable_gqa = Hk != H;
-    const char *softcap = opt_str(argc, argv, "--softcap");
+    const char *softcap = bench_opt_str(argc, argv, "--softcap");
     p.softcap = softcap != NULL ? strtod(softcap, NULL) : 0;
     if (attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL) != ATTN_OK) { /* warm-up */
         fprintf(stderr, "attn_bench sdpa: %s\n", attn_last_error());
         return 1;
     }
     for (int r = 0; r < reps; r++) {
-        const double t0 = now();
+        const double t0 = bench_now();
         attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL);
-        ms[r] = (now() - t0) * 1e3;
+        ms[r] = (bench_now() - t0) * 1e3;
     }
-    qsort(ms, (size_t)reps, sizeof(double), cmp_double);
     const double flops = 4.0 * (double)(B * H * L) * (double)S * (double)E * (causal ? 0.5 : 1);
-    double checksum = 0;
+    const double med = bench_median(ms, reps);
+    double best = ms[0], checksum = 0;
+    for (int r = 1; r < reps; r++) best = ms[r] < best ? ms[r] : best;
     for (int64_t i = 0; i < B * H * L * E; i += 101) checksum += o[i];
     printf("{\"shape\": [%lld, %lld, %lld, %lld, %lld], \"kv_heads\": %lld, \"causal\": %s, "
            "\"softcap\": %g, \"isa\": \"%s\", \"threads\": %d, \"median_ms\": %.3f, "
            "\"best_ms\": %.3f, \"gflops\": %.2f, \"checksum\": %.6f}\n",
            (long long)B, (long long)H, (long long)L, (long long)S, (long long)E, (long long)Hk,
            causal ? "true" : "false", p.softcap, attn_isa_name(attn_get_isa()),
-           attn_get_num_threads(), ms[reps / 2], ms[0], flops / ms[reps / 2] / 1e6, checksum);
+           attn_get_num_threads(), med, best, flops / med / 1e6, checksum);
     free(q);
     free(k);
     free(v);
@@ -496,17 +458,6 @@ static int cmd_sdpa(int argc, char **argv) {
     return 0;
 }
 
-/* ---- what bench/serving_bench.c shares (bench.h) ---- */
-
-double bench_now(void) { return now(); }
-long bench_opt_long(int argc, char **argv, const char *name, long fallback) {
-    return opt_long(argc, argv, name, fallback);
-}
-const char *bench_opt_str(int argc, char **argv, const char *name) {
-    return opt_str(argc, argv, name);
-}
-int bench_has_flag(int argc, char **argv, const char *name) { return has_flag(argc, argv, name); }
-double bench_median(const double *x, int n) { return median(x, n); }
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -515,14 +466,14 @@ int main(int argc, char **argv) {
                 "decode|window|varlen|kv-read ...\n");
         return 2;
     }
-    const long threads = opt_long(argc, argv, "--threads", 0);
+    const long threads = bench_opt_long(argc, argv, "--threads", 0);
     if (threads > 0) attn_set_num_threads((int)threads);
-    if (has_flag(argc, argv, "--cpu-time")) {
+    if (bench_has_flag(argc, argv, "--cpu-time")) {
         if (attn_get_num_threads() != 1) {
             fprintf(stderr, "attn_bench: --cpu-time needs --threads 1\n");
             return 2;
         }
-        timer = CLOCK_THREAD_CPUTIME_ID;
+        bench_use_cpu_time();
     }
     if (strcmp(argv[1], "peak") == 0) return cmd_peak(argc - 2, argv + 2);
     if (strcmp(argv[1], "bandwidth") == 0) return cmd_bandwidth(argc - 2, argv + 2);

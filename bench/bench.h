@@ -1,13 +1,15 @@
-/* bench.h — what attn_bench's commands share: the clock, options, medians,
- * and the counter-based values run.py can draw identically in NumPy. */
+/* bench.h — what attn_bench's commands share (bench_util.c): the clock,
+ * options, medians, and the counter-based values run.py can draw
+ * identically in NumPy. */
 #ifndef ATTN_BENCH_BENCH_H
 #define ATTN_BENCH_BENCH_H
 
 #include <stdint.h>
 
 /* Seconds on the bench's clock (CLOCK_MONOTONIC; the calling thread's CPU
- * time with --cpu-time). */
+ * time after bench_use_cpu_time, which --cpu-time calls). */
 double bench_now(void);
+void bench_use_cpu_time(void);
 
 /* Value of "--name V" in argv, or fallback / NULL; whether argv holds name. */
 long bench_opt_long(int argc, char **argv, const char *name, long fallback);

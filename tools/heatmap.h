@@ -43,7 +43,10 @@ typedef struct hm_plot {
 } hm_plot;
 
 /* The weight at (head, query i, key j) of the batch element drawn. */
-double hm_value(const hm_plot *p, int64_t head, int64_t i, int64_t j);
+static inline double hm_value(const hm_plot *p, int64_t head, int64_t i, int64_t j) {
+    const int64_t at = ((p->batch * p->heads_total + head) * p->L + i) * p->S + j;
+    return p->f64 ? ((const double *)p->data)[at] : ((const float *)p->data)[at];
+}
 
 /* A drawn image (heatmap_draw.c). hm_draw lays out and draws the plot, and
  * with print_layout prints the geometry (docs in heatmap_cmd.c); CLI_OK, or

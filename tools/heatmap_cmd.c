@@ -209,11 +209,6 @@ static int select_heads(const hm_args *a, int rank, const int64_t dims[4], hm_pl
     return CLI_OK;
 }
 
-double hm_value(const hm_plot *p, int64_t head, int64_t i, int64_t j) {
-    const int64_t at = ((p->batch * p->heads_total + head) * p->L + i) * p->S + j;
-    return p->f64 ? ((const double *)p->data)[at] : ((const float *)p->data)[at];
-}
-
 /* The colour scale, and the counts of weights that are not numbers. */
 static int set_range(const hm_args *a, hm_plot *p) {
     double lo = INFINITY, hi = -INFINITY;

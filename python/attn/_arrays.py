@@ -304,3 +304,11 @@ def check_dtype(dtype):
     if dt is None or dt.type not in (np.float32, np.float64):
         raise TypeError(f"dtype is {dtype}; expected float32 or float64")
     return dt.newbyteorder("=")
+
+
+def results(a, out, weights, lse):
+    """What scaled_dot_product_attention returns (attn/_sdpa.py, and
+    attn/_torch.py for tensors): out, or a tuple with the extras asked for."""
+    if not (a.want_w or a.want_lse):
+        return out
+    return (out,) + ((weights,) if a.want_w else ()) + ((lse,) if a.want_lse else ())

@@ -8,7 +8,7 @@ then imported already), like attn/_torch.py.
 
 import torch
 
-from . import distributed
+from ._ring_calls import _backward, _forward
 from ._torch import _tensor  # one rule for non-tensor inputs
 
 
@@ -22,7 +22,7 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, opts):
-        out, lse = distributed._forward(_array(query), _array(key), _array(value), opts,
+        out, lse = _forward(_array(query), _array(key), _array(value), opts,
                                         want_lse=True, for_backward=True)
         out, lse = torch.from_numpy(out), torch.from_numpy(lse)
         ctx.save_for_backward(query, key, value, out, lse)
@@ -34,7 +34,7 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         query, key, value, out, lse = ctx.saved_tensors
         want = [bool(n) for n in ctx.needs_input_grad[:3]]
-        grads = distributed._backward(_array(dout), _array(query), _array(key), _array(value),
+        grads = _backward(_array(dout), _array(query), _array(key), _array(value),
                                       _array(out), _array(lse), ctx.opts, want)
         return tuple(None if g is None else torch.from_numpy(g) for g in grads) + (None,)
 
@@ -46,5 +46,5 @@ def run(a, query, key, value, opts):
     q, k, v = _tensor(query, a.q), _tensor(key, a.k), _tensor(value, a.v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Ring.apply(q, k, v, opts)
-    out, lse = distributed._forward(a.q, a.k, a.v, opts, want_lse=True, for_backward=True)
+    out, lse = _forward(a.q, a.k, a.v, opts, want_lse=True, for_backward=True)
     return torch.from_numpy(out), torch.from_numpy(lse)

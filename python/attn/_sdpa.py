@@ -7,6 +7,7 @@ import numpy as np
 
 from . import _attn
 from ._arrays import (
+    results,
     FLOAT,
     _is_torch_tensor,
     MASK,
@@ -172,14 +173,6 @@ def check_modifiers(a, window_size, alibi_slopes, softcap, sinks, grad_ok=False)
     a.alibi = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes", FLOAT,
                                                          grad_ok)
     a.sinks = None if sinks is None else as_array(sinks, "sinks", FLOAT, grad_ok)
-
-
-def results(a, out, weights, lse):
-    """What scaled_dot_product_attention returns: out, or a tuple with the
-    extras asked for."""
-    if not (a.want_w or a.want_lse):
-        return out
-    return (out,) + ((weights,) if a.want_w else ()) + ((lse,) if a.want_lse else ())
 
 
 class _Args:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
 
 from . import _attn
-from ._arrays import library_error
+from ._arrays import library_error, results
 
 Tensor = torch.Tensor
 
@@ -228,8 +228,6 @@ def _seed_for(seed, dropout_p):
 def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     """The call on checked arguments `a` (attn/_sdpa.py) through attn::sdpa,
     so autograd records it when an input requires grad."""
-    from ._sdpa import results
-
     mask = None
     if a.mask is not None:
         mask = _tensor(attn_mask, a.mask)

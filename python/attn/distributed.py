@@ -26,6 +26,7 @@ import numpy as np
 from . import _attn
 from ._arrays import MASK, _is_torch_tensor, as_array, check_int, library_error, random_seed
 from ._arrays import tracks_grad
+from ._ring_calls import _forward
 from ._sdpa import _arguments
 
 __all__ = ["ring_attention", "shard", "unshard", "gather", "is_available"]
@@ -164,36 +165,6 @@ def _key_mask(mask, q):
         f"(S_shard,), (B..., S_shard) with query's batch dims B... = {q.shape[:-3]}, or "
         f"(B..., Hq or 1, 1, S_shard)"
     )
-
-
-def _ring_error(e):
-    """A library failure with ``arg`` in this module's names."""
-    e = library_error(e)
-    arg = getattr(e, "arg", None)
-    if isinstance(arg, str) and hasattr(e, "status"):
-        arg = arg[len("sdpa."):] if arg.startswith("sdpa.") else arg
-        e.arg = {"key_mask": "key_padding_mask", "causal": "is_causal"}.get(arg, arg)
-    return e
-
-
-def _forward(q, k, v, opts, want_lse, for_backward):
-    """attn_ring_sdpa on NumPy views: (out, lse or None)."""
-    try:
-        return _attn.ring_sdpa(q, k, v, empty=np.empty, want_lse=want_lse,
-                               lse_for_backward=for_backward, **opts)
-    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        raise _ring_error(e) from None
-
-
-def _backward(dout, q, k, v, out, lse, opts, want):
-    """attn_ring_sdpa_backward on NumPy views: (dq, dk, dv), None where not
-    wanted."""
-    try:
-        return _attn.ring_sdpa_backward(dout, q, k, v, out, lse, empty=np.empty,
-                                        want_dq=want[0], want_dk=want[1], want_dv=want[2],
-                                        **opts)
-    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        raise _ring_error(e) from None
 
 
 def ring_attention(query, key, value, comm=None, *, key_padding_mask=None, dropout_p=0.0,

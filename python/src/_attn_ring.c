@@ -9,7 +9,7 @@
  * mpi_library_version() here, and every call checks that this library is
  * initialised (a second libmpi in the process would not be).
  *
- * Buffers, outputs, errors and Ctrl-C are _attn.c's (_attn_shared.h): the
+ * Buffers, outputs, errors and Ctrl-C are _attn_shared.c's: the
  * ring calls take and give what sdpa / sdpa_backward do, plus the comm and
  * the ring's own parameters, and release the GIL while they run.
  */

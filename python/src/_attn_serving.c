@@ -1,7 +1,7 @@
 /*
  * _attn_serving.c — attn_sdpa_varlen and attn_sdpa_kvcache for the Python
  * package (attn.varlen_attention, attn.attention_with_kvcache), with the
- * buffer views, output allocation, errors and Ctrl-C handling of _attn.c.
+ * buffer views, output allocation, errors and Ctrl-C handling of _attn_shared.c.
  *
  * The operands keep their C names (q, k, v, k_cache, ...), which are also
  * the Python arguments' (FlashAttention's), so no arg_names are passed.

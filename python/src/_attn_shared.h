@@ -1,10 +1,10 @@
 /*
- * _attn_shared.h — what _attn.c lends the extension's other C files
- * (_attn_ring.c): buffers as attn_tensor views, outputs from the Python
- * allocator, library failures as exceptions, Ctrl-C during a call, and the
- * parsing of attn_sdpa's options. Internal to the extension: the symbols are
- * hidden in the module (CMake's C_VISIBILITY_PRESET hidden). See _attn.c for
- * what each one does.
+ * _attn_shared.h — what the extension's C files share (_attn_shared.c):
+ * buffers as attn_tensor views, outputs from the Python allocator, library
+ * failures as exceptions, Ctrl-C during a call, and the parsing of
+ * attn_sdpa's options. Internal to the extension: the symbols are hidden in
+ * the module (CMake's C_VISIBILITY_PRESET hidden). _attn_shared.c says what
+ * each one does.
  */
 #ifndef ATTN_PY_SHARED_H
 #define ATTN_PY_SHARED_H
@@ -34,6 +34,8 @@ int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
                 buffer_view *v);
 int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present);
 void view_release(buffer_view *v);
+/* A tuple of the shape's sizes (new reference), NULL with an exception set. */
+PyObject *shape_tuple(int rank, const int64_t *shape);
 PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
                      const char *name, buffer_view *v);
 
@@ -46,10 +48,14 @@ typedef struct interrupt_guard {
     struct sigaction saved;
 } interrupt_guard;
 
+/* Once, at import: notes the main thread. 0, or -1 with an exception set. */
+int interrupt_guard_init(void);
 void interrupt_guard_arm(interrupt_guard *g);
 int interrupt_guard_disarm(interrupt_guard *g, attn_status st);
 
 int require_empty(PyObject *empty, const char *fn);
+/* Inputs copied so far (layouts not describable in elements): _copies(). */
+Py_ssize_t shared_copies_made(void);
 int convert_u64(PyObject *obj, void *out); /* a PyArg "O&" converter */
 
 /* attn_sdpa's options as the entry points parse them. */
