@@ -32,6 +32,13 @@ const char *cli_ring_support(void);
 /* Prints "attn: <what>: <library message>" and returns CLI_RUNTIME. */
 int cli_fail(const char *what, attn_status status);
 
+/* Prints "attn <command>: <message>" and where to find the command's help,
+ * and returns CLI_USAGE. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+int cli_usage_error(const char *command, const char *fmt, ...);
+
 /* Option values: 1 when s is all of a finite double (a subnormal is fine,
  * an overflow or a nonzero underflowing to 0 is not) / of a non-negative
  * decimal integer that fits; else 0. */

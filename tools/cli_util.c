@@ -2,6 +2,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -11,6 +12,16 @@ int cli_fail(const char *what, attn_status status) {
     const char *detail = attn_last_error();
     fprintf(stderr, "attn: %s: %s\n", what, detail[0] ? detail : attn_strerror(status));
     return CLI_RUNTIME;
+}
+
+int cli_usage_error(const char *command, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "attn %s: ", command);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n(see attn %s --help)\n", command);
+    va_end(ap);
+    return CLI_USAGE;
 }
 
 const char *cli_shape(const attn_tensor *t, char *buf, size_t size) {

@@ -3,7 +3,6 @@
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <ctype.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,18 +46,7 @@ const char cli_mha_options[] =
 
 enum { PARSED_HELP = -1 };
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 1, 2)))
-#endif
-static int usage_error(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "attn mha: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(see attn mha --help)\n");
-    va_end(ap);
-    return CLI_USAGE;
-}
+#define usage_error(...) cli_usage_error("mha", __VA_ARGS__)
 
 /* A whole number in [lo, hi]. */
 static bool parse_count(const char *s, long long lo, long long hi, long long *out) {

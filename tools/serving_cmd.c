@@ -5,7 +5,6 @@
  * to new files: no input file is ever written. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, stat */
 #include <math.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,18 +78,7 @@ enum { PARSED_HELP = -1 };
 
 static const char *command; /* for usage errors */
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 1, 2)))
-#endif
-static int usage_error(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "attn %s: ", command);
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(see attn %s --help)\n", command);
-    va_end(ap);
-    return CLI_USAGE;
-}
+#define usage_error(...) cli_usage_error(command, __VA_ARGS__)
 
 /* The option's path slot in this command, or NULL. */
 static const char **path_slot(serving_args *a, const char *opt) {
