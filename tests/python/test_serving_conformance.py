@@ -709,13 +709,17 @@ def run_sdpa(c):
     return out, w, lse
 
 
+def mods_described(m):
+    """A case's modifiers as a context line names them."""
+    return dict(window=m["window"], alibi_slopes=m["slopes"], softcap=m["softcap"],
+                sinks=m["sinks"])
+
+
 def sdpa_context(c):
     args = {k: c[k] for k in ("q", "k", "v", "mask")}
     args.update({k: c[k] for k in ("causal", "scale", "gqa", "want_w", "want_lse",
                                    "use_torch", "layouts")})
-    m = c["mods"]
-    args.update(window=m["window"], alibi_slopes=m["slopes"], softcap=m["softcap"],
-                sinks=m["sinks"])
+    args.update(mods_described(c["mods"]))
     return f"serving sdpa case {c['index']}, seed {C.SEED}: {C.describe(args)}"
 
 
@@ -891,9 +895,7 @@ def varlen_context(c):
                 max_seqlen_q=c["max_q"], max_seqlen_k=c["max_k"])
     args.update({k: c[k] for k in ("causal", "scale", "want_lse", "use_torch", "layouts",
                                    "packed")})
-    m = c["mods"]
-    args.update(window=m["window"], alibi_slopes=m["slopes"], softcap=m["softcap"],
-                sinks=m["sinks"])
+    args.update(mods_described(c["mods"]))
     return f"varlen case {c['index']}, seed {C.SEED}: {C.describe(args)}"
 
 
@@ -1280,9 +1282,7 @@ def kvcache_context(c):
         args.update(block_size=c["block_size"], block_table=c["table"].tolist())
     args.update({k: c[k] for k in ("causal", "scale", "want_lse", "use_torch",
                                    "strided_cache", "new_layouts")})
-    m = c["mods"]
-    args.update(window=m["window"], alibi_slopes=m["slopes"], softcap=m["softcap"],
-                sinks=m["sinks"])
+    args.update(mods_described(c["mods"]))
     return f"kvcache case {c['index']}, seed {C.SEED}: {C.describe(args)}"
 
 
@@ -1502,9 +1502,7 @@ def check_grad(name, ours, ref, own, size, dtype, isa, ctx):
 def grad_context(c):
     args = {k: c[k] for k in ("q", "k", "v", "mask")}
     args.update({k: c[k] for k in ("causal", "scale", "gqa", "mask_grad", "sinks_grad")})
-    m = c["mods"]
-    args.update(window=m["window"], alibi_slopes=m["slopes"], softcap=m["softcap"],
-                sinks=m["sinks"])
+    args.update(mods_described(c["mods"]))
     return f"gradient case {c['index']}, seed {C.SEED}: {C.describe(args)}"
 
 
