@@ -7,6 +7,9 @@
  * A group is a set of query heads that read the same K and V (one head, or a
  * GQA group of Hq/H heads, or heads over which K/V broadcast): its rows are
  * processed together so K and V are streamed once per group, not per head.
+ * Decoding from a cache whose rows hold every K/V head, a group is all the
+ * heads of a sequence (ganged decoding, gang_size): each cache row is then
+ * read once, whole.
  * Each row's keys are always visited in the same order, so the result does
  * not depend on the thread count. When there are too few query blocks to
  * keep threads busy (decoding: few queries, many keys), keys are split into
