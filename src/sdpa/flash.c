@@ -47,6 +47,7 @@ typedef struct flash_work {
     int64_t BC;       /* keys per block                                    */
     int64_t chunk;    /* keys per chunk                                    */
     int64_t nchunks;  /* 1 = no split                                      */
+    bool across;      /* tasks ordered across groups (task_at)             */
 } flash_work;
 
 /* Heads that share K/V: only along the head (last batch) dimension. */
@@ -75,7 +76,13 @@ enum {
                             multiply-adds per head group                  */
     CHUNK_MIN = 1024,    /* keys per chunk, at least                       */
     MAX_CHUNKS = 64,     /* chunks per query block, at most                */
-    SPLIT_BELOW = 16     /* split keys when there are fewer query blocks   */
+    SPLIT_BELOW = 16,    /* split keys when there are fewer query blocks   */
+    COLUMN_TASKS = 128,  /* keys in columns (decoding): split keys into
+                            chunks of at least COLUMN_CHUNK_MIN until there
+                            are this many tasks (64 threads: two each)     */
+    COLUMN_CHUNK_MIN = 512,
+    LOCAL_BLOCKS = 16    /* query blocks per thread from which tasks go
+                            group by group (task_at)                      */
 };
 
 /* Pages of a paged KV cache at least this many rows long bound the key
@@ -131,7 +138,57 @@ static int64_t lanes_keys(const attn__ukernel *kern, int64_t width) {
     return kern->key_block[c].keys;
 }
 
-static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
+/* Keys per chunk when keys are split (few query blocks; decoding), or S:
+ * at least CHUNK_MIN and at most MAX_CHUNKS chunks, and in the
+ * keys-in-columns layout smaller chunks (down to COLUMN_CHUNK_MIN) until
+ * there are COLUMN_TASKS tasks: a decode step of 8 KV heads over 4,096
+ * keys is then 64 tasks, not 32 (half of 64 threads idle). Shape only: the
+ * chunks set the result's bits, so the thread count may not. */
+static int64_t chunk_keys(const attn__problem *p, const flash_work *w) {
+    const int64_t blocks = w->ngroups * w->nqb;
+    const bool columns = w->direct && blocks < COLUMN_TASKS && p->S >= 2 * COLUMN_CHUNK_MIN;
+    const bool lanes = blocks < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN;
+    if (p->has_weights || !(columns || lanes)) return p->S;
+    int64_t chunk = (p->S + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    if (chunk < CHUNK_MIN) chunk = CHUNK_MIN;
+    if (columns) {
+        const int64_t wanted = (COLUMN_TASKS + blocks - 1) / blocks; /* chunks */
+        int64_t small = (p->S + wanted - 1) / wanted;
+        if (small < COLUMN_CHUNK_MIN) small = COLUMN_CHUNK_MIN;
+        if (small < chunk) chunk = small;
+    }
+    return (chunk + w->BC - 1) / w->BC * w->BC;
+}
+
+/* Query rows per block in the queries-in-lanes layout on `threads`
+ * threads: the context's lanes, or narrower blocks (a lane step less at a
+ * time) when they end the work at least a tenth sooner. Many threads and
+ * few blocks need them: (1,8,512,512,64) makes 88 blocks of 48 rows, which
+ * keep 64 threads 69% busy; 128 blocks of 32 keep them all busy. Blocks
+ * run in rounds of `threads`; one costs its lanes plus BLOCK_OVERHEAD rows'
+ * worth (its K/V blocks streamed once per block; measured on Zen 4, one
+ * thread, (1,4,512,512,E = 64 and 128): 32 lanes cost 1.02-1.03x and 16
+ * lanes 1.0-1.12x the time per row of 48). */
+enum { BLOCK_OVERHEAD = 3 };
+
+static int64_t lanes_for(const flash_work *w, const attn__ukernel *kern, int threads) {
+    const int64_t step = kern->lane_step;
+    int64_t best = w->lanes;
+    double best_time = 0;
+    for (int64_t lanes = w->lanes; lanes >= step; lanes -= step) {
+        const int64_t blocks = w->ngroups * ((w->nrows + lanes - 1) / lanes);
+        const double rounds = (double)((blocks + threads - 1) / threads);
+        const double time = rounds * (double)(lanes + BLOCK_OVERHEAD);
+        if (lanes == w->lanes || time < 0.9 * best_time) best = lanes, best_time = time;
+    }
+    return best;
+}
+
+/* The split for `threads` threads. Only the width of query blocks in the
+ * queries-in-lanes layout depends on it, and a row's result does not
+ * depend on the rows it shares a block with: lanes are independent and key
+ * blocks lie on one grid (block_keys). */
+static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, int threads) {
     flash_work w;
     w.G = group_size(p);
     w.ngroups = p->nbatch / w.G;
@@ -152,6 +209,12 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
     w.lanes = w.nrows < kern->lanes ? (w.nrows + step - 1) / step * step : kern->lanes;
     w.BR = w.direct ? w.nrows : w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
+    /* Many threads, few query blocks: see lanes_for. */
+    if (!w.direct) {
+        w.lanes = lanes_for(&w, kern, threads);
+        w.BR = w.lanes;
+        w.nqb = (w.nrows + w.BR - 1) / w.BR;
+    }
     const int64_t width = p->E > p->Ev ? p->E : p->Ev;
     w.BC = w.direct ? kern->direct_keys : lanes_keys(kern, width);
     w.gang = gang_size(p, &w);
@@ -163,18 +226,32 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern) {
         w.BR = w.nrows;
         w.BC = gang_keys(p, kern, w.gang, attn_dtype_size(p->dtype));
     }
-    w.chunk = p->S;
-    w.nchunks = 1;
     /* Ragged keys (varlen, a KV cache) split too: each sequence's slice
      * holds its own keys in the chunk, possibly none. */
-    if (w.ngroups * w.nqb < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN && !p->has_weights) {
-        int64_t chunk = (p->S + MAX_CHUNKS - 1) / MAX_CHUNKS;
-        if (chunk < CHUNK_MIN) chunk = CHUNK_MIN;
-        chunk = (chunk + w.BC - 1) / w.BC * w.BC;
-        w.chunk = chunk;
-        w.nchunks = (p->S + chunk - 1) / chunk;
-    }
+    w.chunk = chunk_keys(p, &w);
+    w.nchunks = w.chunk < p->S ? (p->S + w.chunk - 1) / w.chunk : 1;
+    w.across = w.ngroups * w.nqb < LOCAL_BLOCKS * (int64_t)threads;
     return w;
+}
+
+/* Task number `task`: (group g, query block qb, key chunk c). The last
+ * query block comes first, as causal blocks grow down the rows: the largest
+ * started first leave the smallest to fill the threads' tails. With many
+ * blocks per thread, group by group (a thread's next block reads the K/V
+ * its last one left in L2: 1-3% faster than across groups, 2 threads on
+ * Zen 4, (4,12,512,512,64) and (1,16,2048,2048,64) causal); with few,
+ * across groups, every group's largest block first (64 threads on
+ * (1,8,512,512,64) causal: 71% busy group by group, 100% across,
+ * test_schedule). The order sets no bit. */
+static void task_at(const flash_work *w, int64_t task, int64_t *g, int64_t *qb, int64_t *c) {
+    *c = task % w->nchunks;
+    if (w->across) {
+        *qb = w->nqb - 1 - task / (w->nchunks * w->ngroups);
+        *g = (task / w->nchunks) % w->ngroups;
+    } else {
+        *qb = w->nqb - 1 - (task / w->nchunks) % w->nqb;
+        *g = task / (w->nchunks * w->nqb);
+    }
 }
 
 /* ---- operands and the compute type ---- */
@@ -606,4 +683,73 @@ attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__
     if (bwd_tiny(problem)) return attn__sdpa_backward_reference(problem);
     return compute_dtype(problem) == ATTN_DTYPE_F32 ? bwd_run_f(problem, ukernel)
                                                     : bwd_run_d(problem, ukernel);
+}
+
+/* ---- how evenly the tasks fill the threads (for tests, docs/design.md) ---- */
+
+/* Rows times keys a task computes: its block's lanes (all computed in the
+ * queries-in-lanes layout) by the key span it visits, block-aligned as in
+ * flash_task. */
+static double task_cost(const attn__problem *p, const flash_work *w, int64_t task,
+                        flash_row *rows) {
+    int64_t g, qb, c, nr;
+    task_at(w, task, &g, &qb, &c);
+    attn__problem slice = *p;
+    if (w->nchunks > 1) {
+        const int64_t j0 = c * w->chunk;
+        attn__problem_key_slice(p, j0, p->S - j0 < w->chunk ? p->S - j0 : w->chunk, &slice);
+    }
+    setup_rows(&slice, w, g, qb, rows, &nr);
+    int64_t j_begin = slice.S, j_end = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        if (rows[r].first > rows[r].limit) continue;
+        if (rows[r].first < j_begin) j_begin = rows[r].first;
+        if (rows[r].limit + 1 > j_end) j_end = rows[r].limit + 1;
+    }
+    if (j_begin >= j_end) return 0;
+    const int64_t keys = j_end - j_begin;
+    return (double)(w->direct ? nr : w->lanes) * (double)keys;
+}
+
+attn_status attn__flash_balance(const attn__problem *p, const attn__ukernel *kern, int threads,
+                                attn__flash_split *out) {
+    const flash_work w = plan_work(p, kern, threads);
+    const int64_t ntasks = w.ngroups * w.nqb * w.nchunks;
+    double *busy = attn__alloc_array((size_t)threads, sizeof(double));
+    int64_t *count = attn__alloc_array((size_t)threads, sizeof(int64_t));
+    flash_row *rows = attn__alloc_array((size_t)w.BR, sizeof(flash_row));
+    if (!busy || !count || !rows) {
+        attn__free(busy);
+        attn__free(count);
+        attn__free(rows);
+        return attn__fail(ATTN_ERR_NOMEM, "out of memory planning the split");
+    }
+    double total = 0;
+    for (int t = 0; t < threads; t++) busy[t] = 0, count[t] = 0;
+    for (int64_t task = 0; task < ntasks; task++) { /* schedule(dynamic, 1) */
+        int t0 = 0;
+        for (int t = 1; t < threads; t++)
+            if (busy[t] < busy[t0]) t0 = t;
+        const double cost = task_cost(p, &w, task, rows);
+        busy[t0] += cost;
+        count[t0]++;
+        total += cost;
+    }
+    double longest = 0;
+    out->tasks = ntasks;
+    out->rows_per_block = w.BR;
+    out->chunks = w.nchunks;
+    out->chunk = w.chunk;
+    out->most = 0;
+    out->fewest = ntasks;
+    for (int t = 0; t < threads; t++) {
+        if (busy[t] > longest) longest = busy[t];
+        if (count[t] > out->most) out->most = count[t];
+        if (count[t] < out->fewest) out->fewest = count[t];
+    }
+    out->busy = longest > 0 ? total / (threads * longest) : 1;
+    attn__free(busy);
+    attn__free(count);
+    attn__free(rows);
+    return ATTN_OK;
 }

@@ -25,4 +25,20 @@ attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__
  * threads, forward and backward); reading resets the count. For tests. */
 int64_t attn__flash_blocks_visited(void);
 
+/* How the forward splits a problem for `threads` threads, and how evenly
+ * its tasks fill them when each thread takes the next task as it frees
+ * (the driver's schedule), a task costing the rows times keys it computes.
+ * For tests and docs/design.md: the thread count may exceed the machine's. */
+typedef struct attn__flash_split {
+    int64_t tasks;          /* (group, query block, key chunk) tasks          */
+    int64_t rows_per_block; /* query rows per block                          */
+    int64_t chunks;         /* key chunks per block (1: keys not split)      */
+    int64_t chunk;          /* keys per chunk (S when not split)             */
+    int64_t most, fewest;   /* tasks the busiest and the idlest thread run   */
+    double busy;            /* work / (threads x the longest thread's work)  */
+} attn__flash_split;
+
+attn_status attn__flash_balance(const attn__problem *problem, const attn__ukernel *ukernel,
+                                int threads, attn__flash_split *split);
+
 #endif /* ATTN_SDPA_FLASH_H */

@@ -48,16 +48,27 @@ typedef struct mod_case {
 static uint64_t rng_below(rng *r, uint64_t n) { return rng_next(r) % n; }
 static int64_t pick(rng *r, const int64_t *xs, int n) { return xs[rng_below(r, (uint64_t)n)]; }
 
-static void make_case(mod_case *c, rng *r, bool decode, bool dense) {
+/* Case sizes: small prefill, decode (few rows, keys split into chunks),
+ * wide (enough work to run on several threads, in blocks that narrow when
+ * there are many threads). */
+typedef enum { CASE_SMALL, CASE_DECODE, CASE_WIDE } case_size;
+
+static void make_case(mod_case *c, rng *r, case_size size, bool dense) {
     memset(c, 0, sizeof *c);
     static const int64_t lens[] = {1, 3, 17, 64, 97, 130, 257};
+    /* wide: one K/V head and 100-200 query rows, which 1 thread runs in
+     * blocks of 48 rows and 8 threads in blocks of 16 or 32 (lanes_for) */
+    static const int64_t wide_rows[] = {100, 150, 200}, wide_keys[] = {300, 700, 1000};
     static const int64_t widths[] = {8, 16, 32, 64, 80};
+    const bool decode = size == CASE_DECODE;
     c->dtype = rng_below(r, 3) == 0 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
-    c->B = 1 + (int64_t)rng_below(r, 2);
-    c->Hkv = 1 + (int64_t)rng_below(r, 2);
+    const bool wide = size == CASE_WIDE;
+    c->B = wide ? 1 : 1 + (int64_t)rng_below(r, 2);
+    c->Hkv = wide ? 1 : 1 + (int64_t)rng_below(r, 2);
     c->H = c->Hkv * (1 + (int64_t)rng_below(r, 2));
-    c->L = decode ? 1 + (int64_t)rng_below(r, 3) : pick(r, lens, 7);
-    c->S = decode ? 2048 + (int64_t)rng_below(r, 2048) : pick(r, lens, 7);
+    c->L = decode ? 1 + (int64_t)rng_below(r, 3) : wide ? pick(r, wide_rows, 3) : pick(r, lens, 7);
+    c->S = decode ? 2048 + (int64_t)rng_below(r, 2048)
+           : wide ? pick(r, wide_keys, 3) : pick(r, lens, 7);
     c->E = pick(r, widths, 5);
     c->Ev = rng_below(r, 4) == 0 ? pick(r, widths, 5) : c->E;
     const int64_t qs[4] = {c->B, c->H, c->L, c->E}, ks[4] = {c->B, c->Hkv, c->S, c->E},
@@ -188,13 +199,58 @@ static void random_modifiers(void) {
         double worst = 0;
         for (int i = 0; i < cases + decode_cases; i++) {
             mod_case c;
-            make_case(&c, &r, i >= cases, false);
+            make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false);
             worst = fmax(worst, run_case(&c, i));
             free_case(&c);
         }
         printf("  path %-8s %d cases (%d decode) against the oracle; worst error/tolerance %.3f\n",
                attn_isa_name(isa[pi]), cases + decode_cases, decode_cases, worst);
     }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* ---- the thread count sets no bit ---- */
+
+/* Every modifier, masks, causality, GQA and dropout on 1 thread and on more
+ * threads than the machine has cores (query blocks narrow there, and the
+ * key blocks of a window stay on one grid): the same bits, out and lse. */
+static void many_threads_same_bits(void) {
+    enum { CASES = 24 };
+    attn_isa isa[8];
+    const int n = paths(isa);
+    const int many = attn_max_threads();
+    for (int pi = 0; pi < n; pi++) {
+        if (isa[pi] == ATTN_ISA_REF) continue;
+        CHECK_OK(attn_set_isa(isa[pi]));
+        rng r = {harness_seed() ^ 0x7a11};
+        for (int i = 0; i < CASES; i++) {
+            mod_case c;
+            make_case(&c, &r, i % 6 == 5 ? CASE_DECODE : CASE_WIDE, false);
+            if (i % 3 == 0) { /* dropout too */
+                c.p.dropout_p = 0.2;
+                c.p.seed = 77 + (uint64_t)i;
+            }
+            const size_t ob = sizeof(double) * (size_t)attn_tensor_numel(&c.out.t);
+            const size_t lb = sizeof(double) * (size_t)attn_tensor_numel(&c.lse.t);
+            attn_set_num_threads(1);
+            CHECK_OK(attn_sdpa(&c.q.t, &c.k.t, &c.v.t, &c.p, &c.out.t, NULL, &c.lse.t));
+            double *out1 = tt_dense(&c.out.t), *lse1 = tt_dense(&c.lse.t);
+            attn_set_num_threads(many);
+            CHECK_OK(attn_sdpa(&c.q.t, &c.k.t, &c.v.t, &c.p, &c.out.t, NULL, &c.lse.t));
+            double *out2 = tt_dense(&c.out.t), *lse2 = tt_dense(&c.lse.t);
+            CHECK(memcmp(out1, out2, ob) == 0 && memcmp(lse1, lse2, lb) == 0,
+                  "case %d on %s (L %lld S %lld window %lld,%lld causal %d dropout %g): %d "
+                  "threads differ from 1",
+                  i, attn_isa_name(isa[pi]), (long long)c.L, (long long)c.S,
+                  (long long)c.p.window_left, (long long)c.p.window_right, (int)c.p.causal,
+                  c.p.dropout_p, many);
+            free(out1), free(lse1), free(out2), free(lse2);
+            free_case(&c);
+        }
+        printf("  path %-8s %d cases: 1 and %d threads give the same bits\n",
+               attn_isa_name(isa[pi]), CASES, many);
+    }
+    attn_set_num_threads(0);
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
@@ -291,7 +347,7 @@ static double numeric_grad(mod_case *c, double *x, const double *g) {
 static void backward_case(rng *r, int index, double *worst) {
     mod_case c;
     do {
-        make_case(&c, r, false, true); /* no broadcast inputs: one element, one gradient */
+        make_case(&c, r, CASE_SMALL, true); /* no broadcast inputs: one element, one gradient */
         if (c.dtype == ATTN_DTYPE_F64 && c.L * c.S * c.E <= 40000) break;
         free_case(&c);
     } while (1);
@@ -447,7 +503,7 @@ static void backward_fused_random(void) {
     for (int i = 0; i < cases; i++) {
         mod_case c;
         do {
-            make_case(&c, &r, false, false);
+            make_case(&c, &r, CASE_SMALL, false);
             if (c.L * c.S * (c.E + c.Ev) > 70000) break;
             free_case(&c);
         } while (1);
@@ -621,5 +677,5 @@ static void sinks_backward_hostile(void) {
     CHECK(ds[0] == 0 && ds[1] == 0, "dsinks %g %g", (double)ds[0], (double)ds[1]);
 }
 
-HARNESS_MAIN(T(sink_dominates_lse), T(sinks_backward_hostile), T(random_modifiers), T(window_skips_blocks), T(backward_modifiers),
+HARNESS_MAIN(T(sink_dominates_lse), T(sinks_backward_hostile), T(random_modifiers), T(many_threads_same_bits), T(window_skips_blocks), T(backward_modifiers),
              T(backward_fused_f32), T(backward_fused_random), T(hostile_modifiers))

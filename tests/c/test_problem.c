@@ -5,6 +5,7 @@
  */
 #include "problem/lse_merge.h"
 #include "problem/problem.h"
+#include "sdpa/flash.h"
 #include "sdpa/sdpa.h"
 #include "testutil.h"
 
@@ -27,19 +28,20 @@ static attn_tensor view(void *data, attn_dtype dt, int rank, const int64_t *shap
     return t;
 }
 
-/* ---- dropout over two key halves, merged, equals the whole call ---- */
+/* ---- dropout over the key chunks, merged, equals the whole call ---- */
 
 enum { H = 4, L = 3, S = 2048, E = 64 }; /* a decode shape: the split path */
+enum { MAX_PARTS = 16 };
 
-static void halves_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool float_mask) {
+static void chunks_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool float_mask) {
     const size_t es = attn_dtype_size(dt);
     rng r = {harness_seed() ^ (unsigned)(isa * 31 + dt * 7 + causal)};
     const int64_t qs[4] = {1, H, L, E}, ks[4] = {1, H, S, E}, os[4] = {1, H, L, E},
                   ms[2] = {L, S}, ls[3] = {1, H, L};
     void *qd = malloc(H * L * E * es), *kd = malloc(H * S * E * es), *vd = malloc(H * S * E * es);
     void *md = malloc(L * S * es), *whole = malloc(H * L * E * es), *whole_lse = malloc(H * L * es);
-    void *halves = malloc(2 * H * L * E * es), *merged = malloc(H * L * E * es);
-    double lse_h[2][H * L], lse_m[H * L];
+    void *chunk_out = malloc(MAX_PARTS * H * L * E * es), *merged = malloc(H * L * E * es);
+    double lse_h[MAX_PARTS][H * L], lse_m[H * L];
     fill(qd, dt, H * L * E, &r);
     fill(kd, dt, H * S * E, &r);
     fill(vd, dt, H * S * E, &r);
@@ -59,23 +61,31 @@ static void halves_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool fl
     CHECK_OK(attn_sdpa(&q, &k, &v, &prm, &out, NULL, &lse));
     attn__problem whole_p, half;
     CHECK_OK(attn__problem_from_sdpa(&whole_p, &q, &k, &v, &prm, &out, NULL, &lse));
-    for (int c = 0; c < 2; c++) {
-        attn__problem_key_slice(&whole_p, c * (S / 2), S / 2, &half);
-        attn__operand_dense(&half, &half.out, (char *)halves + c * H * L * E * es, dt, E);
+    /* the slices are the whole call's own key chunks (the split is by shape) */
+    attn__flash_split split;
+    CHECK_OK(attn__flash_balance(&whole_p, attn__ukernel_for(isa), 1, &split));
+    const int parts = (int)split.chunks;
+    CHECK(parts >= 2 && parts <= MAX_PARTS && split.chunk * parts == S,
+          "%s: the call splits S = %d into %d chunks of %lld", attn_isa_name(isa), S, parts,
+          (long long)split.chunk);
+    if (parts < 2 || parts > MAX_PARTS || split.chunk * parts != S) goto done;
+    for (int c = 0; c < parts; c++) {
+        attn__problem_key_slice(&whole_p, c * split.chunk, split.chunk, &half);
+        attn__operand_dense(&half, &half.out, (char *)chunk_out + c * H * L * E * es, dt, E);
         attn__operand_dense(&half, &half.lse, lse_h[c], ATTN_DTYPE_F64, 1);
         half.has_lse = true;
         CHECK_OK(attn__sdpa_execute(&half));
     }
     for (int64_t row = 0; row < H * L; row++) {
         if (dt == ATTN_DTYPE_F32)
-            attn__lse_merge_f(2, (float *)halves + row * E, H * L * E, &lse_h[0][row], H * L, E,
-                              (float *)merged + row * E, 1, &lse_m[row]);
+            attn__lse_merge_f(parts, (float *)chunk_out + row * E, H * L * E, &lse_h[0][row],
+                              H * L, E, (float *)merged + row * E, 1, &lse_m[row]);
         else
-            attn__lse_merge_d(2, (double *)halves + row * E, H * L * E, &lse_h[0][row], H * L, E,
-                              (double *)merged + row * E, 1, &lse_m[row]);
+            attn__lse_merge_d(parts, (double *)chunk_out + row * E, H * L * E, &lse_h[0][row],
+                              H * L, E, (double *)merged + row * E, 1, &lse_m[row]);
     }
     CHECK(memcmp(merged, whole, H * L * E * es) == 0,
-          "%s %s causal=%d mask=%d: halves merged differ from the whole call",
+          "%s %s causal=%d mask=%d: chunks merged differ from the whole call",
           attn_isa_name(isa), attn_dtype_name(dt), (int)causal, (int)float_mask);
     int lse_same = 1;
     for (int64_t row = 0; row < H * L; row++) {
@@ -93,25 +103,26 @@ static void halves_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool fl
     attn_tensor out0 = view(plain, dt, 4, os);
     CHECK_OK(attn_sdpa(&q, &k, &v, &prm, &out0, NULL, NULL));
     CHECK(memcmp(plain, whole, H * L * E * es) != 0, "dropout left the output unchanged");
-    attn__problem_key_slice(&whole_p, S / 2, S / 2, &half);
+    attn__problem_key_slice(&whole_p, split.chunk, split.chunk, &half);
     half.k_pos0 = 0;
     attn__operand_dense(&half, &half.out, merged, dt, E);
     attn__operand_dense(&half, &half.lse, lse_m, ATTN_DTYPE_F64, 1);
     CHECK_OK(attn__sdpa_execute(&half));
-    CHECK(memcmp(merged, (char *)halves + H * L * E * es, H * L * E * es) != 0,
+    CHECK(memcmp(merged, (char *)chunk_out + H * L * E * es, H * L * E * es) != 0,
           "the key offset does not reach the dropout mask");
     free(plain);
-    free(qd), free(kd), free(vd), free(md), free(whole), free(whole_lse), free(halves), free(merged);
+done:
+    free(qd), free(kd), free(vd), free(md), free(whole), free(whole_lse), free(chunk_out), free(merged);
 }
 
-static void test_dropout_halves_merge_bitwise(void) {
+static void test_dropout_chunks_merge_bitwise(void) {
     for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
         if (!attn_isa_supported(FUSED[i])) continue;
         for (int f64 = 0; f64 < 2; f64++) {
             const attn_dtype dt = f64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
-            halves_case(FUSED[i], dt, ATTN_CAUSAL_NONE, false);
-            halves_case(FUSED[i], dt, ATTN_CAUSAL_BOTTOM_RIGHT, true);
-            halves_case(FUSED[i], dt, ATTN_CAUSAL_TOP_LEFT, false); /* second half sees nothing */
+            chunks_case(FUSED[i], dt, ATTN_CAUSAL_NONE, false);
+            chunks_case(FUSED[i], dt, ATTN_CAUSAL_BOTTOM_RIGHT, true);
+            chunks_case(FUSED[i], dt, ATTN_CAUSAL_TOP_LEFT, false); /* later chunks see nothing */
         }
     }
     attn_set_isa(ATTN_ISA_AUTO);
@@ -437,6 +448,6 @@ static void test_slice_and_merge_errors(void) {
     CHECK(o[4] == 0 && isinf(l[1]) && l[1] < 0, "no keys: out %g lse %g", o[4], l[1]);
 }
 
-HARNESS_MAIN(T(test_dropout_halves_merge_bitwise), T(test_lse_merge_rules),
+HARNESS_MAIN(T(test_dropout_chunks_merge_bitwise), T(test_lse_merge_rules),
              T(test_public_slices_merge_to_the_whole), T(test_slice_and_merge_errors),
              T(test_ragged_batches), T(test_binding_names_in_messages))
