@@ -117,8 +117,12 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
         r_lse = new_output(empty, rank - 1, shape, lse_dt, "lse", &lse);
         if (r_lse == NULL) goto done;
     }
+    /* multiply-adds: out's elements times S times (E + Ev) / Ev */
+    double work = (double)k.t.shape[k.t.rank - 2] *
+                  (double)(q.t.shape[q.t.rank - 1] + v.t.shape[v.t.rank - 1]);
+    for (int d = 0; d < rank - 1; d++) work *= (double)shape[d];
     interrupt_guard guard;
-    interrupt_guard_arm(&guard);
+    interrupt_guard_arm_for(&guard, work);
     Py_BEGIN_ALLOW_THREADS
     st = attn_sdpa(&q.t, &k.t, &v.t, &p, &out.t, want_w ? &w.t : NULL, want_lse ? &lse.t : NULL);
     Py_END_ALLOW_THREADS

@@ -105,6 +105,13 @@ void interrupt_guard_arm(interrupt_guard *g) {
     g->armed = true;
 }
 
+void interrupt_guard_arm_for(interrupt_guard *g, double work) {
+    if (work >= GUARD_MIN_WORK)
+        interrupt_guard_arm(g);
+    else
+        g->armed = false;
+}
+
 /* With the GIL held, after the call: -1 with KeyboardInterrupt set when a
  * SIGINT came during it (whether or not it stopped the call early). */
 int interrupt_guard_disarm(interrupt_guard *g, attn_status st) {

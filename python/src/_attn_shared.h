@@ -51,6 +51,12 @@ typedef struct interrupt_guard {
 /* Once, at import: notes the main thread. 0, or -1 with an exception set. */
 int interrupt_guard_init(void);
 void interrupt_guard_arm(interrupt_guard *g);
+/* Armed only for calls of at least GUARD_MIN_WORK multiply-adds: a shorter
+ * one ends within a millisecond or so, after which Python raises the
+ * KeyboardInterrupt anyway, and arming costs 2-3 us (a Python call and
+ * three sigaction system calls), more than a 16-token attention. */
+#define GUARD_MIN_WORK ((double)(1 << 22))
+void interrupt_guard_arm_for(interrupt_guard *g, double work);
 int interrupt_guard_disarm(interrupt_guard *g, attn_status st);
 
 int require_empty(PyObject *empty, const char *fn);

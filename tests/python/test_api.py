@@ -192,6 +192,37 @@ def test_torch_tensors_in_torch_tensors_out(rng):
     assert isinstance(y, np.ndarray) and y.shape == (4, 6) and w.shape == (4, 5)
 
 
+def test_plain_call_shortcut_matches_the_checked_path(rng):
+    """NumPy arrays with no extras skip the argument checks (a 16-token call
+    costs less than they do): the same bits and the same errors as a call
+    that takes the checked path (a list window_size sends it there)."""
+    for dtype in (np.float32, np.float64):
+        q = rng.standard_normal((2, 4, 9, 16)).astype(dtype)
+        k = rng.standard_normal((2, 2, 13, 16)).astype(dtype)
+        v = rng.standard_normal((2, 2, 13, 8)).astype(dtype)
+        for causal in (False, True):
+            for align in ("top-left", "bottom-right"):
+                fast = attn.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, enable_gqa=True, causal_alignment=align)
+                checked = attn.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, enable_gqa=True, causal_alignment=align,
+                    window_size=[-1, -1])
+                assert fast.dtype == dtype and fast.shape == (2, 4, 9, 8)
+                assert np.array_equal(fast, checked)
+    q32 = q.astype(np.float32)
+    errors = []
+    for extra in ({}, {"window_size": [-1, -1]}):
+        with pytest.raises(ValueError) as e:  # GQA heads without enable_gqa
+            attn.scaled_dot_product_attention(q32, k.astype(np.float32),
+                                              v.astype(np.float32), **extra)
+        errors.append((str(e.value), e.value.arg))
+    assert errors[0] == errors[1] and errors[0][1] == "key"
+    with pytest.raises(TypeError, match="must share one dtype"):  # mixed dtypes: checked
+        attn.scaled_dot_product_attention(q32, k, v, enable_gqa=True)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        attn.scaled_dot_product_attention(q, k, v, is_causal=1, enable_gqa=True)
+
+
 def test_scalar_and_list_masks(rng):
     q = rng.standard_normal((2, 4, 8))
     ref = attn.scaled_dot_product_attention(q, q, q)
