@@ -57,7 +57,7 @@ bench-counts: build
 	@$(PYTHON) bench/counts.py --bench-bin $(BUILD)/bench/attn_bench
 
 # attn_ring 1 -> 2 ranks, one host and two network namespaces over a veth
-# (root); writes bench/results/ring.json and ring.md (bench/ring_run.py).
+# (root); writes bench/results/<cpu>/ring.json and ring.md (bench/ring_run.py).
 RING_BENCH_ARGS ?=
 bench-ring: build
 	@$(PYTHON) bench/ring_run.py --build $(BUILD) $(RING_BENCH_ARGS)

@@ -3,7 +3,7 @@
 
     python3 bench/ring_run.py [--build build] [--heads 2] [--len 16384] [--dim 64]
                               [--reps 3] [--min-rounds 3] [--max-rounds 7] [--spread 0.03]
-                              [--no-net] [--no-crossover] [--out bench/results]
+                              [--no-net] [--no-crossover] [--out bench/results/<cpu>]
 
 Runs bench/ring_bench (built with attn_ring) under mpirun for L = S = 16,384,
 E = 64, non-causal and causal (zigzag), as:
@@ -39,6 +39,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from counts import cpu_slug  # noqa: E402  (bench/counts.py)
 ROOT = os.path.dirname(HERE)
 BYTES = 4  # float32
 
@@ -149,7 +151,8 @@ def main():
     ap.add_argument("--quiet-load", type=float, default=0.5,
                     help="wait (up to --quiet-wait s) for the 1-min load to fall below this")
     ap.add_argument("--quiet-wait", type=float, default=120)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", cpu_slug()),
+                    help="where the results go (default: bench/results/<this CPU>)")
     args = ap.parse_args()
     args.ring_bench = os.path.join(args.build, "bench", "ring_bench")
     args.driver = os.path.join(args.build, "tests", "ring", "ring_driver")  # for the ping-pong
