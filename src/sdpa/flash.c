@@ -166,11 +166,10 @@ static int64_t chunk_keys(const attn__problem *p, const flash_work *w) {
  * need them: (1,8,512,512,64) makes 88 blocks of 48 rows, which keep 64
  * threads 69% busy (128 blocks of 32 keep them all busy), and 256 rows on
  * 2 threads run in 3 rounds of 48 but 4 of 32 (7% faster, (1,1,256,256,128)
- * on Zen 4). Blocks
- * run in rounds of `threads`; one costs its lanes plus BLOCK_OVERHEAD rows'
- * worth (its K/V blocks streamed once per block; measured on Zen 4, one
- * thread, (1,4,512,512,E = 64 and 128): 32 lanes cost 1.02-1.03x and 16
- * lanes 1.0-1.12x the time per row of 48). */
+ * on Zen 4). Blocks run in rounds of `threads`; one costs its lanes plus
+ * BLOCK_OVERHEAD rows' worth (its K/V blocks streamed once per block;
+ * measured on Zen 4, one thread, (1,4,512,512,E = 64 and 128): 32 lanes
+ * cost 1.02-1.03x and 16 lanes 1.0-1.12x the time per row of 48). */
 enum { BLOCK_OVERHEAD = 3 };
 
 static int64_t lanes_for(const flash_work *w, const attn__ukernel *kern, int threads) {
@@ -202,9 +201,9 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
      * call, not a head: 32 heads of 32 tokens took 1.05x PyTorch's time in
      * keys in columns, and float32 queries in lanes keep the conformance
      * suite's error ratios where they were (median 0.84, worst 11.1 within
-     * 2x torch + 1e-6). Not for a
-     * backward's lse: that must be the lse of the scores the backward
-     * computes, which are the queries-in-lanes layout's. */
+     * 2x torch + 1e-6). Not for a backward's lse: that must be the lse of
+     * the scores the backward computes, which are the queries-in-lanes
+     * layout's. */
     w.direct = !p->lse_for_backward &&
                (w.nrows <= kern->direct_rows ||
                 (double)p->nbatch * (double)p->L * (double)p->S * (double)p->E <= TINY_WORK);
@@ -694,8 +693,7 @@ attn_status attn__sdpa_flash_backward(const attn__problem *problem, const attn__
 /* ---- how evenly the tasks fill the threads (for tests, docs/design.md) ---- */
 
 /* Rows times keys a task computes: its block's lanes (all computed in the
- * queries-in-lanes layout) by the key span it visits, block-aligned as in
- * flash_task. */
+ * queries-in-lanes layout) by the span of keys flash_task visits. */
 static double task_cost(const attn__problem *p, const flash_work *w, int64_t task,
                         flash_row *rows) {
     int64_t g, qb, c, nr;
@@ -719,6 +717,7 @@ static double task_cost(const attn__problem *p, const flash_work *w, int64_t tas
 
 attn_status attn__flash_balance(const attn__problem *p, const attn__ukernel *kern, int threads,
                                 attn__flash_split *out) {
+    if (threads < 1) threads = 1;
     const flash_work w = plan_work(p, kern, threads);
     const int64_t ntasks = w.ngroups * w.nqb * w.nchunks;
     double *busy = attn__alloc_array((size_t)threads, sizeof(double));
