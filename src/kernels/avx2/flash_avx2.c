@@ -8,6 +8,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdbool.h>
 
 #include "../exp2.h"
 #include "../ukernel.h"
@@ -89,11 +90,15 @@ ALWAYS_INLINE void qkt_tile(const float *qt, int64_t ldqt, const float *k, int64
 #define QKT_CASE(JK)                                                                   \
     case JK: qkt_tile(qt + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK); break;
 
-/* lanes is a multiple of 16 (lane_step). */
+/* lanes is a multiple of 16 (lane_step). Keys outside, lanes inside: the
+ * 6 K rows of a tile are read from memory once and the packed queries
+ * (E x 48 floats, 12 KiB at E = 64) stay in L1; lanes outside read the
+ * whole K block once per 16 lanes, and a block of 128 keys at E = 64 is
+ * all of Zen 4's 32 KiB L1 (qkt took 1.35x the AVX-512 kernel's time). */
 static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E, int64_t nk,
                   int64_t lanes, float *st, int64_t ldst) {
-    for (int64_t c = 0; c < lanes; c += 16)
-        for (int64_t j = 0; j < nk; j += KEYS) {
+    for (int64_t j = 0; j < nk; j += KEYS)
+        for (int64_t c = 0; c < lanes; c += 16) {
             switch (nk - j < KEYS ? nk - j : KEYS) {
                 QKT_CASE(6)
                 QKT_CASE(5)
@@ -273,22 +278,36 @@ static void softmax_f(float *s, int64_t lds, int rows, int64_t cols, float c, fl
 
 /* ---- O = alpha·O + P · V ---- */
 
+/* Loads and stores of a tile row's vector vi: plain ones, unless it is the
+ * last vector of a chunk that ends in a partial one (TAIL). vmaskmovps is
+ * the slow instruction on AMD cores (loads: about one per cycle; stores:
+ * microcoded), and pv's inner loop loads V for every key: with masked V
+ * loads throughout, pv on Zen 4 took 1.65x the AVX-512 kernel's time for
+ * the same FMAs (perf, (1,4,2048,2048,128), one thread). */
+ALWAYS_INLINE __m256 load_vec(const float *x, int vi, int NV, bool TAIL, __m256i last) {
+    return TAIL && vi == NV - 1 ? _mm256_maskload_ps(x, last) : _mm256_loadu_ps(x);
+}
+ALWAYS_INLINE void store_vec(float *x, __m256 v, int vi, int NV, bool TAIL, __m256i last) {
+    if (TAIL && vi == NV - 1)
+        _mm256_maskstore_ps(x, last, v);
+    else
+        _mm256_storeu_ps(x, v);
+}
+
 ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int64_t nk,
                            float *o, int64_t ldo, const float *alpha, const int R, const int NV,
-                           __m256i last) {
-    const __m256i all = _mm256_set1_epi32(-1);
+                           const bool TAIL, __m256i last) {
     __m256 acc[ROWS][VECS], vv[VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
         const __m256 a = _mm256_set1_ps(alpha[r]);
 #pragma GCC unroll 2
         for (int vi = 0; vi < NV; vi++)
-            acc[r][vi] = _mm256_mul_ps(a, _mm256_maskload_ps(o + r * ldo + 8 * vi, vi == NV - 1 ? last : all));
+            acc[r][vi] = _mm256_mul_ps(a, load_vec(o + r * ldo + 8 * vi, vi, NV, TAIL, last));
     }
     for (int64_t j = 0; j < nk; j++) {
 #pragma GCC unroll 2
-        for (int vi = 0; vi < NV; vi++)
-            vv[vi] = _mm256_maskload_ps(v + j * ldv + 8 * vi, vi == NV - 1 ? last : all);
+        for (int vi = 0; vi < NV; vi++) vv[vi] = load_vec(v + j * ldv + 8 * vi, vi, NV, TAIL, last);
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
             const __m256 pb = _mm256_broadcast_ss(p + r * p_rs + j * p_cs);
@@ -299,16 +318,17 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
-        for (int vi = 0; vi < NV; vi++)
-            _mm256_maskstore_ps(o + r * ldo + 8 * vi, vi == NV - 1 ? last : all, acc[r][vi]);
+        for (int vi = 0; vi < NV; vi++) store_vec(o + r * ldo + 8 * vi, acc[r][vi], vi, NV, TAIL, last);
 }
 
 #define PV_CASE(R)                                                                        \
     case R:                                                                               \
-        if (nv == 2)                                                                      \
-            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 2, last);        \
+        if (nv == 2 && full)                                                              \
+            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 2, false, last); \
+        else if (nv == 2)                                                                 \
+            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 2, true, last);  \
         else                                                                              \
-            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 1, last);        \
+            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 1, !full, last); \
         break;
 
 /* Feature chunks outside, row tiles inside, so a V chunk stays in L1. */
@@ -320,6 +340,7 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
         const int nv = left > 8 ? 2 : 1;
         const int64_t in_last = left - 8 * (nv - 1);
         const __m256i last = lane_mask(in_last >= 8 ? 8 : in_last);
+        const bool full = in_last >= 8; /* no partial vector in this chunk */
         for (int rr = 0; rr < rows_all; rr += ROWS) {
             const int rows = rows_all - rr < ROWS ? rows_all - rr : ROWS;
             const float *p = p_all + rr * p_rs, *alpha = alpha_all + rr;
@@ -358,10 +379,13 @@ static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64
 }
 
 /* The float32 slots; float64 keeps the portable kernels. The blocking
- * stays the portable context's (the numbers measured for AVX-512; not
- * retuned for 16 ymm registers: the qkt tile here is 16 queries wide, so 48
- * lanes are three passes); S is padded to 8 columns (one vector) and pv has
- * a 6-row register tile. */
+ * stays the portable context's (the numbers measured for AVX-512: the qkt
+ * tile here is 16 queries wide, so 48 lanes are three tiles per 6 keys);
+ * S is padded to 8 columns (one vector) and pv has a 6-row register tile.
+ * On Zen 4 with ATTN_ISA=avx2 (2 x 256-bit FMA pipes: the same peak as
+ * AVX-512 there), (1,16,2048,2048,E) runs at 70-76% of the FMA peak for
+ * E = 64 and 128 (it was 60-65% before pv's V loads stopped being masked
+ * and qkt walked keys outside lanes). */
 void attn__ukernel_init_avx2(attn__ukernel *ctx) {
     ctx->name = "avx2";
     ctx->pv_rows = ROWS;
