@@ -24,6 +24,7 @@ from ._arrays import (
 
 _CAUSAL = {"top-left": 1, "bottom-right": 2}
 _NATIVE_FLOAT = (np.dtype(np.float32), np.dtype(np.float64))  # native byte order
+_NO_WINDOW = (-1, -1)  # the default window_size, recognised by identity
 
 def _causal_bias(mask):
     """(alignment, L, S) of a torch CausalBias, or None. Its storage is an
@@ -65,7 +66,7 @@ def scaled_dot_product_attention(
     seed=None,
     return_weights=False,
     return_lse=False,
-    window_size=(-1, -1),
+    window_size=_NO_WINDOW,
     alibi_slopes=None,
     softcap=0.0,
     sinks=None,
@@ -134,7 +135,7 @@ def scaled_dot_product_attention(
             and type(is_causal) is bool and type(enable_gqa) is bool
             and type(dropout_p) is float and dropout_p == 0.0
             and type(softcap) is float and softcap == 0.0
-            and type(window_size) is tuple and window_size == (-1, -1)
+            and window_size is _NO_WINDOW
             and type(causal_alignment) is str and causal_alignment in _CAUSAL
             and query.dtype in _NATIVE_FLOAT and key.dtype == query.dtype
             and value.dtype == query.dtype):

@@ -221,6 +221,10 @@ def test_plain_call_shortcut_matches_the_checked_path(rng):
         attn.scaled_dot_product_attention(q32, k, v, enable_gqa=True)
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         attn.scaled_dot_product_attention(q, k, v, is_causal=1, enable_gqa=True)
+    with pytest.raises(TypeError, match="must be an int, not float"):  # equal to (-1, -1)
+        attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, window_size=(-1.0, -1.0))
+    with pytest.raises(TypeError, match="dropout_p must be a float"):  # == 0.0, but a bool
+        attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, dropout_p=False)
 
 
 def test_scalar_and_list_masks(rng):
