@@ -212,14 +212,9 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
      * third idle. */
     const int64_t step = kern->lane_step;
     w.lanes = w.nrows < kern->lanes ? (w.nrows + step - 1) / step * step : kern->lanes;
+    if (!w.direct) w.lanes = lanes_for(&w, kern, threads); /* many threads, few blocks */
     w.BR = w.direct ? w.nrows : w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
-    /* Many threads, few query blocks: see lanes_for. */
-    if (!w.direct) {
-        w.lanes = lanes_for(&w, kern, threads);
-        w.BR = w.lanes;
-        w.nqb = (w.nrows + w.BR - 1) / w.BR;
-    }
     const int64_t width = p->E > p->Ev ? p->E : p->Ev;
     w.BC = w.direct ? kern->direct_keys : lanes_keys(kern, width);
     w.gang = gang_size(p, &w);
@@ -328,6 +323,20 @@ static void setup_rows_at(const attn__problem *p, const flash_work *w, int64_t g
         row->limit = row->active ? attn__last_key(p, b, i) : -1;
         row->first = row->active ? attn__first_key(p, b, i) : 0;
         row->sink_max = false;
+    }
+}
+
+/* The keys any of rows [0, nr) sees: [*begin, *end), empty (begin >= end)
+ * when none sees a key. Blocks outside it (causal, the window) are never
+ * visited. */
+static void visible_span(const flash_row *rows, int64_t nr, int64_t S, int64_t *begin,
+                         int64_t *end) {
+    *begin = S;
+    *end = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        if (rows[r].first > rows[r].limit) continue; /* sees nothing */
+        if (rows[r].first < *begin) *begin = rows[r].first;
+        if (rows[r].limit + 1 > *end) *end = rows[r].limit + 1;
     }
 }
 
@@ -704,12 +713,8 @@ static double task_cost(const attn__problem *p, const flash_work *w, int64_t tas
         attn__problem_key_slice(p, j0, p->S - j0 < w->chunk ? p->S - j0 : w->chunk, &slice);
     }
     setup_rows(&slice, w, g, qb, rows, &nr);
-    int64_t j_begin = slice.S, j_end = 0;
-    for (int64_t r = 0; r < nr; r++) {
-        if (rows[r].first > rows[r].limit) continue;
-        if (rows[r].first < j_begin) j_begin = rows[r].first;
-        if (rows[r].limit + 1 > j_end) j_end = rows[r].limit + 1;
-    }
+    int64_t j_begin, j_end;
+    visible_span(rows, nr, slice.S, &j_begin, &j_end);
     if (j_begin >= j_end) return 0;
     const int64_t keys = j_end - j_begin;
     return (double)(w->direct ? nr : w->lanes) * (double)keys;
