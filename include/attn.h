@@ -126,11 +126,12 @@ typedef enum attn_dtype {
     ATTN_DTYPE_F32 = 1,  /* float                                           */
     ATTN_DTYPE_F64 = 2,  /* double                                          */
     ATTN_DTYPE_BOOL = 3, /* one byte; 0 is false, anything else is true     */
-    /* Storage dtypes: 16-bit floats as checkpoints hold them (uint16_t bit
-     * patterns in native byte order). Files carry them (safetensors), and
-     * attn_mha_set_param and the safetensors reader convert them exactly to
-     * float32/float64; every computing call (attn_sdpa, attn_sdpa_backward,
-     * attn_mha_*) and attn_npy_save refuse them with ATTN_ERR_DTYPE. */
+    /* 16-bit floats (uint16_t bit patterns in native byte order). attn_sdpa,
+     * attn_sdpa_backward, attn_sdpa_varlen and attn_sdpa_kvcache compute
+     * with them (see "Dtypes" below); files carry them (safetensors, .npy
+     * float16), and attn_mha_set_param and the safetensors reader convert
+     * them exactly to float32/float64. The MHA computations (attn_mha_*,
+     * attn_encoder_layer_*) refuse them with ATTN_ERR_DTYPE. */
     ATTN_DTYPE_F16 = 4,  /* IEEE 754 binary16: 1 sign, 5 exponent, 10 bits  */
     ATTN_DTYPE_BF16 = 5, /* bfloat16: the top half of a float32             */
     /* Index tensors only (varlen's cu_seqlens, a KV cache's cache_seqlens and
@@ -195,7 +196,7 @@ ATTN_API int64_t attn_tensor_numel(const attn_tensor *t);
  *
  * attn_mask: broadcastable to (B..., Hq, L, S) (rank <= 2 + batch rank).
  *   bool:  true = the key takes part, false = it is masked out.
- *   float (either float dtype): added to the scaled scores. -inf masks out.
+ *   float (any float dtype): added to the scaled scores. -inf masks out.
  *
  * Causal masking (ATTN_CAUSAL_*): query i may see key j iff
  *   top-left     (PyTorch's is_causal=True):  j <= i
@@ -279,7 +280,7 @@ typedef struct attn_sdpa_params {
      * wholly outside every row's window are never visited, so the cost
      * follows the window, not S. */
     int64_t window_left, window_right;
-    /* ALiBi (FlashAttention's alibi_slopes): float32 or float64 slopes, one
+    /* ALiBi (FlashAttention's alibi_slopes): slopes of any float dtype, one
      * per query head, broadcastable to the batch dimensions of out (shape
      * (Hq,) or (B, Hq) for out (B, Hq, L, Ev)). NULL: none. */
     const attn_tensor *alibi_slopes;
@@ -287,7 +288,7 @@ typedef struct attn_sdpa_params {
      * 0 (the default) does not; finite, >= 0. */
     double softcap;
     /* Attention sinks (gpt-oss; ggml's and ONNX Runtime's head sink): one
-     * logit per query head, float32 or float64, broadcastable to the batch
+     * logit per query head, any float dtype, broadcastable to the batch
      * dimensions of out (shape (Hq,)). Each row's softmax denominator gains
      * exp(sink), which carries no value: out = Σ_j exp(s_j - lse) v_j with
      * lse = log(exp(sink) + Σ_j exp(s_j)), and the weights are
@@ -303,14 +304,30 @@ typedef struct attn_sdpa_params {
  * window (-1, -1), no ALiBi, softcap or sinks. */
 ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
 
-/* Computes attention into caller-allocated outputs.
- *   q, k, v   inputs, all float32 or all float64
+/* Dtypes (attn_sdpa, attn_sdpa_backward, attn_sdpa_varlen; attn_sdpa_kvcache
+ * has its cache's rules):
+ *   - q, k, v are float32, float64, float16 or bfloat16; k and v share one
+ *     dtype; q has it too, or is float32 over float16/bfloat16 k and v (a
+ *     low-precision KV cache).
+ *   - out and weights have q's dtype; lse is float32 (float64 for float64
+ *     queries) or float64.
+ *   - float masks, ALiBi slopes and sinks: any float dtype.
+ * Each broken rule is ATTN_ERR_DTYPE naming the argument. A call with
+ * 16-bit operands computes as a float32 call would on their (exact) float32
+ * values: scores, softmax and sums in float32 (float64 where the float32
+ * call uses it), then each 16-bit output is the float32 result rounded
+ * once, to nearest even (o / l formed in float64, so it is not rounded
+ * twice). float16 overflows to infinity past 65504, as rounding does.
+ *
+ * Computes attention into caller-allocated outputs.
+ *   q, k, v   inputs (see Dtypes)
  *   params    NULL for the defaults
- *   out       required, same dtype as q, shape (B..., Hq, L, Ev)
- *   weights   optional (NULL), same dtype, shape (B..., Hq, L, S)
- *   lse       optional (NULL), q's dtype or float64, shape (B..., Hq, L); a
- *             float32 call's lse in float64 is not rounded to float32 (for
- *             attn_sdpa_backward, whose weights would inherit that rounding)
+ *   out       required, q's dtype, shape (B..., Hq, L, Ev)
+ *   weights   optional (NULL), q's dtype, shape (B..., Hq, L, S)
+ *   lse       optional (NULL), float32 (float64 queries: float64) or
+ *             float64, shape (B..., Hq, L); a float32 call's lse in float64
+ *             is not rounded to float32 (for attn_sdpa_backward, whose
+ *             weights would inherit that rounding)
  * Asking for weights costs an L x S write; without them the fused kernels
  * keep no L x S buffer.
  * Accuracy: the reference path (ATTN_ISA_REF) accumulates in float64 and
@@ -333,8 +350,9 @@ ATTN_API attn_status attn_sdpa(const attn_tensor *q, const attn_tensor *k,
  * computed in float64 and rounded once per call. A part with lse = -inf
  * (no key) or whose weight is exactly 0 changes nothing, not even with a
  * NaN or Inf in its out; a NaN lse gives NaN. out and part_out are
- * (..., L, Ev), lse and part_lse (..., L) of the same shapes, each float32
- * or float64 independently (accumulate in float64 for the fewest roundings);
+ * (..., L, Ev), lse and part_lse (..., L) of the same shapes; out and
+ * part_out of any float dtype, lse and part_lse float32 or float64, each
+ * independently (accumulate in float64 for the fewest roundings);
  * out and lse are read and written in place and must not overlap the parts
  * or each other. Merging parts in a fixed order gives fixed bits. */
 ATTN_API attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse,
@@ -359,12 +377,14 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
  *   out     (B..., Hq, L, Ev)  the forward's output
  *   lse     (B..., Hq, L)      the forward's log-sum-exp (attn_sdpa's lse,
  *                              best with params->lse_for_backward set and in
- *                              float64); q's dtype or float64
+ *                              float64); as attn_sdpa's lse
  *   dq, dk, dv                 shaped like q, k, v, same dtype; each may be
  *                              NULL when that gradient is not wanted
  *   dmask                      optional: shaped like params->attn_mask, which
  *                              must then be a float mask; same dtype as it
- * All float inputs but lse share q's dtype. A gradient sums over everything its
+ * dout and out have q's dtype (Dtypes above). With 16-bit operands the
+ * gradients are the float32 computation's, each rounded once; D uses the
+ * stored (rounded) out, as FlashAttention's does. A gradient sums over everything its
  * input was broadcast to: dk and dv over the query heads of a GQA group,
  * dmask over the dimensions where the mask has size 1, any of them over
  * batch dimensions where its input had size 1. Dropout is replayed from
@@ -426,7 +446,8 @@ ATTN_API attn_status attn_sdpa_sinks_backward(const attn_tensor *dout, const att
  *                 sizes its grid by them; here they are checked)
  *   out           (total_q, Hq, Ev), q's dtype; rows no sequence holds are
  *                 left as they were
- *   lse           optional (Hq, total_q), q's dtype or float64
+ *   lse           optional (Hq, total_q), as attn_sdpa's lse
+ * Dtypes: attn_sdpa's.
  * An empty sequence (equal offsets) is allowed and computes nothing. */
 ATTN_API attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k,
                                       const attn_tensor *v, const attn_tensor *cu_seqlens_q,
@@ -453,8 +474,9 @@ ATTN_API attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k
  *                 block block_table[b, r / block_size], row r % block_size;
  *                 entries past the rows in use are not read
  *   out           (B, Lq, Hq, Ev), q's dtype
- *   lse           optional (B, Hq, Lq), q's dtype or float64
- * The cache may be float32 or float64 (q's dtype) or a storage dtype
+ *   lse           optional (B, Hq, Lq), as attn_sdpa's lse
+ * q may be any float dtype (16-bit queries compute as attn_sdpa's do); new
+ * rows k, v have q's dtype. The cache has q's dtype or a 16-bit one
  * (ATTN_DTYPE_F16, ATTN_DTYPE_BF16), converted exactly as it is read; new
  * rows are rounded to the cache's dtype (to nearest even) as they are
  * written, and attention reads them from the cache. Written rows must not

@@ -113,6 +113,11 @@ static inline bool attn__is_half(attn_dtype d) {
     return d == ATTN_DTYPE_F16 || d == ATTN_DTYPE_BF16;
 }
 
+/* Whether dtype is any of the four floating dtypes a computation reads. */
+static inline bool attn__is_floating(attn_dtype d) {
+    return attn__is_float(d) || attn__is_half(d);
+}
+
 /* The 16-bit floats, widened exactly to float (every value, the signed
  * zeros, infinities and NaN payloads have one). bfloat16 is the top half of
  * a float32. binary16's subnormals are mantissa * 2^-24, exact in float;

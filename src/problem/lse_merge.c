@@ -22,10 +22,11 @@ enum { FEATURES = 64 }; /* output features accumulated at once, in float64 */
 /* Features are taken FEATURES at a time so each part's weight is computed
  * once per block, not once per feature. */
 #define DEFINE_MERGE(REAL, SFX)                                                                 \
-    void attn__lse_merge_##SFX(int64_t n, const REAL *out_parts, int64_t part_stride,           \
+    bool attn__lse_merge_##SFX(int64_t n, const REAL *out_parts, int64_t part_stride,           \
                                const double *lse_parts, int64_t lse_stride, int64_t Ev,         \
-                               REAL *out, int64_t out_cs, double *lse) {                        \
+                               const attn__operand *out, int64_t out_at, double *lse) {         \
         const double total = merged_lse(n, lse_parts, lse_stride);                              \
+        bool finite = !isnan(total);                                                            \
         *lse = total;                                                                           \
         for (int64_t e0 = 0; e0 < Ev; e0 += FEATURES) {                                         \
             const int64_t ne = Ev - e0 < FEATURES ? Ev - e0 : FEATURES;                         \
@@ -37,8 +38,12 @@ enum { FEATURES = 64 }; /* output features accumulated at once, in float64 */
                 const REAL *part = out_parts + c * part_stride + e0;                            \
                 for (int64_t e = 0; e < ne; e++) acc[e] += w * (double)part[e];                 \
             }                                                                                   \
-            for (int64_t e = 0; e < ne; e++) out[(e0 + e) * out_cs] = (REAL)acc[e];             \
+            for (int64_t e = 0; e < ne; e++) {                                                  \
+                finite = finite && isfinite(acc[e]);                                            \
+                attn__store(out->data, out->dtype, out_at + (e0 + e) * out->cs, acc[e]);         \
+            }                                                                                   \
         }                                                                                       \
+        return finite;                                                                          \
     }
 
 DEFINE_MERGE(float, f)
@@ -56,9 +61,12 @@ static attn_status check_merge(attn_tensor *out, attn_tensor *lse, const attn_te
         attn_status st = attn__check_tensor(all[i], names[i], i % 2 == 0 ? 2 : 1,
                                             i < 2 ? ATTN__OUTPUT : ATTN__INPUT);
         if (st != ATTN_OK) return st;
-        if (!attn__is_float(all[i]->dtype))
-            return attn__fail_arg(ATTN_ERR_DTYPE, names[i], "%s is %s; expected float32 or float64",
-                                  names[i], attn_dtype_name(all[i]->dtype));
+        const bool is_out = i % 2 == 0; /* out, part_out: any float dtype */
+        if (is_out ? !attn__is_floating(all[i]->dtype) : !attn__is_float(all[i]->dtype))
+            return attn__fail_arg(ATTN_ERR_DTYPE, names[i], "%s is %s; expected %s", names[i],
+                                  attn_dtype_name(all[i]->dtype),
+                                  is_out ? "float32, float64, float16 or bfloat16"
+                                         : "float32 or float64");
     }
     char a[96], b[96];
     for (int i = 0; i < 4; i++) {

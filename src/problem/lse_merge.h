@@ -12,20 +12,22 @@
 #ifndef ATTN_PROBLEM_LSE_MERGE_H
 #define ATTN_PROBLEM_LSE_MERGE_H
 
-#include "../core/internal.h"
+#include "problem.h"
 
 /* Merges n parts of one row: part c's output is out_parts[c * part_stride +
  * e] (e < Ev), its lse lse_parts[c * lse_stride] (natural log, -inf for a
- * part that saw no key). Writes out[e * out_cs] and *lse.
+ * part that saw no key). Writes the row at element out_at of `out` (any
+ * float dtype: the float64 sum rounded once to it) and *lse; returns false
+ * when lse is NaN or a sum is not finite (lse = -inf, no key, is fine).
  * Rules, those of the reference kernel: a part whose lse is -inf, or whose
  * weight exp(lse_c - lse) is exactly 0, contributes nothing (not even a NaN
  * or Inf output); no part with a key gives out = 0, lse = -inf; a NaN lse
  * gives NaN everywhere. Sums are in float64, rounded once. */
-void attn__lse_merge_f(int64_t n, const float *out_parts, int64_t part_stride,
-                       const double *lse_parts, int64_t lse_stride, int64_t Ev, float *out,
-                       int64_t out_cs, double *lse);
-void attn__lse_merge_d(int64_t n, const double *out_parts, int64_t part_stride,
-                       const double *lse_parts, int64_t lse_stride, int64_t Ev, double *out,
-                       int64_t out_cs, double *lse);
+bool attn__lse_merge_f(int64_t n, const float *out_parts, int64_t part_stride,
+                       const double *lse_parts, int64_t lse_stride, int64_t Ev,
+                       const attn__operand *out, int64_t out_at, double *lse);
+bool attn__lse_merge_d(int64_t n, const double *out_parts, int64_t part_stride,
+                       const double *lse_parts, int64_t lse_stride, int64_t Ev,
+                       const attn__operand *out, int64_t out_at, double *lse);
 
 #endif /* ATTN_PROBLEM_LSE_MERGE_H */

@@ -84,7 +84,7 @@ typedef enum attn__role_id {
 } attn__role_id;
 
 typedef struct attn__problem {
-    attn_dtype dtype;               /* compute and output type: that of out */
+    attn_dtype dtype;               /* compute type: float64, or float32 (also for 16-bit operands) */
     int nb;                         /* number of batch dimensions          */
     int64_t bshape[ATTN_MAX_RANK];  /* their (broadcast) sizes             */
     int64_t nbatch;                 /* product of bshape                   */
@@ -330,6 +330,17 @@ attn_status attn__problem_modifiers(attn__problem *p, const attn_sdpa_params *pa
  * bstride finds batch index b's value. */
 attn_status attn__per_head_operand(const attn__problem *p, const attn_tensor *t,
                                    const char *name, attn__operand *op);
+
+/* The dtype rules every computing entry point shares (attn.h, "Dtypes"):
+ * q, k and v are float32, float64, float16 or bfloat16; k and v share one
+ * dtype; q has it too, or is float32 over 16-bit keys and values (a
+ * low-precision KV cache). On success *compute is the type the kernels
+ * run in: float64 for float64, float32 for everything else. */
+attn_status attn__check_qkv_dtypes(const attn_tensor *q, const char *qn, const attn_tensor *k,
+                                   const char *kn, const attn_tensor *v, const char *vn,
+                                   attn_dtype *compute);
+/* lse: the compute dtype (float32 for 16-bit queries), or float64. */
+attn_status attn__check_lse_dtype(const attn_tensor *lse, const char *name, attn_dtype compute);
 
 /* Validates a request into a whole problem (offsets 0, no ragged rows). */
 attn_status attn__problem_build(attn__problem *p, const attn__problem_request *req);

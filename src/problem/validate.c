@@ -71,20 +71,51 @@ static attn_status check_output(const attn_tensor *t, const char *name, attn_dty
     return check_exact(t, name, ATTN__OUTPUT, dtype, rank, shape);
 }
 
-/* The dtype lse may have: q's, or float64 for any call (a float32 call's
- * lse then keeps the digits float32 would round off, which the backward's
- * recomputed weights would inherit). */
-static attn_dtype lse_dtype(const attn__problem *p, const attn_tensor *lse) {
-    return lse != NULL && lse->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : p->dtype;
+/* lse: the compute dtype (q's, float32 for 16-bit queries), or float64 for
+ * any call (a float32 call's lse then keeps the digits float32 would round
+ * off, which the backward's recomputed weights would inherit). */
+attn_status attn__check_lse_dtype(const attn_tensor *lse, const char *name, attn_dtype compute) {
+    if (lse->dtype == compute || lse->dtype == ATTN_DTYPE_F64) return ATTN_OK;
+    return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s (the computation's), or float64",
+                          name, attn_dtype_name(lse->dtype), attn_dtype_name(compute));
+}
+
+attn_status attn__check_qkv_dtypes(const attn_tensor *q, const char *qn, const attn_tensor *k,
+                                   const char *kn, const attn_tensor *v, const char *vn,
+                                   attn_dtype *compute) {
+    const attn_tensor *all[3] = {q, k, v};
+    const char *names[3] = {qn, kn, vn};
+    for (int i = 0; i < 3; i++)
+        if (!attn__is_floating(all[i]->dtype))
+            return attn__fail_arg(ATTN_ERR_DTYPE, names[i],
+                                  "%s is %s; expected float32, float64, float16 or bfloat16",
+                                  names[i], attn_dtype_name(all[i]->dtype));
+    if (v->dtype != k->dtype) { /* name the one that differs from the query */
+        const bool k_odd = v->dtype == q->dtype;
+        return attn__fail_arg(ATTN_ERR_DTYPE, k_odd ? kn : vn,
+                              "%s is %s but %s is %s; keys and values share one dtype",
+                              k_odd ? kn : vn, attn_dtype_name(k_odd ? k->dtype : v->dtype),
+                              k_odd ? vn : kn, attn_dtype_name(k_odd ? v->dtype : k->dtype));
+    }
+    const bool kv_cache = q->dtype == ATTN_DTYPE_F32 && attn__is_half(k->dtype);
+    if (q->dtype != k->dtype && !kv_cache)
+        return attn__fail_arg(ATTN_ERR_DTYPE, kn,
+                              "%s is %s but %s is %s; expected %s like the query (or float16/bfloat16 "
+                              "keys and values under a float32 query)",
+                              kn, attn_dtype_name(k->dtype), qn, attn_dtype_name(q->dtype),
+                              attn_dtype_name(q->dtype));
+    *compute = q->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    return ATTN_OK;
 }
 
 static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char *name,
                               int bool_keep, attn__mask *out) {
     attn_status st = attn__check_tensor(m, name, 1, ATTN__INPUT);
     if (st != ATTN_OK) return st;
-    if (m->dtype != ATTN_DTYPE_BOOL && !attn__is_float(m->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected bool, float32 or float64", name,
-                          attn_dtype_name(m->dtype));
+    if (m->dtype != ATTN_DTYPE_BOOL && !attn__is_floating(m->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, name,
+                              "%s is %s; expected bool, float32, float64, float16 or bfloat16", name,
+                              attn_dtype_name(m->dtype));
     int full = p->nb + 2;
     int64_t target[ATTN_MAX_RANK];
     memcpy(target, p->bshape, sizeof(int64_t) * (size_t)p->nb);
@@ -162,15 +193,7 @@ static attn_status check_inputs(attn__problem *p, const attn__problem_request *r
         (st = attn__check_tensor(r->v, vn, 2, ATTN__INPUT)) != ATTN_OK)
         return st;
     const attn_tensor *q = r->q, *k = r->k, *v = r->v;
-    if (!attn__is_float(q->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, qn, "%s is %s; expected float32 or float64", qn,
-                              attn_dtype_name(q->dtype));
-    if (k->dtype != q->dtype || v->dtype != q->dtype)
-        return attn__fail_arg(ATTN_ERR_DTYPE, k->dtype != q->dtype ? kn : vn,
-                              "%s, %s and %s must share one dtype; got %s, %s and %s", qn, kn, vn,
-                              attn_dtype_name(q->dtype), attn_dtype_name(k->dtype),
-                              attn_dtype_name(v->dtype));
-    p->dtype = q->dtype;
+    if ((st = attn__check_qkv_dtypes(q, qn, k, kn, v, vn, &p->dtype)) != ATTN_OK) return st;
     p->L = q->shape[q->rank - 2];
     p->E = q->shape[q->rank - 1];
     p->S = k->shape[k->rank - 2];
@@ -330,8 +353,9 @@ attn_status attn__per_head_operand(const attn__problem *p, const attn_tensor *t,
                                    const char *name, attn__operand *op) {
     attn_status st = attn__check_tensor(t, name, 1, ATTN__INPUT);
     if (st != ATTN_OK) return st;
-    if (!attn__is_float(t->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected float32 or float64", name,
+    if (!attn__is_floating(t->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, name,
+                              "%s is %s; expected float32, float64, float16 or bfloat16", name,
                               attn_dtype_name(t->dtype));
     char want[160], got[160];
     const int nb = p->nb;
@@ -416,17 +440,19 @@ static attn_status check_outputs(attn__problem *p, const attn__problem_request *
     attn_status st;
     int64_t shape[ATTN_MAX_RANK];
     out_shape(p, shape);
-    if ((st = check_output(r->out, NAME(r, ATTN__OUT), p->dtype, nb + 2, shape)) != ATTN_OK) return st;
+    if ((st = check_output(r->out, NAME(r, ATTN__OUT), r->q->dtype, nb + 2, shape)) != ATTN_OK) return st;
     fill_operand(&p->out, r->out, nb);
     if (r->weights != NULL) {
         shape[nb + 1] = p->S;
-        if ((st = check_output(r->weights, NAME(r, ATTN__WEIGHTS), p->dtype, nb + 2, shape)) != ATTN_OK)
+        if ((st = check_output(r->weights, NAME(r, ATTN__WEIGHTS), r->q->dtype, nb + 2, shape)) != ATTN_OK)
             return st;
         fill_operand(&p->weights, r->weights, nb);
         p->has_weights = true;
     }
     if (r->lse != NULL) {
-        if ((st = check_output(r->lse, NAME(r, ATTN__LSE), lse_dtype(p, r->lse), nb + 1, shape)) != ATTN_OK) return st;
+        if ((st = attn__check_shape(r->lse, NAME(r, ATTN__LSE), ATTN__OUTPUT, nb + 1, shape, NULL)) != ATTN_OK ||
+            (st = attn__check_lse_dtype(r->lse, NAME(r, ATTN__LSE), p->dtype)) != ATTN_OK)
+            return st;
         fill_lse(&p->lse, r->lse, nb);
         p->has_lse = true;
         p->lse_for_backward = r->lse_for_backward;
@@ -545,9 +571,10 @@ static attn_status check_backward_inputs(attn__problem *p, const attn_tensor *do
     attn_status st;
     int64_t shape[ATTN_MAX_RANK];
     out_shape(p, shape);
-    if ((st = check_exact(dout, "dout", ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
-        (st = check_exact(out, out_name, ATTN__INPUT, p->dtype, nb + 2, shape)) != ATTN_OK ||
-        (st = check_exact(lse, lse_name, ATTN__INPUT, lse_dtype(p, lse), nb + 1, shape)) != ATTN_OK)
+    if ((st = check_exact(dout, "dout", ATTN__INPUT, p->q.dtype, nb + 2, shape)) != ATTN_OK ||
+        (st = check_exact(out, out_name, ATTN__INPUT, p->q.dtype, nb + 2, shape)) != ATTN_OK ||
+        (st = attn__check_shape(lse, lse_name, ATTN__INPUT, nb + 1, shape, NULL)) != ATTN_OK ||
+        (st = attn__check_lse_dtype(lse, lse_name, p->dtype)) != ATTN_OK)
         return st;
     fill_operand(&p->dout, dout, nb);
     fill_operand(&p->out, out, nb);
@@ -637,7 +664,7 @@ attn_status attn__problem_build_backward(attn__problem *p, const attn__problem_r
         const int m = g->dmask_of;
         mask = m < r->nmask ? r->mask[m] : NULL;
         if (mask != NULL) mask_name = r->mask_name[m];
-        if (mask == NULL || !attn__is_float(mask->dtype))
+        if (mask == NULL || !attn__is_floating(mask->dtype))
             return attn__fail_arg(ATTN_ERR_INVALID, "dmask",
                                   "dmask is the gradient of a float %s, but it is %s", mask_name,
                                   mask == NULL ? "not given" : attn_dtype_name(mask->dtype));

@@ -75,6 +75,8 @@ static kv_layout kv_layout_of(const ring_call *c, int o, char *base) {
 
 /* ---- parameters and local checks ---- */
 
+static bool is_16bit(attn_dtype d) { return d == ATTN_DTYPE_F16 || d == ATTN_DTYPE_BF16; }
+
 static attn_status read_params(ring_call *c, const attn_ring_params *user) {
     attn_ring_params_init(&c->prm);
     if (user != NULL) {
@@ -134,6 +136,12 @@ static attn_status check_local(ring_call *c, const attn_tensor *out, const attn_
     attn_sdpa_params sp = c->sdpa;
     sp.attn_mask = c->mask;
     attn_status st = attn_sdpa_out_shape(c->q, c->k, c->v, &sp, &c->orank, c->oshape);
+    const attn_tensor *narrow = is_16bit(c->q->dtype) ? c->q : is_16bit(c->k->dtype) ? c->k : NULL;
+    if (st == ATTN_OK && narrow != NULL) /* each step's part would be rounded to 16 bits */
+        return attn_set_error(ATTN_ERR_DTYPE, narrow == c->q ? "q" : "k",
+                              "attn_ring: %s is %s; ring attention takes float32 or float64 "
+                              "(convert 16-bit operands first)",
+                              narrow == c->q ? "q" : "k", attn_dtype_name(narrow->dtype));
     if (st != ATTN_OK) {
         if (strcmp(attn_last_error_arg(), "attn_mask") == 0)
             return attn_set_error(st, "params.key_mask", "params.key_mask: %s", attn_last_error());

@@ -20,8 +20,9 @@ static attn_status check_rows(const attn_tensor *dout, const attn_tensor *out,
         (st = attn__check_tensor(dout, "dout", 2, ATTN__INPUT)) != ATTN_OK ||
         (st = attn__check_tensor(lse, "lse", 1, ATTN__INPUT)) != ATTN_OK)
         return st;
-    if (!attn__is_float(out->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, "out", "out is %s; expected float32 or float64",
+    if (!attn__is_floating(out->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, "out",
+                              "out is %s; expected float32, float64, float16 or bfloat16",
                               attn_dtype_name(out->dtype));
     char a[160], b[160];
     bool same = dout->rank == out->rank && dout->dtype == out->dtype;
@@ -32,13 +33,13 @@ static attn_status check_rows(const attn_tensor *dout, const attn_tensor *out,
                               attn__shape_str(a, sizeof a, dout->rank, dout->shape),
                               attn_dtype_name(out->dtype),
                               attn__shape_str(b, sizeof b, out->rank, out->shape));
-    same = lse->rank == out->rank - 1 &&
-           (lse->dtype == out->dtype || lse->dtype == ATTN_DTYPE_F64);
+    const attn_dtype lse_own = out->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    same = lse->rank == out->rank - 1 && (lse->dtype == lse_own || lse->dtype == ATTN_DTYPE_F64);
     for (int d = 0; same && d < lse->rank; d++) same = lse->shape[d] == out->shape[d];
     if (!same)
         return attn__fail_arg(ATTN_ERR_SHAPE, "lse",
                               "lse is %s %s; expected out's shape without its last dimension "
-                              "%s, in out's dtype or float64",
+                              "%s, float32 (float64 for float64 out) or float64",
                               attn_dtype_name(lse->dtype),
                               attn__shape_str(a, sizeof a, lse->rank, lse->shape),
                               attn__shape_str(b, sizeof b, out->rank - 1, out->shape));

@@ -35,15 +35,17 @@ static attn_status wrong_dtype(const char *name, attn_dtype got, const char *exp
                           attn_dtype_name(got), expected);
 }
 
-/* q (B, Lq, Hq, E), float32 or float64. */
+/* q (B, Lq, Hq, E), any float dtype; the kernels compute in float64 for a
+ * float64 query, in float32 otherwise. */
 static attn_status check_query(attn__problem *p, kv_args *a) {
     attn_status st = attn__check_tensor(a->q, a->qn, 1, ATTN__INPUT);
     if (st != ATTN_OK) return st;
     if (a->q->rank != 4)
         return attn__fail_arg(ATTN_ERR_SHAPE, a->qn, "%s has rank %d; expected 4: (B, Lq, Hq, E)",
                               a->qn, a->q->rank);
-    if (!attn__is_float(a->q->dtype)) return wrong_dtype(a->qn, a->q->dtype, "float32 or float64");
-    p->dtype = a->q->dtype;
+    if (!attn__is_floating(a->q->dtype))
+        return wrong_dtype(a->qn, a->q->dtype, "float32, float64, float16 or bfloat16");
+    p->dtype = a->q->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
     a->B = a->q->shape[0];
     a->Lq = a->q->shape[1];
     a->Hq = a->q->shape[2];
@@ -65,10 +67,10 @@ static attn_status check_caches(attn__problem *p, kv_args *a) {
         return attn__fail_arg(ATTN_ERR_SHAPE, kc->rank != 4 ? "k_cache" : "v_cache",
                               "%s has rank %d; expected 4: %s", kc->rank != 4 ? "k_cache" : "v_cache",
                               kc->rank != 4 ? kc->rank : vc->rank, layout);
-    if (kc->dtype != p->dtype && !attn__is_half(kc->dtype)) {
+    if (kc->dtype != a->q->dtype && !attn__is_half(kc->dtype)) {
         char want[96];
         snprintf(want, sizeof want, "%s like the query, float16 or bfloat16",
-                 attn_dtype_name(p->dtype));
+                 attn_dtype_name(a->q->dtype));
         return wrong_dtype("k_cache", kc->dtype, want);
     }
     if (vc->dtype != kc->dtype)
@@ -129,13 +131,14 @@ static attn_status check_new_rows(const attn__problem *p, kv_args *a) {
     if ((st = attn__check_shape(a->k, a->kn, ATTN__INPUT, 4, kshape, "(B, Lnew, Hkv, E)")) != ATTN_OK ||
         (st = attn__check_shape(a->v, a->vn, ATTN__INPUT, 4, vshape, "(B, Lnew, Hkv, Ev)")) != ATTN_OK)
         return st;
-    if (a->k->dtype != p->dtype || a->v->dtype != p->dtype)
-        return attn__fail_arg(ATTN_ERR_DTYPE, a->k->dtype != p->dtype ? a->kn : a->vn,
+    const attn_dtype qd = a->q->dtype;
+    if (a->k->dtype != qd || a->v->dtype != qd)
+        return attn__fail_arg(ATTN_ERR_DTYPE, a->k->dtype != qd ? a->kn : a->vn,
                               "%s is %s; expected %s like the query (the cache's dtype is where "
                               "they are rounded to)",
-                              a->k->dtype != p->dtype ? a->kn : a->vn,
-                              attn_dtype_name(a->k->dtype != p->dtype ? a->k->dtype : a->v->dtype),
-                              attn_dtype_name(p->dtype));
+                              a->k->dtype != qd ? a->kn : a->vn,
+                              attn_dtype_name(a->k->dtype != qd ? a->k->dtype : a->v->dtype),
+                              attn_dtype_name(qd));
     a->writing = true;
     return ATTN_OK;
 }
@@ -176,16 +179,13 @@ static attn_status check_outputs(const attn__problem *p, const kv_args *a,
     attn_status st;
     if ((st = attn__check_shape(a->out, a->outn, ATTN__OUTPUT, 4, oshape, "(B, Lq, Hq, Ev)")) != ATTN_OK)
         return st;
-    if (a->out->dtype != p->dtype)
+    if (a->out->dtype != a->q->dtype)
         return attn__fail_arg(ATTN_ERR_DTYPE, a->outn, "%s is %s; expected %s like the query",
-                              a->outn, attn_dtype_name(a->out->dtype), attn_dtype_name(p->dtype));
+                              a->outn, attn_dtype_name(a->out->dtype), attn_dtype_name(a->q->dtype));
     if (a->lse != NULL) {
-        if ((st = attn__check_shape(a->lse, a->lsen, ATTN__OUTPUT, 3, lshape, "(B, Hq, Lq)")) != ATTN_OK)
+        if ((st = attn__check_shape(a->lse, a->lsen, ATTN__OUTPUT, 3, lshape, "(B, Hq, Lq)")) != ATTN_OK ||
+            (st = attn__check_lse_dtype(a->lse, a->lsen, p->dtype)) != ATTN_OK)
             return st;
-        if (a->lse->dtype != p->dtype && a->lse->dtype != ATTN_DTYPE_F64)
-            return attn__fail_arg(ATTN_ERR_DTYPE, a->lsen,
-                                  "%s is %s; expected %s like the query, or float64", a->lsen,
-                                  attn_dtype_name(a->lse->dtype), attn_dtype_name(p->dtype));
     }
     /* Written caches come first, so that an output over a cache is named
      * as the output either way. */

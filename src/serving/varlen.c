@@ -40,14 +40,8 @@ static attn_status check_packed(attn__problem *p, const varlen_args *a) {
                                   "features)",
                                   names[i], views[i]->rank);
     const attn_tensor *q = a->q, *k = a->k, *v = a->v;
-    if (!attn__is_float(q->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, a->qn, "%s is %s; expected float32 or float64",
-                              a->qn, attn_dtype_name(q->dtype));
-    if (k->dtype != q->dtype || v->dtype != q->dtype)
-        return attn__fail_arg(ATTN_ERR_DTYPE, k->dtype != q->dtype ? a->kn : a->vn,
-                              "%s, %s and %s must share one dtype; got %s, %s and %s", a->qn,
-                              a->kn, a->vn, attn_dtype_name(q->dtype), attn_dtype_name(k->dtype),
-                              attn_dtype_name(v->dtype));
+    if ((st = attn__check_qkv_dtypes(q, a->qn, k, a->kn, v, a->vn, &p->dtype)) != ATTN_OK)
+        return st;
     if (k->shape[2] != q->shape[2])
         return attn__fail_arg(ATTN_ERR_SHAPE, a->kn,
                               "%s.shape[2] is %lld but %s.shape[2] is %lld: queries and keys "
@@ -64,7 +58,6 @@ static attn_status check_packed(attn__problem *p, const varlen_args *a) {
                               "%s has %lld heads and %s %lld; the query heads must be a "
                               "multiple of the key/value heads (GQA)",
                               a->qn, (long long)q->shape[1], a->kn, (long long)k->shape[1]);
-    p->dtype = q->dtype;
     p->E = q->shape[2];
     p->Ev = v->shape[2];
     return ATTN_OK;
@@ -137,9 +130,9 @@ static attn_status check_outputs(const attn__problem *p, const varlen_args *a,
         return attn__fail_arg(ATTN_ERR_SHAPE, a->outn, "%s has shape %s; expected %s", a->outn,
                               attn__shape_str(got, sizeof got, a->out->rank, a->out->shape),
                               attn__shape_str(want, sizeof want, 3, out_shape));
-    if (a->out->dtype != p->dtype)
+    if (a->out->dtype != a->q->dtype)
         return attn__fail_arg(ATTN_ERR_DTYPE, a->outn, "%s is %s; expected %s like the query",
-                              a->outn, attn_dtype_name(a->out->dtype), attn_dtype_name(p->dtype));
+                              a->outn, attn_dtype_name(a->out->dtype), attn_dtype_name(a->q->dtype));
     if (a->lse != NULL) {
         if ((st = attn__check_tensor(a->lse, a->lsen, 1, ATTN__OUTPUT)) != ATTN_OK) return st;
         same = a->lse->rank == 2 && a->lse->shape[0] == lse_shape[0] &&
@@ -150,10 +143,7 @@ static attn_status check_outputs(const attn__problem *p, const varlen_args *a,
                                   a->lsen,
                                   attn__shape_str(got, sizeof got, a->lse->rank, a->lse->shape),
                                   attn__shape_str(want, sizeof want, 2, lse_shape));
-        if (a->lse->dtype != p->dtype && a->lse->dtype != ATTN_DTYPE_F64)
-            return attn__fail_arg(ATTN_ERR_DTYPE, a->lsen,
-                                  "%s is %s; expected %s like the query, or float64", a->lsen,
-                                  attn_dtype_name(a->lse->dtype), attn_dtype_name(p->dtype));
+        if ((st = attn__check_lse_dtype(a->lse, a->lsen, p->dtype)) != ATTN_OK) return st;
     }
     const attn__named_view writes[2] = {{a->out, a->outn}, {a->lse, a->lsen}};
     const attn__named_view reads[7] = {{a->q, a->qn},

@@ -266,7 +266,7 @@ static void exit_codes(void) {
         /* 4 vs 2 heads without --gqa */
         {"sdpa -q q.npy -k k.npy -v v.npy -o o.npy", 1, "enable_gqa"},
         {"sdpa -q q.npy -k k.npy -v v.npy --gqa --mask q.npy -o o.npy", 1, "attn_mask"},
-        {"sdpa -q m.npy -k k.npy -v v.npy -o o.npy", 1, "float32 or float64"},
+        {"sdpa -q m.npy -k k.npy -v v.npy -o o.npy", 1, "float32, float64, float16 or bfloat16"},
         {"sdpa -q q.npy -k k.npy -v v.npy --gqa -o /nonexistent/o.npy", 1, "/nonexistent/o.npy"},
         {"demo extra", 2, "no arguments"},
         /* Issue 9: two outputs to one file kept only the last. */

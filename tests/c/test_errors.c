@@ -377,9 +377,10 @@ static void mha_forward_errors(void) {
     CHECK(strcmp(attn_last_error_arg(), arg) == 0, "arg '%s', expected '%s' (%s)", \
           attn_last_error_arg(), arg, attn_last_error())
 
-/* float16 and bfloat16 are storage dtypes: every computing entry point
- * refuses them as any operand with ATTN_ERR_DTYPE naming the operand. */
-static void storage_dtypes_sdpa(void) {
+/* float16 and bfloat16 computations (issue 13): every operand may be
+ * 16-bit, under the rules of attn.h's "Dtypes"; each broken rule is refused
+ * with ATTN_ERR_DTYPE naming the operand that breaks it. */
+static void half_dtype_rules_sdpa(void) {
     CHECK(attn_dtype_size(ATTN_DTYPE_F16) == 2 && attn_dtype_size(ATTN_DTYPE_BF16) == 2,
           "16-bit sizes");
     CHECK(strcmp(attn_dtype_name(ATTN_DTYPE_F16), "float16") == 0 &&
@@ -387,28 +388,45 @@ static void storage_dtypes_sdpa(void) {
           "16-bit names");
     const attn_dtype halves[2] = {ATTN_DTYPE_F16, ATTN_DTYPE_BF16};
     for (int h = 0; h < 2; h++) {
-        const attn_dtype dt = halves[h];
+        const attn_dtype dt = halves[h], other = halves[1 - h];
         fixture f;
+        /* one operand 16-bit, the rest float32: which rule names whom */
         attn_tensor *ops[6] = {&f.q, &f.k, &f.v, &f.out, &f.weights, &f.lse};
-        const char *names[6] = {"q", "k", "v", "out", "weights", "lse"};
+        const char *names[6] = {"k", "k", "v", "out", "weights", "lse"};
+        const char *says[6] = {"like the query", "share one dtype", "share one dtype",
+                               "like the query", "like the query", "or float64"};
         for (int i = 0; i < 6; i++) {
             setup(&f);
             ops[i]->dtype = dt;
             CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
             CHECK_ARG(names[i]);
-            CHECK_MESSAGE(attn_dtype_name(dt));
+            CHECK_MESSAGE(says[i]);
         }
+        /* float64 queries take float64 keys only; the two 16-bit dtypes do not mix */
+        setup(&f);
+        f.q.dtype = f.out.dtype = f.weights.dtype = ATTN_DTYPE_F64;
+        f.k.dtype = f.v.dtype = dt;
+        CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+        CHECK_ARG("k");
+        setup(&f);
+        f.q.dtype = f.out.dtype = f.weights.dtype = dt;
+        f.k.dtype = f.v.dtype = other;
+        CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
+        CHECK_ARG("k");
+        /* an integer mask is refused; 16-bit float masks are fine */
         setup(&f);
         f.p.attn_mask = &f.mask;
-        f.mask.dtype = dt;
+        f.mask.dtype = ATTN_DTYPE_I32;
         CHECK_STATUS(call(&f), ATTN_ERR_DTYPE);
         CHECK_ARG("attn_mask");
+        CHECK_MESSAGE("float16 or bfloat16");
         setup(&f);
         int rank;
         int64_t shape[ATTN_MAX_RANK];
         f.q.dtype = dt;
         CHECK_STATUS(attn_sdpa_out_shape(&f.q, &f.k, &f.v, NULL, &rank, shape), ATTN_ERR_DTYPE);
-        /* The backward: each of its inputs and gradients. */
+        CHECK_ARG("k");
+        /* The backward: dout and out in the query's dtype, lse float32 or float64. */
         setup(&f);
         CHECK_OK(attn_sdpa(&f.q, &f.k, &f.v, NULL, &f.out, NULL, &f.lse));
         static float dq[2 * 3 * 4 * 8], dout[2 * 3 * 4 * 6];
@@ -595,5 +613,5 @@ static void malformed_npy(void) {
 HARNESS_MAIN(T(valid_baseline), T(null_pointers), T(bad_rank), T(shape_mismatch),
              T(heads_not_dividing), T(zero_size), T(size_overflow), T(bad_dtypes), T(bad_masks),
              T(bad_values), T(status_strings), T(mha_config_errors), T(mha_forward_errors),
-             T(malformed_npy), T(storage_dtypes_sdpa), T(storage_dtypes_mha),
+             T(malformed_npy), T(half_dtype_rules_sdpa), T(storage_dtypes_mha),
              T(storage_dtypes_npy))

@@ -35,7 +35,8 @@ static double max_abs(const double *x, int64_t n) {
 
 typedef struct mod_case {
     oracle_modifiers mods;
-    attn_dtype dtype;
+    attn_dtype dtype;    /* q, out and a float mask           */
+    attn_dtype kv_dtype; /* k and v: dtype, or 16-bit under a float32 q */
     int64_t B, H, Hkv, L, S, E, Ev;
     test_tensor q, k, v, mask, out, lse;
     bool has_mask;
@@ -53,7 +54,19 @@ static int64_t pick(rng *r, const int64_t *xs, int n) { return xs[rng_below(r, (
  * there are many threads). */
 typedef enum { CASE_SMALL, CASE_DECODE, CASE_WIDE } case_size;
 
-static void make_case(mod_case *c, rng *r, case_size size, bool dense) {
+/* The dtypes of a case: float32 or float64, or (halves) 16-bit operands:
+ * all float16, all bfloat16, or a float32 query over 16-bit K/V. */
+static void pick_dtypes(mod_case *c, rng *r, bool halves) {
+    if (!halves) {
+        c->dtype = c->kv_dtype = rng_below(r, 3) == 0 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+        return;
+    }
+    const attn_dtype half = rng_below(r, 2) ? ATTN_DTYPE_BF16 : ATTN_DTYPE_F16;
+    c->kv_dtype = half;
+    c->dtype = rng_below(r, 3) == 0 ? ATTN_DTYPE_F32 : half;
+}
+
+static void make_case(mod_case *c, rng *r, case_size size, bool dense, bool halves) {
     memset(c, 0, sizeof *c);
     static const int64_t lens[] = {1, 3, 17, 64, 97, 130, 257};
     /* wide: one K/V head and 100-200 query rows, which 1 thread runs in
@@ -61,7 +74,7 @@ static void make_case(mod_case *c, rng *r, case_size size, bool dense) {
     static const int64_t wide_rows[] = {100, 150, 200}, wide_keys[] = {300, 700, 1000};
     static const int64_t widths[] = {8, 16, 32, 64, 80};
     const bool decode = size == CASE_DECODE;
-    c->dtype = rng_below(r, 3) == 0 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    pick_dtypes(c, r, halves);
     const bool wide = size == CASE_WIDE;
     c->B = wide ? 1 : 1 + (int64_t)rng_below(r, 2);
     c->Hkv = wide ? 1 : 1 + (int64_t)rng_below(r, 2);
@@ -76,8 +89,8 @@ static void make_case(mod_case *c, rng *r, case_size size, bool dense) {
                   ls[3] = {c->B, c->H, c->L}, ms[2] = {c->L, c->S};
     const int layout = !dense && rng_below(r, 2) ? LAYOUT_RANDOM : LAYOUT_CONTIGUOUS;
     tt_make(&c->q, r, c->dtype, 4, qs, layout, 1.0 + 2 * rng_uniform(r), 0);
-    tt_make(&c->k, r, c->dtype, 4, ks, layout, 1.0, 0);
-    tt_make(&c->v, r, c->dtype, 4, vs, layout, 1.0, 0);
+    tt_make(&c->k, r, c->kv_dtype, 4, ks, layout, 1.0, 0);
+    tt_make(&c->v, r, c->kv_dtype, 4, vs, layout, 1.0, 0);
     tt_make_output(&c->out, r, c->dtype, 4, os, layout);
     tt_make_output(&c->lse, r, ATTN_DTYPE_F64, 3, ls, LAYOUT_CONTIGUOUS);
     attn_sdpa_params_init(&c->p);
@@ -133,11 +146,17 @@ static oracle_sdpa_args oracle_of(mod_case *c) {
     return a;
 }
 
+/* Whether the output is 16-bit: then each value is judged by itself
+ * (half_bound), the model keeping only the float32 computation's error. */
+static bool half_out(const mod_case *c) {
+    return c->dtype == ATTN_DTYPE_F16 || c->dtype == ATTN_DTYPE_BF16;
+}
+
 static model model_of(const mod_case *c) {
     model m;
-    const bool f32 = c->dtype == ATTN_DTYPE_F32;
+    const bool f32 = c->dtype != ATTN_DTYPE_F64; /* float32 kernels, also for 16-bit */
     m.u = attn_get_isa() == ATTN_ISA_REF || !f32 ? 0x1p-53 : 0x1p-24;
-    m.out_u = f32 ? 0x1p-24 : 0x1p-53;
+    m.out_u = half_out(c) ? 0 : f32 ? 0x1p-24 : 0x1p-53;
     double *Q = tt_dense(&c->q.t), *K = tt_dense(&c->k.t), *V = tt_dense(&c->v.t);
     double qrow = 0;
     for (int64_t i = 0; i < attn_tensor_numel(&c->q.t); i += c->E) {
@@ -157,6 +176,30 @@ static model model_of(const mod_case *c) {
     return m;
 }
 
+/* Half a unit in the last place of a float16/bfloat16 at x: each 16-bit
+ * output is the exact result rounded once, up to the float32 error `tol`. */
+static double half_ulp(double x, attn_dtype dtype) {
+    const int bits = dtype == ATTN_DTYPE_BF16 ? 8 : 11; /* significand bits */
+    int e;
+    frexp(fabs(x), &e); /* |x| in [2^(e-1), 2^e) */
+    const double ulp = ldexp(1.0, e - bits);
+    return 0.5 * (dtype == ATTN_DTYPE_F16 ? fmax(ulp, 0x1p-24) : ulp);
+}
+
+/* The outputs' error in units of their tolerance: max |out - ref| / tol,
+ * or for 16-bit outputs max |out - ref| / (half_ulp(ref) + tol). */
+static double out_ratio(const mod_case *c, const double *out, const double *ref, int64_t n,
+                        double tol) {
+    double worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double d = fabs(out[i] - ref[i]);
+        const double bound = half_out(c) ? half_ulp(ref[i], c->dtype) + tol : tol;
+        worst = fmax(worst, d / bound);
+        if (!(d <= bound) && !isfinite(d)) worst = INFINITY; /* NaN or Inf where ref is finite */
+    }
+    return worst;
+}
+
 /* One case on the current path against the oracle; returns err/tol. */
 static double run_case(mod_case *c, int index) {
     CHECK_OK(attn_sdpa(&c->q.t, &c->k.t, &c->v.t, &c->p, &c->out.t, NULL, &c->lse.t));
@@ -165,21 +208,26 @@ static double run_case(mod_case *c, int index) {
     CHECK(oracle_sdpa(&a, &ref) == 0, "case %d: the oracle rejects it", index);
     const model m = model_of(c);
     double *out = tt_dense(&c->out.t), *lse = tt_dense(&c->lse.t);
-    const double err = max_abs_diff(out, ref.out, ref.nbatch * ref.L * ref.Ev), tol = tol_out(&m);
+    const int64_t nout = ref.nbatch * ref.L * ref.Ev;
+    const double err = max_abs_diff(out, ref.out, nout), tol = tol_out(&m);
+    const double ratio = out_ratio(c, out, ref.out, nout, tol);
     const double lerr = max_abs_diff(lse, ref.lse, ref.nbatch * ref.L);
     const double ltol = tol_out(&m) / fmax(m.vmax, 1e-300) +
-                        4 * (m.u + m.out_u) * max_abs(ref.lse, ref.nbatch * ref.L);
-    CHECK(err <= tol && lerr <= ltol,
-          "case %d (%s, %s, L %lld S %lld E %lld causal %d window %lld,%lld softcap %g alibi %d "
-          "sinks %d mask %d): out error %.3g (tol %.3g), lse error %.3g (tol %.3g)",
-          index, attn_dtype_name(c->dtype), attn_isa_name(attn_get_isa()), (long long)c->L,
-          (long long)c->S, (long long)c->E, (int)c->p.causal, (long long)c->p.window_left,
-          (long long)c->p.window_right, c->p.softcap, c->p.alibi_slopes != NULL,
-          c->p.sinks != NULL, c->has_mask, err, tol, lerr, ltol);
+                        4 * (m.u + (half_out(c) ? 0x1p-24 : m.out_u)) *
+                            max_abs(ref.lse, ref.nbatch * ref.L);
+    CHECK(ratio <= 1 && lerr <= ltol,
+          "case %d (%s over %s K/V, %s, L %lld S %lld E %lld causal %d window %lld,%lld "
+          "softcap %g alibi %d sinks %d mask %d): out error %.3g (%.3g of its bound; float32 "
+          "model %.3g), lse error %.3g (tol %.3g)",
+          index, attn_dtype_name(c->dtype), attn_dtype_name(c->kv_dtype),
+          attn_isa_name(attn_get_isa()), (long long)c->L, (long long)c->S, (long long)c->E,
+          (int)c->p.causal, (long long)c->p.window_left, (long long)c->p.window_right,
+          c->p.softcap, c->p.alibi_slopes != NULL, c->p.sinks != NULL, c->has_mask, err, ratio,
+          tol, lerr, ltol);
     free(out);
     free(lse);
     oracle_free(&ref);
-    return fmax(err / tol, lerr / ltol);
+    return fmax(ratio, lerr / ltol);
 }
 
 static int paths(attn_isa *out) {
@@ -199,12 +247,44 @@ static void random_modifiers(void) {
         double worst = 0;
         for (int i = 0; i < cases + decode_cases; i++) {
             mod_case c;
-            make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false);
+            make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, false);
             worst = fmax(worst, run_case(&c, i));
             free_case(&c);
         }
         printf("  path %-8s %d cases (%d decode) against the oracle; worst error/tolerance %.3f\n",
                attn_isa_name(isa[pi]), cases + decode_cases, decode_cases, worst);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* float16 and bfloat16 (issue 13): every modifier, masks (in the query's
+ * dtype), causality, GQA and strided layouts with 16-bit operands, and
+ * float32 queries over 16-bit K/V, on every path: each 16-bit output within
+ * half an ulp of the exact result of the stored inputs plus the float32
+ * model, the lse within the float32 model. */
+static void half_dtypes(void) {
+    const int cases = 120, decode_cases = 12;
+    attn_isa isa[8];
+    const int n = paths(isa);
+    for (int pi = 0; pi < n; pi++) {
+        CHECK_OK(attn_set_isa(isa[pi]));
+        rng r = {harness_seed() ^ 0x16b1};
+        double worst = 0;
+        int kinds[2][2] = {{0, 0}, {0, 0}}; /* [bf16][float32 query] */
+        for (int i = 0; i < cases + decode_cases; i++) {
+            mod_case c;
+            make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, true);
+            kinds[c.kv_dtype == ATTN_DTYPE_BF16][c.dtype == ATTN_DTYPE_F32]++;
+            worst = fmax(worst, run_case(&c, i));
+            free_case(&c);
+        }
+        CHECK(kinds[0][0] && kinds[0][1] && kinds[1][0] && kinds[1][1],
+              "every dtype combination drawn: %d %d %d %d", kinds[0][0], kinds[0][1], kinds[1][0],
+              kinds[1][1]);
+        printf("  path %-8s %d cases (float16 %d, bfloat16 %d, float32 over 16-bit K/V %d); worst "
+               "error/bound %.3f\n",
+               attn_isa_name(isa[pi]), cases + decode_cases, kinds[0][0], kinds[1][0],
+               kinds[0][1] + kinds[1][1], worst);
     }
     attn_set_isa(ATTN_ISA_AUTO);
 }
@@ -225,7 +305,7 @@ static void many_threads_same_bits(void) {
         rng r = {harness_seed() ^ 0x7a11};
         for (int i = 0; i < CASES; i++) {
             mod_case c;
-            make_case(&c, &r, i % 6 == 5 ? CASE_DECODE : CASE_WIDE, false);
+            make_case(&c, &r, i % 6 == 5 ? CASE_DECODE : CASE_WIDE, false, i % 4 == 3);
             if (i % 3 == 0) { /* dropout too */
                 c.p.dropout_p = 0.2;
                 c.p.seed = 77 + (uint64_t)i;
@@ -347,7 +427,7 @@ static double numeric_grad(mod_case *c, double *x, const double *g) {
 static void backward_case(rng *r, int index, double *worst) {
     mod_case c;
     do {
-        make_case(&c, r, CASE_SMALL, true); /* no broadcast inputs: one element, one gradient */
+        make_case(&c, r, CASE_SMALL, true, false); /* no broadcast inputs: one element, one gradient */
         if (c.dtype == ATTN_DTYPE_F64 && c.L * c.S * c.E <= 40000) break;
         free_case(&c);
     } while (1);
@@ -495,6 +575,8 @@ static void backward_fused_f32(void) {
 /* Random cases large enough for the fused backward (past its tiny-problem
  * limit): every fused path's dq, dk, dv against the float64 reference
  * backward's on the same inputs and lse. */
+/* Gradients of a fused path against the reference backward's, both from
+ * one forward (the fused path's out and lse). */
 static void backward_fused_random(void) {
     attn_isa isa[8];
     const int n = paths(isa), cases = 30;
@@ -503,21 +585,23 @@ static void backward_fused_random(void) {
     for (int i = 0; i < cases; i++) {
         mod_case c;
         do {
-            make_case(&c, &r, CASE_SMALL, false);
+            make_case(&c, &r, CASE_SMALL, false, false);
             if (c.L * c.S * (c.E + c.Ev) > 70000) break;
             free_case(&c);
         } while (1);
         c.p.lse_for_backward = 1;
         const bool f32 = c.dtype == ATTN_DTYPE_F32;
+        const attn_isa fused = isa[n - 1 - i % (n - 1)];
         test_tensor g, grads[2][3];
         const int64_t os[4] = {c.B, c.H, c.L, c.Ev};
         tt_make(&g, &r, c.dtype, 4, os, LAYOUT_CONTIGUOUS, 1.0, 0);
         const attn_tensor *ins[3] = {&c.q.t, &c.k.t, &c.v.t};
-        for (int which = 0; which < 2; which++) { /* 0: the reference, 1: a fused path */
-            CHECK_OK(attn_set_isa(which == 0 ? ATTN_ISA_REF : isa[n - 1 - i % (n - 1)]));
+        CHECK_OK(attn_set_isa(fused));
+        CHECK_OK(attn_sdpa(&c.q.t, &c.k.t, &c.v.t, &c.p, &c.out.t, NULL, &c.lse.t));
+        for (int which = 0; which < 2; which++) { /* 0: the reference, 1: the fused path */
+            CHECK_OK(attn_set_isa(which == 0 ? ATTN_ISA_REF : fused));
             for (int w = 0; w < 3; w++)
                 tt_make_output(&grads[which][w], &r, c.dtype, 4, ins[w]->shape, LAYOUT_CONTIGUOUS);
-            CHECK_OK(attn_sdpa(&c.q.t, &c.k.t, &c.v.t, &c.p, &c.out.t, NULL, &c.lse.t));
             CHECK_OK(attn_sdpa_backward(&g.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t, &c.p,
                                         &grads[which][0].t, &grads[which][1].t,
                                         &grads[which][2].t, NULL));
@@ -532,7 +616,7 @@ static void backward_fused_random(void) {
             CHECK(err <= tol,
                   "case %d (%s %s L %lld S %lld E %lld causal %d window %lld,%lld softcap %g "
                   "alibi %d sinks %d mask %d): d%c differs from the reference by %.3g (tol %.3g)",
-                  i, attn_dtype_name(c.dtype), attn_isa_name(attn_get_isa()), (long long)c.L,
+                  i, attn_dtype_name(c.dtype), attn_isa_name(fused), (long long)c.L,
                   (long long)c.S, (long long)c.E, (int)c.p.causal, (long long)c.p.window_left,
                   (long long)c.p.window_right, c.p.softcap, c.p.alibi_slopes != NULL,
                   c.p.sinks != NULL, c.has_mask, "qkv"[w], err, tol);
@@ -546,6 +630,82 @@ static void backward_fused_random(void) {
     }
     printf("  %d random cases, fused backward vs the reference's; worst error/tolerance %.3f\n",
            cases, worst);
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* The backward with 16-bit operands (issue 13) on every path: dout and out
+ * in the query's dtype, each gradient in its input's. Its computation is
+ * the float32 one on the same values (D = dout . out from the stored out,
+ * as FlashAttention's), rounded once at the end: each 16-bit gradient
+ * within half an ulp of the float32 call's on float32 copies of every
+ * operand, which backward_fused_random holds to the reference; a float32
+ * gradient (the query's, over 16-bit K/V) the same bits. */
+static void backward_half_random(void) {
+    attn_isa isa[8];
+    const int n = paths(isa), cases = 24;
+    rng r = {harness_seed() ^ 0x16bd};
+    double worst = 0;
+    for (int i = 0; i < cases; i++) {
+        mod_case c;
+        do {
+            make_case(&c, &r, CASE_SMALL, false, true);
+            if (c.L * c.S * (c.E + c.Ev) > 70000) break;
+            free_case(&c);
+        } while (1);
+        c.p.lse_for_backward = 1;
+        const attn_isa path = isa[i % n];
+        CHECK_OK(attn_set_isa(path));
+        CHECK_OK(attn_sdpa(&c.q.t, &c.k.t, &c.v.t, &c.p, &c.out.t, NULL, &c.lse.t));
+        test_tensor g, wide[6], grads[2][3];
+        const int64_t os[4] = {c.B, c.H, c.L, c.Ev};
+        tt_make(&g, &r, c.dtype, 4, os, LAYOUT_CONTIGUOUS, 1.0, 0);
+        const attn_tensor *ins[6] = {&c.q.t, &c.k.t, &c.v.t, &g.t, &c.out.t, &c.mask.t};
+        for (int x = 0; x < 6; x++) /* float32 copies: q, k, v, dout, out, mask */
+            if (x < 5 || c.has_mask) tt_convert(ins[x], ATTN_DTYPE_F32, &wide[x]);
+        attn_sdpa_params wp = c.p;
+        if (c.has_mask) wp.attn_mask = &wide[5].t;
+        for (int w = 0; w < 3; w++) {
+            tt_make_output(&grads[0][w], &r, ins[w]->dtype, 4, ins[w]->shape, LAYOUT_CONTIGUOUS);
+            tt_make_output(&grads[1][w], &r, ATTN_DTYPE_F32, 4, ins[w]->shape, LAYOUT_CONTIGUOUS);
+        }
+        CHECK_OK(attn_sdpa_backward(&g.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t, &c.p,
+                                    &grads[0][0].t, &grads[0][1].t, &grads[0][2].t, NULL));
+        CHECK_OK(attn_sdpa_backward(&wide[3].t, &wide[0].t, &wide[1].t, &wide[2].t, &wide[4].t,
+                                    &c.lse.t, &wp, &grads[1][0].t, &grads[1][1].t,
+                                    &grads[1][2].t, NULL));
+        for (int w = 0; w < 3; w++) {
+            double *a = tt_dense(&grads[0][w].t), *b = tt_dense(&grads[1][w].t);
+            const attn_dtype gd = ins[w]->dtype;
+            const bool half = gd == ATTN_DTYPE_F16 || gd == ATTN_DTYPE_BF16;
+            double ratio = 0;
+            for (int64_t x = 0; x < attn_tensor_numel(&grads[0][w].t); x++) {
+                const double d = fabs(a[x] - b[x]);
+                if (half) ratio = fmax(ratio, d / half_ulp(b[x], gd));
+                else if (d != 0 || !isfinite(a[x])) ratio = INFINITY;
+                if (!isfinite(d)) ratio = INFINITY;
+            }
+            worst = fmax(worst, ratio);
+            CHECK(ratio <= 1,
+                  "case %d (%s over %s K/V, %s L %lld S %lld E %lld causal %d window %lld,%lld "
+                  "softcap %g alibi %d sinks %d mask %d): d%c is %.3g of its bound from the "
+                  "float32 call's",
+                  i, attn_dtype_name(c.dtype), attn_dtype_name(c.kv_dtype), attn_isa_name(path),
+                  (long long)c.L, (long long)c.S, (long long)c.E, (int)c.p.causal,
+                  (long long)c.p.window_left, (long long)c.p.window_right, c.p.softcap,
+                  c.p.alibi_slopes != NULL, c.p.sinks != NULL, c.has_mask, "qkv"[w], ratio);
+            free(a);
+            free(b);
+            tt_free(&grads[0][w]);
+            tt_free(&grads[1][w]);
+        }
+        for (int x = 0; x < 6; x++)
+            if (x < 5 || c.has_mask) tt_free(&wide[x]);
+        tt_free(&g);
+        free_case(&c);
+    }
+    printf("  %d random cases with 16-bit operands on %d paths: gradients within %.3f of half an "
+           "ulp of the float32 call's\n",
+           cases, n, worst);
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
@@ -677,5 +837,5 @@ static void sinks_backward_hostile(void) {
     CHECK(ds[0] == 0 && ds[1] == 0, "dsinks %g %g", (double)ds[0], (double)ds[1]);
 }
 
-HARNESS_MAIN(T(sink_dominates_lse), T(sinks_backward_hostile), T(random_modifiers), T(many_threads_same_bits), T(window_skips_blocks), T(backward_modifiers),
-             T(backward_fused_f32), T(backward_fused_random), T(hostile_modifiers))
+HARNESS_MAIN(T(sink_dominates_lse), T(sinks_backward_hostile), T(random_modifiers), T(half_dtypes), T(many_threads_same_bits), T(window_skips_blocks), T(backward_modifiers),
+             T(backward_fused_f32), T(backward_fused_random), T(backward_half_random), T(hostile_modifiers))

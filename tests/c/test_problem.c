@@ -22,6 +22,16 @@ static void fill(void *data, attn_dtype dt, int64_t n, rng *r) {
     }
 }
 
+/* A dense row of `dt` at data, as the merge writes it. */
+static attn__operand row_operand(void *data, attn_dtype dt) {
+    attn__operand op;
+    memset(&op, 0, sizeof op);
+    op.data = data;
+    op.dtype = dt;
+    op.cs = 1;
+    return op;
+}
+
 static attn_tensor view(void *data, attn_dtype dt, int rank, const int64_t *shape) {
     attn_tensor t;
     attn_tensor_init(&t, data, dt, rank, shape);
@@ -76,13 +86,14 @@ static void chunks_case(attn_isa isa, attn_dtype dt, attn_causal causal, bool fl
         half.has_lse = true;
         CHECK_OK(attn__sdpa_execute(&half));
     }
+    const attn__operand merged_op = row_operand(merged, dt);
     for (int64_t row = 0; row < H * L; row++) {
         if (dt == ATTN_DTYPE_F32)
             attn__lse_merge_f(parts, (float *)chunk_out + row * E, H * L * E, &lse_h[0][row],
-                              H * L, E, (float *)merged + row * E, 1, &lse_m[row]);
+                              H * L, E, &merged_op, row * E, &lse_m[row]);
         else
             attn__lse_merge_d(parts, (double *)chunk_out + row * E, H * L * E, &lse_h[0][row],
-                              H * L, E, (double *)merged + row * E, 1, &lse_m[row]);
+                              H * L, E, &merged_op, row * E, &lse_m[row]);
     }
     CHECK(memcmp(merged, whole, H * L * E * es) == 0,
           "%s %s causal=%d mask=%d: chunks merged differ from the whole call",
@@ -134,20 +145,35 @@ static void test_lse_merge_rules(void) {
     const float outs[3][2] = {{1, 2}, {INFINITY, NAN}, {3, 4}};
     double lse_parts[3] = {0.5, -INFINITY, 0.5}, lse;
     float out[2];
-    attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
-    CHECK(out[0] == 2 && out[1] == 3, "merge of equal parts: %g %g", out[0], out[1]);
+    const attn__operand op = row_operand(out, ATTN_DTYPE_F32);
+    bool finite = attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, &op, 0, &lse);
+    CHECK(finite && out[0] == 2 && out[1] == 3, "merge of equal parts: %g %g", out[0], out[1]);
     CHECK(fabs(lse - (0.5 + log(2.0))) < 1e-15, "merged lse %.17g", lse);
     lse_parts[0] = lse_parts[2] = -INFINITY;
-    attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
-    CHECK(out[0] == 0 && out[1] == 0 && lse == -INFINITY, "no keys: %g %g %g", out[0], out[1], lse);
+    finite = attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, &op, 0, &lse);
+    CHECK(finite && out[0] == 0 && out[1] == 0 && lse == -INFINITY, "no keys: %g %g %g", out[0],
+          out[1], lse);
     lse_parts[1] = NAN;
-    attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
-    CHECK(isnan(out[0]) && isnan(out[1]) && isnan(lse), "a NaN lse poisons the row");
+    finite = attn__lse_merge_f(3, &outs[0][0], 2, lse_parts, 1, 2, &op, 0, &lse);
+    CHECK(!finite && isnan(out[0]) && isnan(out[1]) && isnan(lse), "a NaN lse poisons the row");
     /* A part whose weight underflows to 0 contributes nothing, even Inf. */
     lse_parts[0] = 0;
     lse_parts[1] = -2000;
-    attn__lse_merge_f(2, &outs[0][0], 2, lse_parts, 1, 2, out, 1, &lse);
-    CHECK(out[0] == 1 && out[1] == 2, "a zero-weight part leaked: %g %g", out[0], out[1]);
+    finite = attn__lse_merge_f(2, &outs[0][0], 2, lse_parts, 1, 2, &op, 0, &lse);
+    CHECK(finite && out[0] == 1 && out[1] == 2, "a zero-weight part leaked: %g %g", out[0], out[1]);
+
+    /* A 16-bit output takes the float64 sum rounded once. Parts 2 + 2^-7 and
+     * 2^-29 of equal weight mix to 1 + 2^-8 + 2^-30: just above the tie
+     * between bfloat16's 1 and 1 + 2^-7, so it rounds up; through float32
+     * (1 + 2^-8, the tie itself) it would round to even, down to 1. */
+    const float pair[2] = {2.0f + 0x1p-7f, 0x1p-29f};
+    double even[2] = {0, 0};
+    uint16_t b16 = 0;
+    const attn__operand bop = row_operand(&b16, ATTN_DTYPE_BF16);
+    finite = attn__lse_merge_f(2, pair, 1, even, 1, 1, &bop, 0, &lse);
+    CHECK(finite && b16 == 0x3f81, "bfloat16 merge: bits %04x, expected 3f81 (1 + 2^-7)", b16);
+    CHECK(attn__float_to_bf16((float)(1.0 + 0x1p-8 + 0x1p-30)) == 0x3f80,
+          "the case does not separate rounding once from rounding twice");
 }
 
 /* ---- a KV cache filled to a length per sequence ---- */

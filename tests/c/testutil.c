@@ -96,11 +96,45 @@ static int64_t offset_of(const attn_tensor *t, const int64_t *idx) {
     return off;
 }
 
+/* 16-bit floats from their definitions (not the library's bit tricks):
+ * binary16 is (-1)^s · 2^(e-15) · 1.m (e = 0: 2^-14 · 0.m), bfloat16 is the
+ * top half of a float32. Finite values only: tests never store others. */
+double tt_half_value(uint16_t h, attn_dtype dtype) {
+    if (dtype == ATTN_DTYPE_BF16) {
+        const uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const double mag = e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25);
+    return h >> 15 ? -mag : mag;
+}
+
+/* The 16-bit value nearest x (ties to even), by search over the bit
+ * patterns of x's sign: slow and plain. */
+uint16_t tt_half_bits(double x, attn_dtype dtype) {
+    const uint16_t sign = signbit(x) ? 0x8000 : 0, top = dtype == ATTN_DTYPE_BF16 ? 0x7f7f : 0x7bff;
+    uint16_t lo = 0, hi = top; /* magnitudes: the largest pattern whose value <= |x| */
+    const double a = fabs(x);
+    if (a >= tt_half_value(top, dtype)) return sign | top;
+    while (lo < hi) {
+        const uint16_t mid = (uint16_t)((lo + hi + 1) / 2);
+        if (tt_half_value(mid, dtype) <= a) lo = mid;
+        else hi = (uint16_t)(mid - 1);
+    }
+    const double below = tt_half_value(lo, dtype), above = tt_half_value((uint16_t)(lo + 1), dtype);
+    const bool up = a - below > above - a || (a - below == above - a && (lo & 1));
+    return sign | (uint16_t)(up ? lo + 1 : lo);
+}
+
 double tt_get(const attn_tensor *t, const int64_t *idx) {
     int64_t off = offset_of(t, idx);
     switch (t->dtype) {
     case ATTN_DTYPE_F32: return ((const float *)t->data)[off];
     case ATTN_DTYPE_F64: return ((const double *)t->data)[off];
+    case ATTN_DTYPE_F16:
+    case ATTN_DTYPE_BF16: return tt_half_value(((const uint16_t *)t->data)[off], t->dtype);
     default: return ((const unsigned char *)t->data)[off] ? 1.0 : 0.0;
     }
 }
@@ -110,7 +144,21 @@ void tt_set(const attn_tensor *t, const int64_t *idx, double value) {
     switch (t->dtype) {
     case ATTN_DTYPE_F32: ((float *)t->data)[off] = (float)value; break;
     case ATTN_DTYPE_F64: ((double *)t->data)[off] = value; break;
+    case ATTN_DTYPE_F16:
+    case ATTN_DTYPE_BF16: ((uint16_t *)t->data)[off] = tt_half_bits(value, t->dtype); break;
     default: ((unsigned char *)t->data)[off] = value != 0.0; break;
+    }
+}
+
+void tt_convert(const attn_tensor *src, attn_dtype dtype, test_tensor *dst) {
+    layout(dst, NULL, dtype, src->rank, src->shape, LAYOUT_CONTIGUOUS, false);
+    int64_t n = numel(src->rank, src->shape), idx[ATTN_MAX_RANK] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        tt_set(&dst->t, idx, tt_get(src, idx));
+        for (int d = src->rank - 1; d >= 0; d--) {
+            if (++idx[d] < src->shape[d]) break;
+            idx[d] = 0;
+        }
     }
 }
 

@@ -34,6 +34,11 @@ void tt_free(test_tensor *x);
 
 /* Element access through the strides; idx has t->rank entries. */
 double tt_get(const attn_tensor *t, const int64_t *idx);
+/* A contiguous copy of src's values in `dtype` (exact when it is wider). */
+void tt_convert(const attn_tensor *src, attn_dtype dtype, test_tensor *dst);
+/* float16/bfloat16 bits to their value, and a double to the nearest bits. */
+double tt_half_value(uint16_t h, attn_dtype dtype);
+uint16_t tt_half_bits(double x, attn_dtype dtype);
 void tt_set(const attn_tensor *t, const int64_t *idx, double value);
 /* A dense row-major double copy (caller frees). */
 double *tt_dense(const attn_tensor *t);

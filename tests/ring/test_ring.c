@@ -385,6 +385,12 @@ static void test_hostile_arguments(void) {
     CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &dsmall.t, NULL), ATTN_ERR_SHAPE, "out");
     CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &d64.t, NULL), ATTN_ERR_DTYPE, "out");
     CHECK_ARG(attn_ring_sdpa(W, &q.t, &k.t, &v.t, &rp, &out.t, &blse.t), ATTN_ERR_DTYPE, "lse");
+    { /* 16-bit operands: refused by name (each step's part would be rounded) */
+        attn_tensor hq = q.t, hk = k.t, hv = v.t, ho = out.t;
+        hq.dtype = hk.dtype = hv.dtype = ho.dtype = ATTN_DTYPE_BF16;
+        CHECK_ARG(attn_ring_sdpa(W, &hq, &hk, &hv, &rp, &ho, NULL), ATTN_ERR_DTYPE, "q");
+        CHECK_ARG(attn_ring_sdpa(W, &q.t, &hk, &hv, &rp, &out.t, NULL), ATTN_ERR_DTYPE, "k");
+    }
     CHECK_ARG(attn_ring_sdpa(MPI_COMM_NULL, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
               "comm");
     /* the backward's own */
