@@ -779,7 +779,8 @@ ATTN_API attn_status attn_encoder_layer_forward(const attn_encoder_layer *layer,
 /* ------------------------------------------------------------------------ */
 /*
  * Reads NumPy .npy files of format versions 1.0, 2.0 and 3.0 holding
- * float32, float64 (either byte order) or bool arrays in C or Fortran order.
+ * float32, float64, float16 (either byte order) or bool arrays in C or
+ * Fortran order (NumPy has no bfloat16 descr).
  * The result is a C-contiguous tensor in native byte order whose data the
  * caller frees with attn_npy_free(). A 0-d array is read as shape (1,).
  * A malformed, truncated or oversized file gives ATTN_ERR_FORMAT; the parser
@@ -795,9 +796,10 @@ ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, i
                                           int64_t shape[ATTN_MAX_RANK]);
 
 /*
- * Writes any strided float32, float64 or bool tensor (the storage dtypes
- * float16 and bfloat16 are refused with ATTN_ERR_DTYPE: save those with
- * attn_safetensors_save) as a little-endian, C-order .npy file, and
+ * Writes any strided float32, float64, float16 or bool tensor (bfloat16,
+ * which NumPy lacks, and int32 are refused with ATTN_ERR_DTYPE: save
+ * bfloat16 with attn_safetensors_save) as a little-endian, C-order .npy
+ * file, and
  * atomically: the bytes go to a temporary file in path's folder
  * (".NAME.XXXXXXXX.tmp"), are flushed to disk (fsync), and only then is it
  * renamed over path. On any failure (a full disk, a missing folder, ...)

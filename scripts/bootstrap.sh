@@ -88,6 +88,8 @@ for part in "${want[@]}"; do
         "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
             2>/dev/null || pip_install "torch==$TORCH_VERSION"
         "$PYTHON" -c 'import scikit_build_core' 2>/dev/null || pip_install scikit-build-core
+        # NumPy's bfloat16 (JAX's dtype): attn takes and returns its arrays.
+        "$PYTHON" -c 'import ml_dtypes' 2>/dev/null || pip_install ml_dtypes
         # attn.plot_attention's tests and docs example draw with it.
         "$PYTHON" -c 'import matplotlib' 2>/dev/null || pip_install matplotlib
         # all-MiniLM-L6-v2 offline (examples/minilm.py, tests/python/test_minilm.py);

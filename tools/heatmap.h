@@ -3,6 +3,7 @@
 #ifndef ATTN_HEATMAP_H
 #define ATTN_HEATMAP_H
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -26,10 +27,10 @@ int hm_tokens_read(const char *option, const char *path, int64_t want, const cha
 void hm_tokens_free(hm_tokens *t);
 
 /* One picture: panels of L x S cells, one per head drawn, all in one colour
- * scale. The weights are C-contiguous float32/float64 (N, H, L, S). */
+ * scale. The weights are C-contiguous float32/float64/float16 (N, H, L, S). */
 typedef struct hm_plot {
     const void *data;
-    bool f64;
+    attn_dtype dtype;
     int64_t heads_total, L, S; /* H of the file (1 for (L, S)) */
     int64_t batch;             /* element drawn of N (0 for rank < 4) */
     int64_t head0, nheads;     /* heads drawn: head0 .. head0 + nheads - 1 */
@@ -45,7 +46,13 @@ typedef struct hm_plot {
 /* The weight at (head, query i, key j) of the batch element drawn. */
 static inline double hm_value(const hm_plot *p, int64_t head, int64_t i, int64_t j) {
     const int64_t at = ((p->batch * p->heads_total + head) * p->L + i) * p->S + j;
-    return p->f64 ? ((const double *)p->data)[at] : ((const float *)p->data)[at];
+    if (p->dtype == ATTN_DTYPE_F64) return ((const double *)p->data)[at];
+    if (p->dtype == ATTN_DTYPE_F32) return ((const float *)p->data)[at];
+    const unsigned h = ((const uint16_t *)p->data)[at]; /* binary16 */
+    const int e = (int)(h >> 10 & 31), m = (int)(h & 1023);
+    const double mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? ldexp(m, -24)
+                                                              : ldexp(1024 + m, e - 25);
+    return h >> 15 ? -mag : mag;
 }
 
 /* A drawn image (heatmap_draw.c). hm_draw lays out and draws the plot, and

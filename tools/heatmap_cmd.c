@@ -5,7 +5,7 @@
  *                [--head N | --grid] [--batch N] [--cell PX]
  *                [--vmin X] [--vmax X] [--print-layout]
  *
- * W is what `attn sdpa --weights` writes: float32 or float64, (L, S),
+ * W is what `attn sdpa --weights` writes: float32, float64 or float16, (L, S),
  * (H, L, S) or (N, H, L, S). One panel per head drawn: rows are queries,
  * columns keys, cell (i, j) painted in viridis by its weight; one colour bar
  * for all panels with its minimum, middle and maximum. The scale is the
@@ -51,7 +51,8 @@
 const char cli_heatmap_options[] =
     "heatmap options:\n"
     "  -w W.npy                attention weights (L, S), (H, L, S) or (N, H, L, S),\n"
-    "                          float32/float64, as attn sdpa --weights writes them\n"
+    "                          float32/float64/float16, as attn sdpa --weights\n"
+    "                          writes them\n"
     "  -o OUT.png              the image (required)\n"
     "  --tokens FILE           query tokens, one per line (L lines): row labels\n"
     "  --key-tokens FILE       key tokens (S lines): column labels; default: the\n"
@@ -166,8 +167,9 @@ static int check_header(const hm_args *a, int *rank_out, int64_t dims[4]) {
                     "-w '%s' holds an array of rank %d; heatmap takes (L, S), (H, L, S) or "
                     "(N, H, L, S) weights",
                     a->weights, rank);
-    if (dtype != ATTN_DTYPE_F32 && dtype != ATTN_DTYPE_F64)
-        return fail(CLI_RUNTIME, "-w '%s' holds %s; heatmap takes float32 or float64 weights",
+    if (dtype != ATTN_DTYPE_F32 && dtype != ATTN_DTYPE_F64 && dtype != ATTN_DTYPE_F16)
+        return fail(CLI_RUNTIME,
+                    "-w '%s' holds %s; heatmap takes float32, float64 or float16 weights",
                     a->weights, attn_dtype_name(dtype));
     /* (attn_npy_read_header refuses a dimension of 0: "array is empty".) */
     for (int d = 0; d < 4; d++) dims[d] = d < 4 - rank ? 1 : shape[d - (4 - rank)];
@@ -279,7 +281,7 @@ static int run(const hm_args *a, attn_tensor *w, hm_tokens *rows, hm_tokens *col
     if (st != ATTN_OK) rc = cli_fail("reading -w", st);
     if (rc != CLI_OK) return rc;
     p.data = w->data;
-    p.f64 = w->dtype == ATTN_DTYPE_F64;
+    p.dtype = w->dtype;
     p.cell = a->cell;
     p.cell_option = a->cell > 0 ? "--cell" : NULL;
     rc = set_range(a, &p);

@@ -16,7 +16,8 @@ import sys
 import numpy as np
 
 FLOAT = "float"  # float32 or float64
-MASK = "mask"  # bool, float32 or float64
+TENSOR = "tensor"  # attention's operands: float16, bfloat16, float32 or float64
+MASK = "mask"  # bool, float16, bfloat16, float32 or float64
 PARAM = "param"  # any real number type; converted to the module's dtype
 INDEX = "index"  # any integer type; converted to int32 (index_array)
 CACHE = "cache"  # a KV cache: float16, bfloat16, float32 or float64
@@ -30,8 +31,8 @@ def _expected(kind):
     if kind == FLOAT:
         return "float32 or float64"
     if kind == MASK:
-        return "bool, float32 or float64"
-    if kind == CACHE:
+        return "bool, float16, bfloat16, float32 or float64"
+    if kind in (CACHE, TENSOR):
         return "float16, bfloat16, float32 or float64"
     if kind == INDEX:
         return "an integer type (int32, as FlashAttention takes it)"
@@ -109,14 +110,48 @@ def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
                         f"{_expected(kind)}") from e
 
 
+def is_bfloat16(a):
+    """Whether NumPy array `a` holds bfloat16: ml_dtypes' dtype, or the
+    16-bit integer view of one (as_array's, for TENSOR and MASK kinds)."""
+    return a.dtype.name == "bfloat16" or (a.dtype.kind in "iu" and a.dtype.itemsize == 2)
+
+
+def dtype_name(a):
+    """The dtype of an as_array view as torch and attn.h name it."""
+    return "bfloat16" if is_bfloat16(a) else a.dtype.name
+
+
+def empty(shape, dtype_name):
+    """The output allocator of every _attn call: NumPy's, with bfloat16 as
+    16-bit integers holding its bits (NumPy has no bfloat16; _attn reads a
+    16-bit integer buffer as bfloat16)."""
+    return np.empty(shape, np.int16 if dtype_name == "bfloat16" else dtype_name)
+
+
+def as_bfloat16(out, like):
+    """An output of _attn in bfloat16 bits as the caller's kind of bfloat16:
+    ml_dtypes' when `like` (an input) is one, else the bits unchanged."""
+    if out is None or out.dtype != np.int16:
+        return out
+    if like.dtype.name == "bfloat16":
+        return out.view(like.dtype)
+    return out
+
+
 def as_array(x, name, kind, grad_ok=False):
     """A NumPy view of `x` (no copy), with its dtype checked for `kind`.
     `grad_ok`: the caller records the call for autograd itself, so a tensor
-    that requires grad is fine."""
+    that requires grad is fine. For TENSOR and MASK, bfloat16 (torch's, or
+    ml_dtypes' in NumPy) comes back as an int16 view of its bits."""
+    halves = kind in (TENSOR, MASK)
     if isinstance(x, np.ndarray):
         a = x
+        if halves and a.dtype.name == "bfloat16":  # ml_dtypes
+            return a.view(np.int16)
     elif _is_torch_tensor(x):
-        a = _torch_numpy(x, name, kind, copying=grad_ok or kind == PARAM)
+        a = _torch_numpy(x, name, kind, copying=grad_ok or kind == PARAM, bfloat16_bits=halves)
+        if halves and a.dtype == np.int16 and x.dtype != _torch().int16:
+            return a  # bfloat16's bits
     else:
         if x is None:
             raise TypeError(f"{name} must be an array, not None")
@@ -127,7 +162,8 @@ def as_array(x, name, kind, grad_ok=False):
     dt = a.dtype
     ok = {
         FLOAT: dt.kind == "f" and dt.itemsize in (4, 8),
-        MASK: dt.kind == "b" or (dt.kind == "f" and dt.itemsize in (4, 8)),
+        TENSOR: dt.kind == "f" and dt.itemsize in (2, 4, 8),
+        MASK: dt.kind == "b" or (dt.kind == "f" and dt.itemsize in (2, 4, 8)),
         PARAM: dt.kind in "fiu",
         INDEX: dt.kind in "iu",
         CACHE: dt.kind == "f" and dt.itemsize in (2, 4, 8),

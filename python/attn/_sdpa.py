@@ -9,9 +9,13 @@ from . import _attn
 from ._arrays import (
     results,
     FLOAT,
+    TENSOR,
     _is_torch_tensor,
     MASK,
     as_array,
+    as_bfloat16,
+    dtype_name,
+    empty,
     check_bool,
     check_probability,
     check_scale,
@@ -23,7 +27,9 @@ from ._arrays import (
 )
 
 _CAUSAL = {"top-left": 1, "bottom-right": 2}
-_NATIVE_FLOAT = (np.dtype(np.float32), np.dtype(np.float64))  # native byte order
+# native byte order; float16 too (bfloat16 takes the checked path: NumPy's
+# is ml_dtypes', passed as its bits)
+_NATIVE_FLOAT = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
 _NO_WINDOW = (-1, -1)  # the default window_size, recognised by identity
 
 def _causal_bias(mask):
@@ -143,7 +149,7 @@ def scaled_dot_product_attention(
         # here (the library checks the arrays): _arguments costs 12 us, more
         # than a 16-token attention (make bench, short sequences).
         try:
-            out, _, _ = _attn.sdpa(query, key, value, empty=np.empty, enable_gqa=enable_gqa,
+            out, _, _ = _attn.sdpa(query, key, value, empty=empty, enable_gqa=enable_gqa,
                                    causal=_CAUSAL[causal_alignment] if is_causal else 0)
         except (ValueError, TypeError, MemoryError, RuntimeError) as e:
             raise library_error(e) from None
@@ -170,13 +176,13 @@ def scaled_dot_product_attention(
         a.seed = random_seed() if a.dropout_p > 0.0 else 0
     try:
         out, weights, lse = _attn.sdpa(
-            a.q, a.k, a.v, empty=np.empty, attn_mask=a.mask, causal=a.causal, scale=a.scale,
+            a.q, a.k, a.v, empty=empty, attn_mask=a.mask, causal=a.causal, scale=a.scale,
             enable_gqa=a.gqa, dropout_p=a.dropout_p, seed=a.seed, want_weights=a.want_w,
             want_lse=a.want_lse, **modifier_options(a),
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
-    return results(a, out, weights, lse)
+    return results(a, as_bfloat16(out, query), as_bfloat16(weights, query), lse)
 
 
 def modifier_options(a):
@@ -196,6 +202,21 @@ def check_modifiers(a, window_size, alibi_slopes, softcap, sinks, grad_ok=False)
     a.sinks = None if sinks is None else as_array(sinks, "sinks", FLOAT, grad_ok)
 
 
+def check_dtypes(q, k, v, names=("query", "key", "value")):
+    """attn.h's rule: key and value share one dtype, and query has it too,
+    or is float32 over float16/bfloat16 keys and values (a low-precision KV
+    cache). Output dtypes follow the query's."""
+    qd, kd, vd = dtype_name(q), dtype_name(k), dtype_name(v)
+    if kd != vd or (qd != kd and not (qd == "float32" and kd in ("float16", "bfloat16"))):
+        e = TypeError(
+            f"{names[0]}, {names[1]} and {names[2]} must share one dtype (a float32 {names[0]} "
+            f"may also read float16 or bfloat16 {names[1]} and {names[2]}); got {qd}, {kd} "
+            f"and {vd}"
+        )
+        e.arg = names[2] if kd != vd and kd == qd else names[1]  # the odd one out, as attn.h
+        raise e
+
+
 class _Args:
     """The checked arguments of one call."""
 
@@ -210,14 +231,10 @@ def _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     causal options attn_causal's code. `grad_ok`: tensors that require grad
     are fine (the caller records the call for autograd)."""
     a = _Args()
-    q = as_array(query, "query", FLOAT, grad_ok)
-    k = as_array(key, "key", FLOAT, grad_ok)
-    v = as_array(value, "value", FLOAT, grad_ok)
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(
-            f"query, key and value must share one dtype; got {q.dtype}, {k.dtype} "
-            f"and {v.dtype}"
-        )
+    q = as_array(query, "query", TENSOR, grad_ok)
+    k = as_array(key, "key", TENSOR, grad_ok)
+    v = as_array(value, "value", TENSOR, grad_ok)
+    check_dtypes(q, k, v)
     causal = check_bool(is_causal, "is_causal")
     if not isinstance(causal_alignment, str) or causal_alignment not in _CAUSAL:
         raise ValueError(

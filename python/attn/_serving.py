@@ -17,10 +17,13 @@ import numpy as np
 from . import _attn
 from ._arrays import (
     CACHE,
-    FLOAT,
+    TENSOR,
     _is_torch_tensor,
     _torch_numpy,
     as_array,
+    as_bfloat16,
+    dtype_name,
+    empty,
     check_bool,
     check_int,
     check_probability,
@@ -31,7 +34,7 @@ from ._arrays import (
     random_seed,
     tracks_grad,
 )
-from ._sdpa import check_modifiers, modifier_options
+from ._sdpa import check_dtypes, check_modifiers, modifier_options
 
 # attn.h's names for what these functions call otherwise (the operands and
 # index tensors have the same names in both).
@@ -77,9 +80,23 @@ def _to_torch(torch_call, *arrays):
     return tuple(None if a is None else torch.from_numpy(a) for a in arrays)
 
 
-def _finish(torch_call, out, lse, want_lse):
-    out, lse = _to_torch(torch_call, out, lse)
+def _finish(torch_call, out, lse, want_lse, q):
+    """The result as the caller's kind: torch tensors for a torch call; a
+    bfloat16 out (its int16 bits from _attn) as torch's bfloat16, or as
+    ml_dtypes' like the NumPy query `q`."""
+    if torch_call:
+        bf16 = out.dtype == np.int16
+        out, lse = _to_torch(True, out, lse)
+        if bf16:
+            out = out.view(sys.modules["torch"].bfloat16)
+    else:
+        out = as_bfloat16(out, np.asarray(q))
     return (out, lse) if want_lse else out
+
+
+def _zeros(shape, dtype_name):
+    """_arrays.empty's allocator, zero-filled (bfloat16: its int16 bits)."""
+    return np.zeros(shape, np.int16 if dtype_name == "bfloat16" else dtype_name)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -89,8 +106,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """Attention over a batch of sequences of different lengths, packed
     without padding (FlashAttention's ``flash_attn_varlen_func``).
 
-    q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev): float32
-    or float64; Hq a multiple of Hkv (grouped-query attention is implicit).
+    q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev): float32,
+    float64, float16 or bfloat16 under attn.scaled_dot_product_attention's
+    dtype rule; Hq a multiple of Hkv (grouped-query attention is implicit).
     cu_seqlens_q, cu_seqlens_k: (B + 1,) cumulative offsets, 0 first,
     non-decreasing, int32 (other integer types are converted): sequence n
     is rows cu_seqlens_q[n] .. cu_seqlens_q[n+1]-1 of q and attends only to
@@ -115,7 +133,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                                      alibi_slopes, sinks))
     _refuse_grad("varlen_attention", q=q, k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks)
     a = SimpleNamespace()
-    qa, ka, va = (as_array(x, n, FLOAT) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    qa, ka, va = (as_array(x, n, TENSOR) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    check_dtypes(qa, ka, va, ("q", "k", "v"))
     _require_rank(qa, "q", 3, "(total_q, Hq, E)")
     _require_rank(ka, "k", 3, "(total_k, Hkv, E)")
     _require_rank(va, "v", 3, "(total_k, Hkv, Ev)")
@@ -134,7 +153,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     try:
         # np.zeros: rows no sequence holds are left as allocated.
         out, lse = _attn.sdpa_varlen(
-            qa, ka, va, cu_q, cu_k, max_q, max_k, empty=np.zeros,
+            qa, ka, va, cu_q, cu_k, max_q, max_k, empty=_zeros,
             causal=_BOTTOM_RIGHT if is_causal else 0, scale=scale, dropout_p=p, seed=s,
             want_lse=want_lse, **modifier_options(a),
         )
@@ -142,7 +161,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise library_error(e, _RENAME) from None
     if want_lse:
         lse[:, int(cu_q[-1]):] = -np.inf  # rows that saw no key, as attn_sdpa marks them
-    return _finish(torch_call, out, lse, want_lse)
+    return _finish(torch_call, out, lse, want_lse, q)
 
 
 # ---------------------------------------------------------------------------
@@ -203,18 +222,24 @@ def _is_half(x):
     return isinstance(x, np.ndarray) and (x.dtype == np.float16 or x.dtype.name == "bfloat16")
 
 
-def _new_rows(x, name, dtype):
-    """New k or v rows in q's dtype: 16-bit rows are widened (exactly); the
-    cache rounds them back to its own dtype as it stores them."""
+def _new_rows(x, name, qa):
+    """New k or v rows in q's dtype: 16-bit rows under a float32/float64
+    query are widened (exactly); the cache rounds them back to its own
+    dtype as it stores them."""
     if x is None:
         return None
-    if _is_half(x):
+    wide = qa.dtype in (np.float32, np.float64)
+    if _is_half(x) and wide:
         if _is_torch_tensor(x):
             torch = sys.modules["torch"]
-            x = x.detach().to(torch.float64 if dtype == np.float64 else torch.float32)
+            x = x.detach().to(torch.float64 if qa.dtype == np.float64 else torch.float32)
         else:
-            x = x.astype(dtype)
-    return as_array(x, name, FLOAT)
+            x = x.astype(qa.dtype)
+    a = as_array(x, name, TENSOR)
+    if dtype_name(a) != dtype_name(qa):
+        raise TypeError(f"{name} is {dtype_name(a)} but q is {dtype_name(qa)}; new rows come in "
+                        f"q's dtype (or 16-bit under a float32/float64 q)")
+    return a
 
 
 def _cache_seqlens(x, batch):
@@ -234,7 +259,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     """Decoding (and chunked prefill) against a KV cache, FlashAttention's
     ``flash_attn_with_kvcache``.
 
-    q (B, Lq, Hq, E): float32 or float64. k_cache, v_cache: (B, S_max, Hkv,
+    q (B, Lq, Hq, E): float32, float64, float16 or bfloat16. k_cache,
+    v_cache: (B, S_max, Hkv,
     E / Ev), or paged, (num_blocks, block_size, Hkv, E / Ev) with
     ``block_table`` (B, max_blocks) int32: row r of sequence b lives in
     block block_table[b, r // block_size]. Caches may be float32, float64,
@@ -267,7 +293,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                                                      block_table, alibi_slopes, sinks))
     _refuse_grad("attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                  alibi_slopes=alibi_slopes, sinks=sinks)
-    qa = as_array(q, "q", FLOAT)
+    qa = as_array(q, "q", TENSOR)
     _require_rank(qa, "q", 4, "(B, Lq, Hq, E)")
     if (k is None) != (v is None):
         raise ValueError(f"{'k' if v is None else 'v'} is given without "
@@ -280,7 +306,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                         f"{'bfloat16' if kc_bf16 else kc.dtype} and "
                         f"{'bfloat16' if vc_bf16 else vc.dtype}")
     a = SimpleNamespace()
-    ka, va = _new_rows(k, "k", qa.dtype), _new_rows(v, "v", qa.dtype)
+    ka, va = _new_rows(k, "k", qa), _new_rows(v, "v", qa)
     seqlens = _cache_seqlens(cache_seqlens, qa.shape[0])
     table = None if block_table is None else index_array(block_table, "block_table")
     scale = check_scale(softmax_scale, "softmax_scale")
@@ -289,10 +315,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     want_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     try:
         out, lse = _attn.sdpa_kvcache(
-            qa, kc, vc, empty=np.empty, k=ka, v=va, cache_seqlens=seqlens, block_table=table,
+            qa, kc, vc, empty=empty, k=ka, v=va, cache_seqlens=seqlens, block_table=table,
             cache_bf16=kc_bf16, causal=_BOTTOM_RIGHT if is_causal else 0, scale=scale,
             want_lse=want_lse, **modifier_options(a),
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e, _RENAME) from None
-    return _finish(torch_call, out, lse, want_lse)
+    return _finish(torch_call, out, lse, want_lse, q)

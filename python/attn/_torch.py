@@ -15,7 +15,7 @@ import torch
 import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
 
 from . import _attn
-from ._arrays import library_error, results
+from ._arrays import empty, is_bfloat16, library_error, results
 
 Tensor = torch.Tensor
 
@@ -41,8 +41,17 @@ def _seed(seed):
 
 def _array(t):
     """A NumPy view of a plain CPU tensor (an operator's inputs are plain:
-    the public function checked them, or torch made them)."""
-    return t.detach().resolve_conj().resolve_neg().numpy()
+    the public function checked them, or torch made them); bfloat16 as an
+    int16 view of its bits, which _attn reads as bfloat16."""
+    t = t.detach().resolve_conj().resolve_neg()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _tensor_of(a, like):
+    """An _attn output as a tensor of `like`'s dtype (bfloat16 arrives as
+    its int16 bits)."""
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t
 
 
 def _optional_array(t):
@@ -77,15 +86,15 @@ def sdpa_op(
     causal: 0 none, 1 top-left, 2 bottom-right."""
     try:
         out, w, lse = _attn.sdpa(
-            _array(query), _array(key), _array(value), empty=np.empty, want_weights=want_weights,
+            _array(query), _array(key), _array(value), empty=empty, want_weights=want_weights,
             want_lse=True, lse_for_backward=True,  # weights recomputed from it sum to 1
             **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
                        window_right, alibi_slopes, softcap, sinks),
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
-    w = torch.from_numpy(w) if want_weights else query.new_empty(0)
-    return torch.from_numpy(out), w, torch.from_numpy(lse)
+    w = _tensor_of(w, query) if want_weights else query.new_empty(0)
+    return _tensor_of(out, query), w, torch.from_numpy(lse)
 
 
 def out_batch_shape(query, key, value, enable_gqa):
@@ -126,17 +135,19 @@ def sdpa_backward_op(
     try:
         if want_dq or want_dk or want_dv or want_dmask:
             grads[:4] = _attn.sdpa_backward(
-                *arrays, empty=np.empty, want_dq=want_dq, want_dk=want_dk, want_dv=want_dv,
+                *arrays, empty=empty, want_dq=want_dq, want_dk=want_dk, want_dv=want_dv,
                 want_dmask=want_dmask, **opts,
             )
         if want_dsinks:  # the same dout, out and lse: the sinks' share of the loss
             del opts["attn_mask"]
             sinks_array = opts.pop("sinks")
             grads[4] = _attn.sdpa_sinks_backward(arrays[0], arrays[4], arrays[5], sinks_array,
-                                                 empty=np.empty, **opts)
+                                                 empty=empty, **opts)
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
-    return tuple(query.new_empty(0) if g is None else torch.from_numpy(g) for g in grads)
+    likes = (query, key, value, attn_mask, sinks)
+    return tuple(query.new_empty(0) if g is None else _tensor_of(g, like)
+                 for g, like in zip(grads, likes))
 
 
 @sdpa_backward_op.register_fake
@@ -214,9 +225,10 @@ def _tensor(x, checked):
     if isinstance(x, torch.Tensor):
         return x
     try:
-        return torch.from_numpy(checked)
+        t = torch.from_numpy(checked)
     except ValueError:  # negative strides: torch has none
-        return torch.from_numpy(np.ascontiguousarray(checked))
+        t = torch.from_numpy(np.ascontiguousarray(checked))
+    return t.view(torch.bfloat16) if is_bfloat16(checked) else t
 
 
 def _seed_for(seed, dropout_p):

@@ -156,7 +156,8 @@ static int ring_forward_outputs(ring_call *c, const attn_ring_params *p, PyObjec
     if (c->result[0] == NULL) return -1;
     if (!want_lse) return 0;
     /* float64 for the backward, as sdpa's lse_for_backward */
-    const attn_dtype lse_dt = p->sdpa.lse_for_backward ? ATTN_DTYPE_F64 : dt;
+    const attn_dtype lse_dt = p->sdpa.lse_for_backward || dt == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64
+                                                                               : ATTN_DTYPE_F32;
     c->result[1] = new_output(empty, rank - 1, shape, lse_dt, "lse", &c->res[1]);
     return c->result[1] != NULL ? 0 : -1;
 }

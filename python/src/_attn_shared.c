@@ -235,8 +235,11 @@ static int copy_contiguous(buffer_view *v, Py_ssize_t numel) {
  * Fills *v from `obj`. Inputs are read-only requests and may be copied when
  * their layout cannot be expressed in elements; outputs (writable) never are,
  * so a write through a writable view always lands in the caller's memory.
- * `as`: 0, or ATTN_DTYPE_BF16 for a buffer of 16-bit integers that holds
- * bfloat16 bit patterns. On failure an exception is set and nothing is held.
+ * `as`: 0, ATTN_DTYPE_BF16 for a buffer that must be 16-bit integers
+ * holding bfloat16 bit patterns, or VIEW_BF16_BITS: 16-bit integers hold
+ * bfloat16, any other format is what it says (view_get's rule: NumPy has
+ * no bfloat16, so the Python layer passes one as its bits). On failure an
+ * exception is set and nothing is held.
  */
 int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
                 buffer_view *v) {
@@ -257,10 +260,10 @@ int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
     }
     v->held = 1;
     const Py_buffer *b = &v->buf;
-    attn_dtype dt = as == ATTN_DTYPE_BF16 && is_16bit_integer(b->format, b->itemsize)
-                        ? ATTN_DTYPE_BF16
-                        : dtype_from_format(b->format, b->itemsize);
-    if (dt == 0 || (as != 0 && dt != as)) {
+    const int bits = (as == ATTN_DTYPE_BF16 || as == VIEW_BF16_BITS) &&
+                     is_16bit_integer(b->format, b->itemsize);
+    attn_dtype dt = bits ? ATTN_DTYPE_BF16 : dtype_from_format(b->format, b->itemsize);
+    if (dt == 0 || (as == ATTN_DTYPE_BF16 && dt != as)) {
         PyErr_Format(PyExc_TypeError,
                      "%s has element format '%s' (%zd bytes); expected native float32 ('f'), "
                      "float64 ('d'), bool ('?'), float16 ('e') or int32 ('i')%s",
@@ -334,7 +337,7 @@ fail:
 }
 
 int view_get(PyObject *obj, const char *name, int writable, buffer_view *v) {
-    return view_get_as(obj, name, writable, 0, v);
+    return view_get_as(obj, name, writable, VIEW_BF16_BITS, v);
 }
 
 /* An optional input: Py_None leaves *present at 0. */

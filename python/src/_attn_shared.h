@@ -27,9 +27,13 @@ typedef struct buffer_view {
     attn_tensor t;
 } buffer_view;
 
+/* A buffer's view: its dtype from its format, where 16-bit integers hold
+ * bfloat16 bit patterns (NumPy has no bfloat16). */
 int view_get(PyObject *obj, const char *name, int writable, buffer_view *v);
-/* view_get for a buffer of 16-bit integers holding bfloat16 (as =
- * ATTN_DTYPE_BF16); as = 0 is view_get. */
+/* view_get_as's `as` for view_get's rule. */
+#define VIEW_BF16_BITS ((attn_dtype)0x100)
+/* view_get with a dtype rule: as = ATTN_DTYPE_BF16 requires a buffer of
+ * 16-bit integers holding bfloat16; VIEW_BF16_BITS is view_get's rule. */
 int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
                 buffer_view *v);
 int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present);

@@ -109,12 +109,14 @@ static attn_status parse_descr(const char *d, npy_info *info) {
         info->dtype = ATTN_DTYPE_F32;
     else if (strcmp(type, "f8") == 0)
         info->dtype = ATTN_DTYPE_F64;
+    else if (strcmp(type, "f2") == 0)
+        info->dtype = ATTN_DTYPE_F16;
     else if (strcmp(type, "b1") == 0)
         info->dtype = ATTN_DTYPE_BOOL;
-    else
+    else /* NumPy has no bfloat16: its files (ml_dtypes') carry an opaque '<V2' */
         return attn__fail(ATTN_ERR_DTYPE,
                           ".npy dtype '%s' is not supported; attn reads float32 ('<f4'), "
-                          "float64 ('<f8') and bool ('|b1')",
+                          "float64 ('<f8'), float16 ('<f2') and bool ('|b1')",
                           d);
     if (info->dtype != ATTN_DTYPE_BOOL && order == '|')
         return attn__fail(ATTN_ERR_FORMAT, ".npy header: descr '%s' needs a byte order", d);

@@ -14,6 +14,7 @@
 size_t attn__npy_preamble(attn_dtype dtype, int rank, const int64_t *shape, unsigned char *out) {
     const char *descr = dtype == ATTN_DTYPE_F32   ? "<f4"
                         : dtype == ATTN_DTYPE_F64 ? "<f8"
+                        : dtype == ATTN_DTYPE_F16 ? "<f2"
                                                   : "|b1";
     char shape_text[256];
     attn__shape_str(shape_text, sizeof shape_text, rank, shape);
@@ -60,13 +61,14 @@ static int write_npy(int fd, const attn_tensor *t) {
     return err;
 }
 
-/* A tensor .npy can hold: float32, float64 or bool (the descr written). */
+/* A tensor .npy can hold: float32, float64, float16 or bool (the descr
+ * written). NumPy has no bfloat16 descr. */
 static attn_status check_npy_tensor(const attn_tensor *t) {
     attn_status st = attn__check_tensor(t, "tensor", 1, ATTN__INPUT);
-    if (st == ATTN_OK && attn__is_half(t->dtype))
+    if (st == ATTN_OK && (t->dtype == ATTN_DTYPE_BF16 || t->dtype == ATTN_DTYPE_I32))
         return attn__fail_arg(ATTN_ERR_DTYPE, "tensor",
-                              "tensor is %s; attn writes .npy files of float32, float64 or "
-                              "bool (save 16-bit floats with attn_safetensors_save)",
+                              "tensor is %s; attn writes .npy files of float32, float64, "
+                              "float16 or bool (save bfloat16 with attn_safetensors_save)",
                               attn_dtype_name(t->dtype));
     return st;
 }

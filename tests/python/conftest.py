@@ -43,6 +43,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if serving is not None:
         for line in serving.summary_lines():
             tr.write_line(line)
+    half = stats["half"]
+    if half["cases"]:
+        tr.write_line(
+            f"  float16/bfloat16 sdpa: {half['cases']} cases checked (bar: ours <= 2 x torch in "
+            f"the same dtype + 1e-6): error ratio ours/torch median "
+            f"{conformance.median(half['ratios']):.3g}, worst {half['worst_ratio']:.3g}; at most "
+            f"{100 * half['worst_usage']:.0f}% of the bar used"
+        )
     for kind in ("sdpa", "mha", "encoder"):
         s = stats[kind]
         if s["cases"] == 0:

@@ -141,5 +141,6 @@ def test_autograd_refuses_what_the_forward_refuses(rng):
     with pytest.raises(ValueError, match="key.shape") as e:
         attn.scaled_dot_product_attention(q, q[..., :4], q)
     assert e.value.arg == "key"
-    with pytest.raises(TypeError, match="query has dtype int64; expected float32 or float64"):
+    with pytest.raises(TypeError,
+                       match="query has dtype int64; expected float16, bfloat16, float32 or float64"):
         attn.scaled_dot_product_attention(torch.ones(2, 5, 8, dtype=torch.int64), q, q)

@@ -178,9 +178,18 @@ def sdpa_case(index):
     return c
 
 
+def _as_torch(a, dtype):
+    """C.as_torch for a NumPy dtype, or through float32 for a torch dtype
+    (float16, bfloat16: the rounding torch's own .to() does)."""
+    if isinstance(dtype, torch.dtype):
+        return C.as_torch(a, np.dtype(np.float32)).to(dtype)
+    return C.as_torch(a, dtype)
+
+
 def _torch_mask(mask, dtype, as_float=False):
-    """Mask array -> torch tensor for a query of `dtype`. PyTorch wants a float
-    mask no wider than a float32 query; `as_float` turns bool masks (True =
+    """Mask array -> torch tensor for a query of `dtype` (NumPy's, or torch's
+    16-bit ones). PyTorch wants a float mask no wider than a float32 query
+    (and a 16-bit query's own dtype); `as_float` turns bool masks (True =
     attend) into float masks (0 / -inf), which the math kernel needs."""
     if mask is None:
         return None
@@ -189,15 +198,18 @@ def _torch_mask(mask, dtype, as_float=False):
     if mask.dtype == np.bool_:
         if not as_float:
             return C.as_torch(mask)
-        return C.as_torch(np.where(mask, 0.0, -np.inf).astype(dtype))
+        return _as_torch(np.where(mask, 0.0, -np.inf), dtype)
+    if isinstance(dtype, torch.dtype):
+        return _as_torch(mask, dtype)
     return C.as_torch(mask, np.dtype(np.float32) if dtype == np.float32 else None)
 
 
 def torch_reference(c, dtype):
-    """PyTorch's out, weights and lse for case c, computed in `dtype`."""
-    q = C.as_torch(c["q"], dtype)
-    k = C.as_torch(c["k"], dtype)
-    v = C.as_torch(c["v"], dtype)
+    """PyTorch's out, weights and lse for case c, computed in `dtype` (a
+    NumPy dtype, or torch.float16/torch.bfloat16: then as float64 arrays)."""
+    q = _as_torch(c["q"], dtype)
+    k = _as_torch(c["k"], dtype)
+    v = _as_torch(c["v"], dtype)
     # PyTorch 2.13 adds the mask to query @ key^T in place, which fails when
     # value or the mask has more batch dimensions than that product: give it
     # the query expanded to the output's batch shape (the same values).
@@ -246,7 +258,8 @@ def torch_reference(c, dtype):
             if tf is not None:
                 s = s + tf
             lse = torch.logsumexp(s, dim=-1).expand(out.shape[:-1])
-    np_ = lambda t: None if t is None else t.numpy()  # noqa: E731
+    half = isinstance(dtype, torch.dtype)
+    np_ = lambda t: None if t is None else (t.double() if half else t).numpy()  # noqa: E731
     return np_(out), np_(weights), np_(lse)
 
 

@@ -524,7 +524,7 @@ def _kv_args(rng, **changes):
     (dict(v=None), ValueError, "k is given without v", None),
     (dict(k=None), ValueError, "v is given without k", None),
     (dict(q=np.zeros((2, 2, 4))), ValueError, "q has 3 dimensions", None),
-    (dict(q=np.zeros((2, 1, 2, 4), np.float16)), TypeError, "q has dtype float16", None),
+    (dict(q=np.zeros((2, 1, 2, 4), np.int16)), TypeError, "q has dtype int16", None),
     (dict(k=np.zeros((2, 1, 1, 5))), ValueError, "", "k"),
     (dict(v_cache=np.zeros((2, 6, 1, 4), np.float32)), TypeError, "", None),
     (dict(k_cache=[[[[0.0] * 4]] * 6] * 2), TypeError, "k_cache is a list", None),

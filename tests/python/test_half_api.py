@@ -1,0 +1,187 @@
+"""float16 and bfloat16 beyond the forward conformance suite (issue 13):
+the backward against PyTorch's in the same dtype, autograd, varlen and KV
+cache calls, the .npy files of the attn tool, and the dtype rules' errors."""
+
+import os
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+CLI = os.environ.get("ATTN_CLI", os.path.join(ROOT, "build", "tools", "attn"))
+HALVES = (torch.float16, torch.bfloat16)
+
+
+def _err(x, exact):
+    return float((x.double() - exact).abs().max())
+
+
+# ---- the backward ----
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_backward_within_twice_torch(dtype, rng):
+    """Gradients of 100 random cases (masks, causal, GQA, scale) against the
+    float64 gradients of the same rounded inputs: attn's error within 2x
+    PyTorch's own backward in the same dtype (+ a slack of 2 ulps of the
+    gradient's size, where torch happens to be exact)."""
+    worst = 0.0
+    ulp = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    for case in range(100):
+        H, Hkv = (4, 2) if case % 3 == 0 else (2, 2)
+        L, S, E = (int(x) for x in rng.integers(1, 40, 3))
+        gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+        q = torch.randn(2, H, L, E, generator=gen).to(dtype)
+        k = torch.randn(2, Hkv, S, E, generator=gen).to(dtype)
+        v = torch.randn(2, Hkv, S, E, generator=gen).to(dtype)
+        dout = torch.randn(2, H, L, E, generator=gen).to(dtype)
+        kw = dict(enable_gqa=H != Hkv, scale=float(rng.choice([0.3, 1.0 / np.sqrt(E), -0.5])))
+        mask = None
+        if case % 4 == 1:
+            mask = torch.randn(L, S, generator=gen).to(dtype)
+        elif case % 4 == 2 and L <= S:
+            kw["is_causal"] = True
+            kw["scale"] = abs(kw["scale"])  # torch's CPU kernel: NaN for causal scale <= 0
+
+        def grads(fn, cast):
+            leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+            m = None if mask is None else mask.to(cast)
+            out = fn(*leaves, attn_mask=m, **kw)
+            out.backward(dout.to(cast))
+            return [x.grad for x in leaves]
+
+        exact = grads(F.scaled_dot_product_attention, torch.float64)
+        ours = grads(attn.scaled_dot_product_attention, dtype)
+        theirs = grads(F.scaled_dot_product_attention, dtype)
+        for name, o, t, x in zip("qkv", ours, theirs, exact):
+            assert o.dtype == dtype
+            assert not torch.isnan(o).any(), f"case {case}: d{name} has NaN"
+            slack = 2 * ulp * float(x.abs().max())
+            e_ours, e_torch = _err(o, x), _err(t, x)
+            bar = 2 * e_torch + slack  # 0 only where the exact gradient is 0 and torch's too
+            worst = max(worst, e_ours / bar if bar > 0 else float(e_ours > 0))
+            assert e_ours <= bar, (
+                f"case {case} (L {L} S {S} E {E} {kw} mask {mask is not None}): d{name} error "
+                f"{e_ours:.3g}, torch's {e_torch:.3g}")
+    print(f"{dtype}: worst gradient error / bar {worst:.3f}")
+
+
+def test_gradcheck_style_bfloat16_matches_float32_copies():
+    """attn's bfloat16 gradient is its float32 gradient of the same values,
+    rounded once (the C tests hold this on every kernel path)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen).bfloat16() for _ in range(3))
+    dout = torch.randn(1, 2, 9, 16, generator=gen).bfloat16()
+    half = [x.clone().requires_grad_() for x in (q, k, v)]
+    attn.scaled_dot_product_attention(*half, is_causal=True).backward(dout)
+    wide = [x.float().requires_grad_() for x in (q, k, v)]
+    attn.scaled_dot_product_attention(*wide, is_causal=True).backward(dout.float())
+    for h, w in zip(half, wide):
+        assert torch.equal(h.grad, w.grad.bfloat16())
+
+
+# ---- NumPy: float16 and ml_dtypes' bfloat16 in, the same out ----
+
+
+def test_numpy_half_dtypes_round_trip(rng):
+    q, k, v = (rng.standard_normal((2, 3, 6, 8)) for _ in range(3))
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        qh, kh, vh = (x.astype(dt) for x in (q, k, v))
+        out, w, lse = attn.scaled_dot_product_attention(qh, kh, vh, return_weights=True,
+                                                        return_lse=True)
+        assert out.dtype == dt and w.dtype == dt and lse.dtype == np.float32
+        # the float32 computation on the same values, rounded once
+        wide = attn.scaled_dot_product_attention(*(x.astype(np.float32) for x in (qh, kh, vh)))
+        assert np.array_equal(out, wide.astype(dt))
+        # torch tensors of the same dtype give the same bits
+        td = torch.float16 if dt == np.float16 else torch.bfloat16
+        tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(td) for x in (qh, kh, vh))
+        tout = attn.scaled_dot_product_attention(tq, tk, tv)
+        assert tout.dtype == td
+        assert np.array_equal(tout.float().numpy(), out.astype(np.float32))
+
+
+def test_float32_query_over_half_kv(rng):
+    q = rng.standard_normal((1, 4, 3, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 50, 8)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    out = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert out.dtype == np.float32
+    ref = attn.scaled_dot_product_attention(q, k.astype(np.float32), v.astype(np.float32),
+                                            enable_gqa=True)
+    assert np.array_equal(out, ref)
+
+
+def test_dtype_rules_name_what_breaks_them(rng):
+    x32 = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    x16 = x32.astype(np.float16)
+    xb = x32.astype(ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match="must share one dtype.*got float16, float32 and float32"):
+        attn.scaled_dot_product_attention(x16, x32, x32)
+    with pytest.raises(TypeError, match="got float32, float16 and bfloat16"):
+        attn.scaled_dot_product_attention(x32, x16, xb)
+    with pytest.raises(TypeError, match="got float64, bfloat16 and bfloat16"):
+        attn.scaled_dot_product_attention(x32.astype(np.float64), xb, xb)
+    with pytest.raises(TypeError, match="query has dtype int16"):
+        attn.scaled_dot_product_attention(x32.astype(np.int16), x32, x32)
+
+
+# ---- varlen and the KV cache ----
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_varlen_and_kvcache_in_half(dtype, rng):
+    gen = torch.Generator().manual_seed(11)
+    lens = [5, 1, 9]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lens), 4, 16, generator=gen).to(dtype) for _ in range(3))
+    out = attn.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    assert out.dtype == dtype
+    for n in range(len(lens)):  # each sequence alone, through the same float32 computation
+        a, b = int(cu[n]), int(cu[n + 1])
+        one = attn.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+            causal_alignment="bottom-right")
+        assert torch.equal(out[a:b], one.transpose(0, 1))
+
+    cache_k = torch.zeros(2, 32, 2, 16, dtype=dtype)
+    cache_v = torch.zeros(2, 32, 2, 16, dtype=dtype)
+    qd = torch.randn(2, 1, 4, 16, generator=gen).to(dtype)
+    kn, vn = (torch.randn(2, 1, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    out = attn.attention_with_kvcache(qd, cache_k, cache_v, k=kn, v=vn, cache_seqlens=0)
+    assert out.dtype == dtype and torch.equal(cache_k[:, 0], kn[:, 0])
+    # one key: the output is its value, exactly (GQA: 2 query heads per KV head)
+    assert torch.equal(out[:, 0], vn[:, 0].repeat_interleave(2, dim=1))
+    with pytest.raises(TypeError, match="new rows come in q's dtype"):
+        attn.attention_with_kvcache(qd, cache_k, cache_v, k=kn.float(), v=vn.float(),
+                                    cache_seqlens=1)
+
+
+# ---- the attn tool: .npy float16 ----
+
+
+@pytest.mark.skipif(not os.access(CLI, os.X_OK), reason=f"the attn tool is not built at {CLI}")
+def test_cli_float16_npy(tmp_path, rng):
+    arrays = {n: rng.standard_normal(s).astype(np.float16)
+              for n, s in (("q", (2, 5, 8)), ("k", (2, 7, 8)), ("v", (2, 7, 4)))}
+    for n, a in arrays.items():
+        np.save(tmp_path / f"{n}.npy", a)
+    out, w, png = tmp_path / "out.npy", tmp_path / "w.npy", tmp_path / "w.png"
+    r = subprocess.run([CLI, "sdpa", "-q", tmp_path / "q.npy", "-k", tmp_path / "k.npy", "-v",
+                        tmp_path / "v.npy", "-o", out, "--weights", w, "--causal"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "float16" in r.stdout
+    got, weights = np.load(out), np.load(w)
+    assert got.dtype == np.float16 and weights.dtype == np.float16
+    ref = attn.scaled_dot_product_attention(*arrays.values(), is_causal=True)
+    assert np.array_equal(got, ref)
+    r = subprocess.run([CLI, "heatmap", "-w", w, "-o", png, "--grid"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
