@@ -14,8 +14,12 @@
  *                                        checks the backward's peak RSS <= inputs
  *                                        (q, k, v, dout, out, lse) + dq, dk, dv + 64 MiB
  *   attn_bench sdpa B H L S E [--causal] [--kv-heads H] [--reps N] [--cpu-time]
- *                  [--softcap C]         times attn alone (median ms, GFLOP/s);
- *                                        --softcap: with logit soft-capping at C
+ *                  [--softcap C] [--dtype D] [--kv-dtype D]
+ *                                        times attn alone (median ms, GFLOP/s);
+ *                                        --softcap: with logit soft-capping at C;
+ *                                        D: float32 (default), float16, bfloat16
+ *                                        (q and out in --dtype, k and v in
+ *                                        --kv-dtype, which defaults to it)
  *   attn_bench backward B H L S E [--causal] [--kv-heads H] [--reps N]
  *                       [--load DIR] [--save DIR] [--cpu-time]
  *                                        times attn_sdpa (with lse) then
@@ -149,6 +153,34 @@ static float *filled(int64_t n, unsigned seed) {
         x[i] = (float)(s >> 8) / 16777216.0f - 0.5f;
     }
     return x;
+}
+
+/* float32 values as `dtype` (float32, or 16-bit, rounded to nearest even)
+ * in place: the buffer keeps its float32 room. */
+static int narrow_to(float *x, int64_t n, attn_dtype dtype) {
+    if (dtype == ATTN_DTYPE_F32) return 0;
+    uint16_t *h = (uint16_t *)x;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], sizeof u);
+        if (dtype == ATTN_DTYPE_BF16) {
+            h[i] = (uint16_t)((u + 0x7fffu + (u >> 16 & 1u)) >> 16);
+        } else { /* binary16; the bench's values are in (-0.5, 0.5): normal or subnormal */
+            _Float16 f = (_Float16)x[i];
+            memcpy(&h[i], &f, sizeof f);
+        }
+    }
+    return 0;
+}
+
+/* --dtype / --kv-dtype: float32, float16 or bfloat16 (0: anything else). */
+static attn_dtype dtype_opt(int argc, char **argv, const char *name, attn_dtype fallback) {
+    const char *s = bench_opt_str(argc, argv, name);
+    if (s == NULL) return fallback;
+    return strcmp(s, "float32") == 0   ? ATTN_DTYPE_F32
+           : strcmp(s, "float16") == 0 ? ATTN_DTYPE_F16
+           : strcmp(s, "bfloat16") == 0 ? ATTN_DTYPE_BF16
+                                        : (attn_dtype)0;
 }
 
 static int cmd_memory(int argc, char **argv) {
@@ -414,16 +446,26 @@ static int cmd_sdpa(int argc, char **argv) {
     const int64_t Hk = bench_opt_long(argc, argv, "--kv-heads", H);
     const int reps = (int)bench_opt_long(argc, argv, "--reps", 10);
     const int causal = bench_has_flag(argc, argv, "--causal");
+    const attn_dtype dt = dtype_opt(argc, argv, "--dtype", ATTN_DTYPE_F32);
+    const attn_dtype kdt = dtype_opt(argc, argv, "--kv-dtype", dt);
+    if (dt == 0 || kdt == 0) {
+        fprintf(stderr, "attn_bench sdpa: --dtype and --kv-dtype take float32, float16 or "
+                        "bfloat16\n");
+        return 2;
+    }
     int64_t qs[4] = {B, H, L, E}, ks[4] = {B, Hk, S, E};
     float *q = filled(B * H * L * E, 1), *k = filled(B * Hk * S * E, 2),
           *v = filled(B * Hk * S * E, 3), *o = filled(B * H * L * E, 4);
     double *ms = malloc(sizeof(double) * (size_t)reps);
     if (!q || !k || !v || !o || !ms) return 1;
+    narrow_to(q, B * H * L * E, dt);
+    narrow_to(k, B * Hk * S * E, kdt);
+    narrow_to(v, B * Hk * S * E, kdt);
     attn_tensor tq, tk, tv, to;
-    attn_tensor_init(&tq, q, ATTN_DTYPE_F32, 4, qs);
-    attn_tensor_init(&tk, k, ATTN_DTYPE_F32, 4, ks);
-    attn_tensor_init(&tv, v, ATTN_DTYPE_F32, 4, ks);
-    attn_tensor_init(&to, o, ATTN_DTYPE_F32, 4, qs);
+    attn_tensor_init(&tq, q, dt, 4, qs);
+    attn_tensor_init(&tk, k, kdt, 4, ks);
+    attn_tensor_init(&tv, v, kdt, 4, ks);
+    attn_tensor_init(&to, o, dt, 4, qs);
     attn_sdpa_params p;
     attn_sdpa_params_init(&p);
     p.causal = causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
@@ -443,13 +485,15 @@ static int cmd_sdpa(int argc, char **argv) {
     const double med = bench_median(ms, reps);
     double best = ms[0], checksum = 0;
     for (int r = 1; r < reps; r++) best = ms[r] < best ? ms[r] : best;
-    for (int64_t i = 0; i < B * H * L * E; i += 101) checksum += o[i];
+    for (int64_t i = 0; i < B * H * L * E && dt == ATTN_DTYPE_F32; i += 101) checksum += o[i];
     printf("{\"shape\": [%lld, %lld, %lld, %lld, %lld], \"kv_heads\": %lld, \"causal\": %s, "
-           "\"softcap\": %g, \"isa\": \"%s\", \"threads\": %d, \"median_ms\": %.3f, "
-           "\"best_ms\": %.3f, \"gflops\": %.2f, \"checksum\": %.6f}\n",
+           "\"softcap\": %g, \"dtype\": \"%s\", \"kv_dtype\": \"%s\", \"isa\": \"%s\", "
+           "\"threads\": %d, \"median_ms\": %.3f, \"best_ms\": %.3f, \"gflops\": %.2f, "
+           "\"checksum\": %.6f}\n",
            (long long)B, (long long)H, (long long)L, (long long)S, (long long)E, (long long)Hk,
-           causal ? "true" : "false", p.softcap, attn_isa_name(attn_get_isa()),
-           attn_get_num_threads(), med, best, flops / med / 1e6, checksum);
+           causal ? "true" : "false", p.softcap, attn_dtype_name(dt), attn_dtype_name(kdt),
+           attn_isa_name(attn_get_isa()), attn_get_num_threads(), med, best, flops / med / 1e6,
+           checksum);
     free(q);
     free(k);
     free(v);

@@ -16,13 +16,13 @@
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint64_t xcr0,
                                     bool osxsave_usable) {
     attn__cpu_features f = {false, false, false};
-    bool fma = (leaf1_ecx >> 12) & 1, avx = (leaf1_ecx >> 28) & 1;
+    bool fma = (leaf1_ecx >> 12) & 1, avx = (leaf1_ecx >> 28) & 1, f16c = (leaf1_ecx >> 29) & 1;
     bool avx2 = (leaf7_ebx >> 5) & 1, avx512f = (leaf7_ebx >> 16) & 1;
     bool avx512dq = (leaf7_ebx >> 17) & 1, avx512bw = (leaf7_ebx >> 30) & 1,
          avx512vl = (leaf7_ebx >> 31) & 1;
     bool ymm_saved = osxsave_usable && (xcr0 & 0x6) == 0x6;            /* XMM, YMM */
     bool zmm_saved = osxsave_usable && (xcr0 & 0xE6) == 0xE6;          /* + opmask, ZMM */
-    f.avx2_fma = avx && avx2 && fma && ymm_saved;
+    f.avx2_fma = avx && avx2 && fma && f16c && ymm_saved; /* f16c: float16 loads */
     f.avx512f = f.avx2_fma && avx512f && zmm_saved;
     f.avx512_core = f.avx512f && avx512dq && avx512bw && avx512vl;
     return f;

@@ -140,6 +140,13 @@ typedef struct attn__ukernel {
                             double ds_scale);
 } attn__ukernel;
 
+/* The portable loads (load_rows_f/_d's contract), which an ISA's loads
+ * call for the layouts and dtypes they leave to them. */
+void attn__load_rows_generic_f(const void *src, attn_dtype dtype, int64_t rs, int64_t cs,
+                               int64_t nrows, int64_t width, float *dst, int64_t ld);
+void attn__load_rows_generic_d(const void *src, attn_dtype dtype, int64_t rs, int64_t cs,
+                               int64_t nrows, int64_t width, double *dst, int64_t ld);
+
 /* Every slot and parameter: the portable kernels (generic/flash_generic.c). */
 void attn__ukernel_init_generic(attn__ukernel *ctx);
 /* The slots and parameters an ISA improves, on a generic-initialised

@@ -29,7 +29,7 @@ static void philox_known_answers(void) {
 }
 
 static void cpu_feature_decoding(void) {
-    const uint32_t ecx_avx_fma = (1u << 28) | (1u << 12) | (1u << 27);
+    const uint32_t ecx_avx_fma = (1u << 29) | (1u << 28) | (1u << 12) | (1u << 27); /* +F16C */
     const uint32_t ebx_avx2 = 1u << 5, ebx_avx512 = (1u << 5) | (1u << 16);
     attn__cpu_features f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0xE7, true);
     CHECK(f.avx2_fma && f.avx512f && !f.avx512_core, "AVX-512F alone (Knights Landing)");
@@ -46,8 +46,10 @@ static void cpu_feature_decoding(void) {
     CHECK(!f.avx2_fma && !f.avx512f, "no YMM state: no AVX2");
     f = attn__cpu_decode(ecx_avx_fma, ebx_avx2, 0xE7, false); /* OSXSAVE off */
     CHECK(!f.avx2_fma, "xgetbv unusable: no AVX");
-    f = attn__cpu_decode(1u << 28 | 1u << 27, ebx_avx2, 0x07, true); /* no FMA */
+    f = attn__cpu_decode(1u << 29 | 1u << 28 | 1u << 27, ebx_avx2, 0x07, true); /* no FMA */
     CHECK(!f.avx2_fma, "AVX2 without FMA is not the avx2 path");
+    f = attn__cpu_decode(ecx_avx_fma & ~(1u << 29), ebx_avx2, 0x07, true); /* no F16C */
+    CHECK(!f.avx2_fma, "AVX2 without F16C is not the avx2 path (its float16 loads)");
     f = attn__cpu_decode(0, 0, 0, false);
     CHECK(!f.avx2_fma && !f.avx512f, "bare machine");
     /* What this machine reports is consistent with the public query. */

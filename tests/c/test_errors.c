@@ -518,17 +518,32 @@ static void storage_dtypes_mha(void) {
     attn_mha_destroy(m);
 }
 
+/* .npy holds float16 ('<f2'), not bfloat16 (NumPy has no descr for it)
+ * nor int32 (attn never writes index files). */
 static void storage_dtypes_npy(void) {
-    uint16_t h[4] = {0};
+    uint16_t h[4] = {0x3c00, 0x8001, 0x7bff, 0xfc00}; /* 1, -2^-24, 65504, -inf */
     int64_t s4[1] = {4};
-    attn_tensor t;
+    attn_tensor t, back;
     attn_tensor_init(&t, h, ATTN_DTYPE_F16, 1, s4);
+    const char *path = "/tmp/attn_f16_roundtrip.npy";
+    CHECK_OK(attn_npy_save(path, &t));
+    CHECK_OK(attn_npy_load(path, &back));
+    CHECK(back.dtype == ATTN_DTYPE_F16 && back.rank == 1 && back.shape[0] == 4 &&
+              memcmp(back.data, h, sizeof h) == 0,
+          "float16 .npy round trip");
+    attn_npy_free(&back);
+    remove(path);
+    t.dtype = ATTN_DTYPE_BF16;
+    remove("/tmp/attn_never_written.npy"); /* a stale one from an older run */
     CHECK_STATUS(attn_npy_save("/tmp/attn_never_written.npy", &t), ATTN_ERR_DTYPE);
     CHECK_ARG("tensor");
     CHECK_MESSAGE("attn_safetensors_save");
-    t.dtype = ATTN_DTYPE_BF16;
     CHECK_STATUS(attn_npy_write_fd(1, &t), ATTN_ERR_DTYPE);
     CHECK_MESSAGE("bfloat16");
+    int32_t ints[4] = {0};
+    attn_tensor ti;
+    attn_tensor_init(&ti, ints, ATTN_DTYPE_I32, 1, s4);
+    CHECK_STATUS(attn_npy_save("/tmp/attn_never_written.npy", &ti), ATTN_ERR_DTYPE);
     FILE *f = fopen("/tmp/attn_never_written.npy", "rb");
     CHECK(f == NULL, "a refused save created its file");
     if (f != NULL) fclose(f);

@@ -560,7 +560,7 @@ static void hostile_inputs(void) {
         {"heatmap -w missing.npy -o x.png", 1, "missing.npy"},
         {"heatmap -w w1.npy -o x.png", 1, "rank 1"},
         {"heatmap -w w5.npy -o x.png", 1, "rank 5"},
-        {"heatmap -w bool.npy -o x.png", 1, "float32 or float64"},
+        {"heatmap -w bool.npy -o x.png", 1, "float32, float64 or float16"},
         {"heatmap -w empty.npy -o x.png", 1, "empty"},
         {"heatmap -w three.txt -o x.png", 1, "three.txt"},
         {"heatmap -w w3.npy -o x.png", 2, "--head N"},

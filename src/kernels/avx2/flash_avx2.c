@@ -378,6 +378,33 @@ static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64
     }
 }
 
+/* ---- operand loads (ukernel.h): 16-bit rows widened 8 at a time ---- */
+
+/* float16 (F16C's vcvtph2ps) or bfloat16 (the bits shifted into a float32's
+ * top half): both exact. A row's last 1-7 elements, rows with a column
+ * stride and other dtypes take the portable loads. */
+static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t cs, int64_t nrows,
+                        int64_t width, float *dst, int64_t ld) {
+    const bool f16 = dtype == ATTN_DTYPE_F16;
+    if (cs != 1 || !(f16 || dtype == ATTN_DTYPE_BF16)) {
+        attn__load_rows_generic_f(src, dtype, rs, cs, nrows, width, dst, ld);
+        return;
+    }
+    const int64_t body = width / 8 * 8;
+    for (int64_t i = 0; i < nrows; i++) {
+        const uint16_t *s = (const uint16_t *)src + i * rs;
+        float *d = dst + i * ld;
+        for (int64_t j = 0; j < body; j += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(s + j));
+            const __m256 x = f16 ? _mm256_cvtph_ps(h)
+                                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            _mm256_storeu_ps(d + j, x);
+        }
+        if (body < width)
+            attn__load_rows_generic_f(s + body, dtype, rs, 1, 1, width - body, d + body, ld);
+    }
+}
+
 /* The float32 slots; float64 keeps the portable kernels. The blocking
  * stays the portable context's (the numbers measured for AVX-512: the qkt
  * tile here is 16 queries wide, so 48 lanes are three tiles per 6 keys);
@@ -388,6 +415,7 @@ static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64
  * and qkt walked keys outside lanes). */
 void attn__ukernel_init_avx2(attn__ukernel *ctx) {
     ctx->name = "avx2";
+    ctx->load_rows_f = load_rows_f;
     ctx->pv_rows = ROWS;
     ctx->col_step = 8;
     ctx->qkt_f = qkt_f;

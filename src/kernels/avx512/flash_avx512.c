@@ -489,6 +489,34 @@ static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64
     }
 }
 
+/* ---- operand loads (ukernel.h): 16-bit rows widened 16 at a time ---- */
+
+/* float16 (vcvtph2ps) or bfloat16 (the bits shifted into a float32's top
+ * half): both exact. A row's last 1-15 elements, rows with a column stride
+ * and other dtypes take the portable loads (16-bit masked loads would need
+ * AVX-512BW, which this file does not assume). */
+static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t cs, int64_t nrows,
+                        int64_t width, float *dst, int64_t ld) {
+    const bool f16 = dtype == ATTN_DTYPE_F16;
+    if (cs != 1 || !(f16 || dtype == ATTN_DTYPE_BF16)) {
+        attn__load_rows_generic_f(src, dtype, rs, cs, nrows, width, dst, ld);
+        return;
+    }
+    const int64_t body = width / 16 * 16;
+    for (int64_t i = 0; i < nrows; i++) {
+        const uint16_t *s = (const uint16_t *)src + i * rs;
+        float *d = dst + i * ld;
+        for (int64_t j = 0; j < body; j += 16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(s + j));
+            const __m512 x = f16 ? _mm512_cvtph_ps(h)
+                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            _mm512_storeu_ps(d + j, x);
+        }
+        if (body < width)
+            attn__load_rows_generic_f(s + body, dtype, rs, 1, 1, width - body, d + body, ld);
+    }
+}
+
 /* The float32 slots; float64 keeps the portable kernels. The blocking is
  * the one these kernels were measured with: 48 lanes are the qkt tile's
  * three 16-query vectors; 128 keys per block at widths up to 64 and 64 up
@@ -509,6 +537,7 @@ void attn__ukernel_init_avx512(attn__ukernel *ctx) {
     ctx->direct_rows = 16;
     ctx->pv_rows = ROWS;
     ctx->col_step = 16;
+    ctx->load_rows_f = load_rows_f;
     ctx->pack_qt_f = pack_qt_f;
     ctx->qkt_f = qkt_f;
     ctx->softmax_t_f = softmax_t_f;

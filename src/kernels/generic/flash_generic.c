@@ -118,9 +118,9 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
 #define FROM_BF16(at) attn__bf16_to_float(((const uint16_t *)src)[at])
 #define FROM_I32(at) ((const int32_t *)src)[at]
 #define DEFINE_LOAD(REAL, SFX)                                                                  \
-    static void generic_load_rows_##SFX(const void *src, attn_dtype dtype, int64_t rs,          \
-                                        int64_t cs, int64_t nrows, int64_t width, REAL *dst,    \
-                                        int64_t ld) {                                           \
+    void attn__load_rows_generic_##SFX(const void *src, attn_dtype dtype, int64_t rs,           \
+                                       int64_t cs, int64_t nrows, int64_t width, REAL *dst,     \
+                                       int64_t ld) {                                            \
         switch (dtype) {                                                                        \
         case ATTN_DTYPE_F32: { COPY_ROWS(FROM_F32); return; }                                   \
         case ATTN_DTYPE_F64: { COPY_ROWS(FROM_F64); return; }                                   \
@@ -149,8 +149,8 @@ void attn__ukernel_init_generic(attn__ukernel *ctx) {
         .direct_rows = 16,
         .pv_rows = 4,
         .col_step = 1,
-        .load_rows_f = generic_load_rows_f,
-        .load_rows_d = generic_load_rows_d,
+        .load_rows_f = attn__load_rows_generic_f,
+        .load_rows_d = attn__load_rows_generic_d,
         .pack_qt_f = NULL,
         .qkt_f = generic_qkt_f,
         .softmax_t_f = generic_softmax_t_f,
