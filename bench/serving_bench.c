@@ -11,7 +11,9 @@
  *       flash_attn_with_kvcache. Variants: "paged<bs>" (a paged cache of
  *       block size bs whose blocks are scattered, as a serving engine's
  *       pool is after a while: the block ids are a seeded permutation),
- *       "contiguous" (the (B, S_max, Hkv, E) cache), and for reference
+ *       "contiguous" (the (B, S_max, Hkv, E) cache), "contiguous_bf16" (the
+ *       same cache in bfloat16, half the bytes: a low-precision KV cache
+ *       under float32 queries, issue 13), and for reference
  *       "sdpa": attn_sdpa per sequence on head-major (1, Hkv, lens[b] + 1, E)
  *       copies that already hold the new row (the kernel without the
  *       cache's layout and the append), and "sdpa_tm": the same calls on
@@ -85,11 +87,12 @@ struct serving_case {
     int64_t B, Hq, Hkv, E, lens[MAX_SEQS];
     int64_t block_sizes[MAX_VARIANTS], nbs;
     float *q, *knew, *vnew, *out_paged[MAX_VARIANTS], *out_contig, *out_sdpa;
-    float *kc_paged[MAX_VARIANTS], *vc_paged[MAX_VARIANTS], *kc, *vc;
+    float *kc_paged[MAX_VARIANTS], *vc_paged[MAX_VARIANTS], *kc, *vc, *out_bf16;
+    uint16_t *kc16, *vc16; /* the contiguous cache in bfloat16 */
     float *k_hm[MAX_SEQS], *v_hm[MAX_SEQS];
     int32_t *seqlens, *tables[MAX_VARIANTS];
     attn_tensor tq, tknew, tvnew, tseqlens, ttable[MAX_VARIANTS];
-    attn_tensor tkc_paged[MAX_VARIANTS], tvc_paged[MAX_VARIANTS], tkc, tvc;
+    attn_tensor tkc_paged[MAX_VARIANTS], tvc_paged[MAX_VARIANTS], tkc, tvc, tkc16, tvc16;
     float *out_sdpa_tm;
     /* per-sequence views for attn_sdpa: [0] head-major copies, [1] the
      * contiguous cache's own (token-major) rows */
@@ -206,6 +209,21 @@ static attn_status run_paged(serving_case *c, variant *v) {
 static attn_status run_contiguous(serving_case *c, variant *v) {
     return attn_sdpa_kvcache(&c->tq, &c->tkc, &c->tvc, &c->tknew, &c->tvnew, &c->tseqlens, NULL,
                              &c->p, &v->out, NULL);
+}
+
+static attn_status run_contiguous_bf16(serving_case *c, variant *v) {
+    return attn_sdpa_kvcache(&c->tq, &c->tkc16, &c->tvc16, &c->tknew, &c->tvnew, &c->tseqlens,
+                             NULL, &c->p, &v->out, NULL);
+}
+
+/* float32 values to bfloat16 bits, rounded to nearest even (finite values). */
+static void to_bf16(const float *x, uint16_t *h, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], sizeof u);
+        h[i] = (uint16_t)((u + 0x7fffu + (u >> 16 & 1u)) >> 16);
+    }
 }
 
 static attn_status run_sdpa_per_seq(serving_case *c, variant *v) {
@@ -327,6 +345,18 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
     attn_tensor out;
     attn_tensor_init(&out, c->out_contig, ATTN_DTYPE_F32, 4, os);
     add_variant(c, "contiguous", run_contiguous, c->nv, &out);
+
+    /* the same cache in bfloat16 */
+    c->kc16 = alloc_kv(sizeof(uint16_t) * (size_t)(B * smax * row));
+    c->vc16 = alloc_kv(sizeof(uint16_t) * (size_t)(B * smax * row));
+    c->out_bf16 = alloc(sizeof(float) * (size_t)(B * Hq * E));
+    if (!c->kc16 || !c->vc16 || !c->out_bf16) return 1;
+    to_bf16(c->kc, c->kc16, B * smax * row);
+    to_bf16(c->vc, c->vc16, B * smax * row);
+    attn_tensor_init(&c->tkc16, c->kc16, ATTN_DTYPE_BF16, 4, cs);
+    attn_tensor_init(&c->tvc16, c->vc16, ATTN_DTYPE_BF16, 4, cs);
+    attn_tensor_init(&out, c->out_bf16, ATTN_DTYPE_F32, 4, os);
+    add_variant(c, "contiguous_bf16", run_contiguous_bf16, c->nv, &out);
 
     /* attn_sdpa per sequence on head-major keys holding the new row */
     c->out_sdpa = alloc(sizeof(float) * (size_t)(B * Hq * E));

@@ -111,6 +111,16 @@ typedef struct attn__ukernel {
                       int rows, int64_t nk, float *s, int64_t lds, bool streamed);
     void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float *m,
                       float *l, float *alpha);
+    /* Optional (NULL: the driver widens 16-bit rows through load_rows):
+     * qk_rows_f and pv_f over K or V rows of a 16-bit dtype (kdt, vdt:
+     * ATTN_DTYPE_F16 or ATTN_DTYPE_BF16) widened in registers, the same
+     * bits as over widened rows; a decode from a 16-bit cache then reads
+     * half the bytes and writes no widened copy. */
+    void (*qk_rows_h)(const float *q, int64_t ldq, const uint16_t *k, int64_t ldk, attn_dtype kdt,
+                      int64_t E, int rows, int64_t nk, float *s, int64_t lds, bool streamed);
+    void (*pv_h)(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
+                 attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
+                 const float *alpha);
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
     /* st[j][r] <- P = 2^((st[j][r]·c - off[r]) - off_lo[r]) (off + off_lo: the row's

@@ -628,21 +628,61 @@ static bool exact_scores(const attn__problem *p, const flash_work *w, const attn
 
 /* Scores in the keys-in-columns layout: float64 sums when exact, and in
  * float64; float32 sums where the context has them (streamed: K read in
- * place, not from a buffer). */
+ * place, not from a buffer). K's rows hold the compute type, or (half_kv)
+ * 16-bit values of dtype kdt. */
 static void qk_cols_f(const attn__ukernel *kern, bool exact, bool streamed, const float *q,
-                      int64_t ldq, const float *k, int64_t ldk, int64_t E, int rows, int64_t nk,
-                      float *s, int64_t lds) {
-    if (!exact && kern->qk_rows_f != NULL)
+                      int64_t ldq, const void *k, attn_dtype kdt, int64_t ldk, int64_t E, int rows,
+                      int64_t nk, float *s, int64_t lds) {
+    if (kdt != ATTN_DTYPE_F32)
+        kern->qk_rows_h(q, ldq, k, ldk, kdt, E, rows, nk, s, lds, streamed);
+    else if (!exact && kern->qk_rows_f != NULL)
         kern->qk_rows_f(q, ldq, k, ldk, E, rows, nk, s, lds, streamed);
     else
         kern->qk_direct_f(q, ldq, k, ldk, E, rows, nk, s, lds);
 }
 static void qk_cols_d(const attn__ukernel *kern, bool exact, bool streamed, const double *q,
-                      int64_t ldq, const double *k, int64_t ldk, int64_t E, int rows, int64_t nk,
-                      double *s, int64_t lds) {
+                      int64_t ldq, const void *k, attn_dtype kdt, int64_t ldk, int64_t E, int rows,
+                      int64_t nk, double *s, int64_t lds) {
     (void)exact;
     (void)streamed;
+    (void)kdt; /* always float64: half_kv_d is false */
     kern->qk_direct_d(q, ldq, k, ldk, E, rows, nk, s, lds);
+}
+
+/* O = alpha·O + P·V in the keys-in-columns layout, V rows of the compute
+ * type or (half_kv) 16-bit values of dtype vdt. */
+static void pv_cols_f(const attn__ukernel *kern, const float *p, int64_t p_rs, const void *v,
+                      attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev, float *o,
+                      const float *alpha) {
+    if (vdt != ATTN_DTYPE_F32)
+        kern->pv_h(p, p_rs, 1, v, ldv, vdt, rows, nk, Ev, o, Ev, alpha);
+    else
+        kern->pv_f(p, p_rs, 1, v, ldv, rows, nk, Ev, o, Ev, alpha);
+}
+static void pv_cols_d(const attn__ukernel *kern, const double *p, int64_t p_rs, const void *v,
+                      attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev, double *o,
+                      const double *alpha) {
+    (void)vdt;
+    kern->pv_d(p, p_rs, 1, v, ldv, rows, nk, Ev, o, Ev, alpha);
+}
+
+/* Decoding from 16-bit K and V (a float16/bfloat16 KV cache): the
+ * keys-in-columns kernels read them as they are (ukernel.h: qk_rows_h,
+ * pv_h) where the context has them; both share the dtype and unit column
+ * strides, and a gang's heads lie side by side in each row. Float32 calls
+ * only (float64 ones widen). */
+static bool half_kv_f(const attn__problem *p, const flash_work *w, const attn__ukernel *kern) {
+    const attn__operand *k = &p->k, *v = &p->v;
+    const bool side_by_side = w->gang == 1 || (k->bstride[p->nb - 1] == p->E &&
+                                               v->bstride[p->nb - 1] == p->Ev);
+    return w->direct && kern->qk_rows_h != NULL && kern->pv_h != NULL && attn__is_half(k->dtype) &&
+           v->dtype == k->dtype && k->cs == 1 && v->cs == 1 && side_by_side;
+}
+static bool half_kv_d(const attn__problem *p, const flash_work *w, const attn__ukernel *kern) {
+    (void)p;
+    (void)w;
+    (void)kern;
+    return false;
 }
 
 /* Instantiate the driver for float and for double. */

@@ -273,6 +273,32 @@ static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk
     }
 }
 
+/* ---- K and V elements: float32, or 16-bit widened in registers ---- */
+
+/* HK: what K or V rows hold. 16-bit rows (a decode from a float16/bfloat16
+ * cache) are widened exactly as load_rows_f would, so the scores and sums
+ * are the same bits as over widened rows, without writing them anywhere. */
+enum { HK_F32, HK_F16, HK_BF16 };
+
+/* Elements at .. at+15 of `base` (lanes past `mk` zero). 16-bit masked
+ * loads need AVX-512BW, which this file does not assume: a partial vector
+ * (a head width not a multiple of 16) is widened one element at a time. */
+ALWAYS_INLINE __m512 load16(const void *base, int64_t at, __mmask16 mk, const int HK) {
+    if (HK == HK_F32) return _mm512_maskz_loadu_ps(mk, (const float *)base + at);
+    const uint16_t *h = (const uint16_t *)base + at;
+    if (mk == 0xffff) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)h);
+        return HK == HK_F16 ? _mm512_cvtph_ps(x)
+                            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+    }
+    uint16_t part[16] = {0};
+    for (int i = 0; i < 16; i++)
+        if (mk >> i & 1) part[i] = h[i];
+    const __m256i x = _mm256_loadu_si256((const __m256i *)part);
+    return HK == HK_F16 ? _mm512_cvtph_ps(x)
+                        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
 /* The four lane sums of a, b, c, d, in that order. */
 ALWAYS_INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -291,8 +317,9 @@ ALWAYS_INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
  * back, the order the prefetchers follow. Each order costs the other's case
  * 10-25% (measured on Zen 4, docs/design.md). Tail features through a lane
  * mask. */
-ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int64_t ldk,
-                                int64_t E, const int R, float *s, int64_t lds, const bool SEQ) {
+ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int64_t ldk,
+                                int64_t E, const int R, float *s, int64_t lds, const bool SEQ,
+                                const int HK) {
     __m512 acc[ROWS][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
@@ -300,7 +327,7 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int
         for (int c = 0; c < 4; c++)
             for (int64_t e = 0; e < E; e += 16) {
                 const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
-                const __m512 kv = _mm512_maskz_loadu_ps(mk, k + c * ldk + e);
+                const __m512 kv = load16(k, c * ldk + e, mk, HK);
                 for (int r = 0; r < R; r++)
                     acc[r][c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + r * ldq + e), kv,
                                                 acc[r][c]);
@@ -309,7 +336,7 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int
         for (int64_t e = 0; e < E; e += 16) {
             const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
             __m512 kv[4];
-            for (int c = 0; c < 4; c++) kv[c] = _mm512_maskz_loadu_ps(mk, k + c * ldk + e);
+            for (int c = 0; c < 4; c++) kv[c] = load16(k, c * ldk + e, mk, HK);
             for (int r = 0; r < R; r++) {
                 const __m512 qv = _mm512_maskz_loadu_ps(mk, q + r * ldq + e);
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv[c], acc[r][c]);
@@ -319,12 +346,12 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int
         _mm_storeu_ps(s + r * lds, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
-/* One score, float32 sums: the tail keys of qk_rows_f. */
-static float dot_ps(const float *q, const float *k, int64_t E) {
+/* One score, float32 sums: the tail keys of qk_rows. */
+ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E, const int HK) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t e = 0; e < E; e += 16) {
         const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + e), _mm512_maskz_loadu_ps(mk, k + e), acc);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + e), load16(k, at + e, mk, HK), acc);
     }
     return _mm512_reduce_add_ps(acc);
 }
@@ -332,18 +359,20 @@ static float dot_ps(const float *q, const float *k, int64_t E) {
 #define QK_ROWS_CASE(R)                                                             \
     case R:                                                                         \
         if (streamed)                                                               \
-            qk_rows_tile(q, ldq, kj, ldk, E, R, s + j, lds, true);                  \
+            qk_rows_tile(q, ldq, k, ldk, E, R, s + j, lds, true, HK);               \
         else                                                                        \
-            qk_rows_tile(q, ldq, kj, ldk, E, R, s + j, lds, false);                 \
+            qk_rows_tile(q, ldq, k, ldk, E, R, s + j, lds, false, HK);              \
         break;
 
 /* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): keys four at a time,
  * then the last 1-3 one by one. */
-static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
+ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k_all, int64_t ldk,
+                           int64_t E, int rows, int64_t nk, float *s, int64_t lds, bool streamed,
+                           const int HK) {
+    const size_t es = HK == HK_F32 ? 4 : 2;
     int64_t j = 0;
     for (; j + 4 <= nk; j += 4) {
-        const float *kj = k + j * ldk;
+        const void *k = (const char *)k_all + (size_t)(j * ldk) * es;
         switch (rows) {
             QK_ROWS_CASE(6)
             QK_ROWS_CASE(5)
@@ -355,7 +384,22 @@ static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, 
         }
     }
     for (; j < nk; j++)
-        for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k + j * ldk, E);
+        for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k_all, j * ldk, E, HK);
+}
+
+static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
+                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
+    qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F32);
+}
+
+/* qk_rows_f over 16-bit K rows (ukernel.h: qk_rows_h). */
+static void qk_rows_h(const float *q, int64_t ldq, const uint16_t *k, int64_t ldk,
+                      attn_dtype kdt, int64_t E, int rows, int64_t nk, float *s, int64_t lds,
+                      bool streamed) {
+    if (kdt == ATTN_DTYPE_F16)
+        qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F16);
+    else
+        qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_BF16);
 }
 
 /* ---- online softmax, one row per query (keys-in-columns layout) ---- */
@@ -395,9 +439,9 @@ ALWAYS_INLINE __m512 load_part(const float *x, __mmask16 mk, bool partial) {
     return partial ? _mm512_maskz_loadu_ps(mk, x) : _mm512_loadu_ps(x);
 }
 
-ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
+ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
                            int64_t nk, float *o, int64_t ldo, const float *alpha, const int R,
-                           const int NV, __mmask16 last, const bool TAIL) {
+                           const int NV, __mmask16 last, const bool TAIL, const int HK) {
     __m512 acc[ROWS][VECS], vv[VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
@@ -409,7 +453,9 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
     for (int64_t j = 0; j < nk; j++) {
 #pragma GCC unroll 4
         for (int vi = 0; vi < NV; vi++)
-            vv[vi] = load_part(v + j * ldv + 16 * vi, last, TAIL && vi == NV - 1);
+            vv[vi] = HK == HK_F32
+                         ? load_part((const float *)v + j * ldv + 16 * vi, last, TAIL && vi == NV - 1)
+                         : load16(v, j * ldv + 16 * vi, TAIL && vi == NV - 1 ? last : 0xffff, HK);
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
             const __m512 pb = _mm512_set1_ps(p[r * p_rs + j * p_cs]);
@@ -429,8 +475,8 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
 }
 
 #define PV_CALL(R, NV) \
-    (tail ? pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, NV, last, true) \
-          : pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, NV, last, false))
+    (tail ? pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, true, HK) \
+          : pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, false, HK))
 #define PV_CASE(R)                                    \
     case R:                                           \
         switch (nv) {                                 \
@@ -443,10 +489,12 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
 
 /* Feature chunks outside, row tiles inside: one chunk of the V block
  * (keys x 64 features) stays in L1 while every row tile reads it. */
-static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
-                 int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
-                 const float *alpha_all) {
+ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
+                      int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
+                      const float *alpha_all, const int HK) {
+    const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 16 * VECS) {
+        const void *ve = (const char *)v + (size_t)e * es;
         const int64_t left = Ev - e;
         const int nv = (int)(left >= 16 * VECS ? VECS : (left + 15) / 16);
         const int64_t in_last = left - 16 * (nv - 1);
@@ -467,6 +515,21 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
             }
         }
     }
+}
+
+static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
+                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha) {
+    pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_F32);
+}
+
+/* pv_f over 16-bit V rows (ukernel.h: pv_h). */
+static void pv_h(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
+                 attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
+                 const float *alpha) {
+    if (vdt == ATTN_DTYPE_F16)
+        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_F16);
+    else
+        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_BF16);
 }
 
 /* ---- the backward's elementwise step (ukernel.h) ---- */
@@ -543,6 +606,8 @@ void attn__ukernel_init_avx512(attn__ukernel *ctx) {
     ctx->softmax_t_f = softmax_t_f;
     ctx->qk_direct_f = qk_direct_f;
     ctx->qk_rows_f = qk_rows_f;
+    ctx->qk_rows_h = qk_rows_h;
+    ctx->pv_h = pv_h;
     ctx->softmax_f = softmax_f;
     ctx->pv_f = pv_f;
     ctx->softmax_bwd_t_f = softmax_bwd_t_f;
