@@ -177,25 +177,54 @@ ALWAYS_INLINE __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
 }
 
+/* ---- K and V elements: float32, or 16-bit widened in registers ---- */
+
+/* HK: what K or V rows hold; 16-bit rows (a decode from a float16/bfloat16
+ * cache) are widened exactly as load_rows_f would (same bits after). */
+enum { HK_F32, HK_F16, HK_BF16 };
+
+/* Elements at .. at+7 of `base`. */
+ALWAYS_INLINE __m256 load8(const void *base, int64_t at, const int HK) {
+    if (HK == HK_F32) return _mm256_loadu_ps((const float *)base + at);
+    const __m128i x = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return HK == HK_F16 ? _mm256_cvtph_ps(x)
+                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+/* The first n < 8 elements at `at` (the rest zero): a partial vector. */
+ALWAYS_INLINE __m256 load_part8(const void *base, int64_t at, int n, const int HK) {
+    if (HK == HK_F32) return _mm256_maskload_ps((const float *)base + at, lane_mask(n));
+    uint16_t part[8] = {0};
+    for (int i = 0; i < n; i++) part[i] = ((const uint16_t *)base)[at + i];
+    return load8(part, 0, HK);
+}
+
+/* Element `at` as a float. */
+ALWAYS_INLINE float element(const void *base, int64_t at, const int HK) {
+    return _mm256_cvtss_f32(HK == HK_F32 ? _mm256_set1_ps(((const float *)base)[at])
+                                         : load_part8(base, at, 1, HK));
+}
+
 /* Scores of `R` rows (at most 3: 4R accumulators and the K vectors in 16
  * registers) against keys j .. j+3, float32 sums; E a multiple of 8. The
  * two key orders of the AVX-512 kernel (SEQ: K streamed from memory). */
-ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int64_t ldk,
-                                int64_t E, const int R, float *s, int64_t lds, const bool SEQ) {
+ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int64_t ldk,
+                                int64_t E, const int R, float *s, int64_t lds, const bool SEQ,
+                                const int HK) {
     __m256 acc[3][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
     if (SEQ)
         for (int c = 0; c < 4; c++)
             for (int64_t e = 0; e < E; e += 8) {
-                const __m256 kv = _mm256_loadu_ps(k + c * ldk + e);
+                const __m256 kv = load8(k, c * ldk + e, HK);
                 for (int r = 0; r < R; r++)
                     acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
             }
     else
         for (int64_t e = 0; e < E; e += 8) {
             __m256 kv[4];
-            for (int c = 0; c < 4; c++) kv[c] = _mm256_loadu_ps(k + c * ldk + e);
+            for (int c = 0; c < 4; c++) kv[c] = load8(k, c * ldk + e, HK);
             for (int r = 0; r < R; r++) {
                 const __m256 qv = _mm256_loadu_ps(q + r * ldq + e);
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
@@ -206,38 +235,55 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const float *k, int
 }
 
 /* One score, float32 sums: tail keys and widths that are not a multiple of 8. */
-static float dot_ps(const float *q, const float *k, int64_t E) {
+ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E, const int HK) {
     __m256 acc = _mm256_setzero_ps();
     int64_t e = 0;
-    for (; e + 8 <= E; e += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), _mm256_loadu_ps(k + e), acc);
+    for (; e + 8 <= E; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8(k, at + e, HK), acc);
     float x = hsum(acc);
-    for (; e < E; e++) x += q[e] * k[e];
+    for (; e < E; e++) x += q[e] * element(k, at + e, HK);
     return x;
 }
 
 /* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): three rows by four keys
  * at a time. */
-static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
+ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t ldk, int64_t E,
+                           int rows, int64_t nk, float *s, int64_t lds, bool streamed,
+                           const int HK) {
+    const size_t es = HK == HK_F32 ? 4 : 2;
     int64_t j = 0;
     if (E % 8 == 0)
         for (; j + 4 <= nk; j += 4)
             for (int r = 0; r < rows; r += 3) {
-                const float *qr = q + r * ldq, *kj = k + j * ldk;
+                const float *qr = q + r * ldq;
+                const void *kj = (const char *)k + (size_t)(j * ldk) * es;
                 float *sr = s + r * lds + j;
                 const int R = rows - r < 3 ? rows - r : 3;
                 if (streamed)
-                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true)
-                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true)
-                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true);
+                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK)
+                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK)
+                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true, HK);
                 else
-                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, false)
-                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, false)
-                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, false);
+                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, false, HK)
+                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, false, HK)
+                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, false, HK);
             }
     for (; j < nk; j++)
-        for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k + j * ldk, E);
+        for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k, j * ldk, E, HK);
+}
+
+static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
+                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
+    qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F32);
+}
+
+/* qk_rows_f over 16-bit K rows (ukernel.h: qk_rows_h). */
+static void qk_rows_h(const float *q, int64_t ldq, const uint16_t *k, int64_t ldk,
+                      attn_dtype kdt, int64_t E, int rows, int64_t nk, float *s, int64_t lds,
+                      bool streamed) {
+    if (kdt == ATTN_DTYPE_F16)
+        qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F16);
+    else
+        qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_BF16);
 }
 
 /* ---- online softmax, one row per query (keys-in-columns layout) ---- */
@@ -294,9 +340,9 @@ ALWAYS_INLINE void store_vec(float *x, __m256 v, int vi, int NV, bool TAIL, __m2
         _mm256_storeu_ps(x, v);
 }
 
-ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int64_t nk,
+ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv, int64_t nk,
                            float *o, int64_t ldo, const float *alpha, const int R, const int NV,
-                           const bool TAIL, __m256i last) {
+                           const bool TAIL, __m256i last, int in_last, const int HK) {
     __m256 acc[ROWS][VECS], vv[VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
@@ -307,7 +353,10 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
     }
     for (int64_t j = 0; j < nk; j++) {
 #pragma GCC unroll 2
-        for (int vi = 0; vi < NV; vi++) vv[vi] = load_vec(v + j * ldv + 8 * vi, vi, NV, TAIL, last);
+        for (int vi = 0; vi < NV; vi++)
+            vv[vi] = HK == HK_F32 ? load_vec((const float *)v + j * ldv + 8 * vi, vi, NV, TAIL, last)
+                     : TAIL && vi == NV - 1 ? load_part8(v, j * ldv + 8 * vi, in_last, HK)
+                                            : load8(v, j * ldv + 8 * vi, HK);
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
             const __m256 pb = _mm256_broadcast_ss(p + r * p_rs + j * p_cs);
@@ -321,26 +370,29 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const flo
         for (int vi = 0; vi < NV; vi++) store_vec(o + r * ldo + 8 * vi, acc[r][vi], vi, NV, TAIL, last);
 }
 
-#define PV_CASE(R)                                                                        \
-    case R:                                                                               \
-        if (nv == 2 && full)                                                              \
-            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 2, false, last); \
-        else if (nv == 2)                                                                 \
-            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 2, true, last);  \
-        else                                                                              \
-            pv_tile(p, p_rs, p_cs, v + e, ldv, nk, o + e, ldo, alpha, R, 1, !full, last); \
+#define PV_CASE(R)                                                                          \
+    case R:                                                                                 \
+        if (nv == 2 && full)                                                                \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, false, last, n, HK); \
+        else if (nv == 2)                                                                   \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, true, last, n, HK);  \
+        else                                                                                \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 1, !full, last, n, HK); \
         break;
 
 /* Feature chunks outside, row tiles inside, so a V chunk stays in L1. */
-static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
-                 int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
-                 const float *alpha_all) {
+ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
+                      int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
+                      const float *alpha_all, const int HK) {
+    const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 8 * VECS) {
+        const void *ve = (const char *)v + (size_t)e * es;
         const int64_t left = Ev - e;
         const int nv = left > 8 ? 2 : 1;
         const int64_t in_last = left - 8 * (nv - 1);
         const __m256i last = lane_mask(in_last >= 8 ? 8 : in_last);
         const bool full = in_last >= 8; /* no partial vector in this chunk */
+        const int n = (int)(in_last >= 8 ? 8 : in_last);
         for (int rr = 0; rr < rows_all; rr += ROWS) {
             const int rows = rows_all - rr < ROWS ? rows_all - rr : ROWS;
             const float *p = p_all + rr * p_rs, *alpha = alpha_all + rr;
@@ -356,6 +408,21 @@ static void pv_f(const float *p_all, int64_t p_rs, int64_t p_cs, const float *v,
             }
         }
     }
+}
+
+static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
+                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha) {
+    pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_F32);
+}
+
+/* pv_f over 16-bit V rows (ukernel.h: pv_h). */
+static void pv_h(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
+                 attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
+                 const float *alpha) {
+    if (vdt == ATTN_DTYPE_F16)
+        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_F16);
+    else
+        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_BF16);
 }
 
 /* ---- the backward's elementwise step (ukernel.h) ---- */
@@ -422,6 +489,8 @@ void attn__ukernel_init_avx2(attn__ukernel *ctx) {
     ctx->softmax_t_f = softmax_t_f;
     ctx->qk_direct_f = qk_direct_f;
     ctx->qk_rows_f = qk_rows_f;
+    ctx->qk_rows_h = qk_rows_h;
+    ctx->pv_h = pv_h;
     ctx->softmax_f = softmax_f;
     ctx->pv_f = pv_f;
     ctx->softmax_bwd_t_f = softmax_bwd_t_f;
