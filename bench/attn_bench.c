@@ -3,7 +3,11 @@
  * that need no Python. bench/run.py calls it for the probes, in the same run
  * as the attn-vs-PyTorch comparison. Every command prints one JSON object.
  *
- *   attn_bench peak [--threads N]       measured FMA peak, GFLOP/s
+ *   attn_bench peak [--threads N] [--bf16]
+ *                                        measured FMA peak, GFLOP/s; --bf16:
+ *                                        the AVX512-BF16 dot-product peak
+ *                                        ("isa": "none" where the CPU or the
+ *                                        compiler lacks it)
  *   attn_bench bandwidth [--threads N] [--mib M]
  *                                        streaming read bandwidth, GB/s
  *   attn_bench memory [--len L] [--dim E]
@@ -41,11 +45,15 @@
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, getrusage */
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -70,8 +78,39 @@
 
 /* ---- peak: all threads run FMA chains at once; best of several rounds ---- */
 
+/* Whether this CPU and OS run AVX512-BF16 (CPUID leaf 7 subleaf 1, EAX bit
+ * 5; the library's AVX-512 check covers the OS's register state). */
+static bool cpu_has_bf16(void) {
+#if defined(ATTN_BENCH_AVX512BF16) && (defined(__x86_64__) || defined(__i386__))
+    unsigned a, b, c, d;
+    if (!attn_isa_supported(ATTN_ISA_AVX512) || __get_cpuid_max(0, NULL) < 7) return false;
+    __cpuid_count(7, 1, a, b, c, d);
+    return (a >> 5) & 1;
+#else
+    return false;
+#endif
+}
+
+static int cmd_peak_bf16(int threads) {
+    double best = 0;
+#ifdef ATTN_BENCH_AVX512BF16
+    for (int round = 0; round < 7 && cpu_has_bf16(); round++) {
+        double flops = 0;
+        const double t0 = bench_now();
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+        flops += peak_dp_bf16(4000000);
+        const double g = flops / (bench_now() - t0) / 1e9;
+        if (g > best) best = g;
+    }
+#endif
+    printf("{\"isa\": \"%s\", \"threads\": %d, \"gflops\": %.2f}\n",
+           cpu_has_bf16() ? "avx512_bf16" : "none", threads, best);
+    return 0;
+}
+
 static int cmd_peak(int argc, char **argv) {
     const int threads = (int)bench_opt_long(argc, argv, "--threads", attn_get_num_threads());
+    if (bench_has_flag(argc, argv, "--bf16")) return cmd_peak_bf16(threads);
     const char *isa = attn_isa_supported(ATTN_ISA_AVX512) ? "avx512"
                       : attn_isa_supported(ATTN_ISA_AVX2) ? "avx2"
                                                           : "scalar";

@@ -74,6 +74,7 @@ DECODE = [(1, 32, 1, 4096, 128, 8), (1, 32, 1, 32768, 128, 8)]
 MHA = [("seed 000", 128, 32, 200, 5), ("BERT-base", 8, 512, 768, 12)]
 SWEEP = [256, 512, 1024, 2048, 4096]  # (1, 16, L, L, 64) for the plot
 SHORT = dict(L=[16, 32, 64, 128, 256, 512], E=[32, 64, 128], H=[1, 8, 32])  # (1, H, L, L, E)
+HALF = [(1, 16, 2048, 2048, 64), (1, 16, 2048, 2048, 128)]  # bfloat16 prefill (issue 13)
 
 # The speed issue's targets, checked and reported (never used to skip
 # anything): prefill at 85% of the FMA peak on AVX-512 and 80% on AVX2
@@ -87,6 +88,9 @@ TARGET_DECODE_RATIO, TARGET_BW_PCT = 1.2, 70.0
 TARGET_MHA_RATIO, TARGET_BERT_PEAK_PCT = 1.5, 70.0
 TARGET_SHORT_RATIO = 1.0
 TARGET_BWD_RATIO, TARGET_BWD_PEAK_PCT = 1.3, 60.0  # forward+backward vs PyTorch; backward alone
+# Issue 13: bfloat16 prefill >= 1.7x attn's own float32 where the CPU has
+# AVX512-BF16, and >= 1.5x PyTorch's bfloat16.
+TARGET_HALF_VS_F32, TARGET_HALF_VS_TORCH = 1.7, 1.5
 
 
 def log(msg):
@@ -215,6 +219,56 @@ def bench_sdpa(args, B, H, L, S, E, causal=False, kv_heads=None, reps=None):
                 checksum=float(np.asarray(out_a, dtype=np.float64).sum()),
                 mem_attn=peak_memory(args, "attn", "sdpa", (B, H, L, S, E, causal, kv_heads)),
                 mem_torch=peak_memory(args, "torch", "sdpa", (B, H, L, S, E, causal, kv_heads)))
+
+
+def bench_half(args, B, H, L, S, E, causal, dtype=torch.bfloat16):
+    """bfloat16 prefill (issue 13): attn on torch bfloat16 tensors against
+    PyTorch's bfloat16 SDPA, then against attn's own float32 on the same
+    values (each pair alternating, as everywhere)."""
+    q, k, v = (x.to(dtype) for x in sdpa_inputs(B, H, L, S, E, H))
+    q32, k32, v32 = (x.float().numpy() for x in (q, k, v))
+
+    def run_attn():
+        return attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def run_torch():
+        with torch.inference_mode():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def run_f32():
+        return attn.scaled_dot_product_attention(q32, k32, v32, is_causal=causal)
+
+    out_a, out_t = run_attn(), run_torch()
+    run_f32()
+    reps = max(3, args.reps // 3)
+    vs_torch = alternate(run_attn, run_torch, reps)
+    vs_f32 = alternate(run_attn, run_f32, reps)
+    flops = 4.0 * B * H * L * S * E * (0.5 if causal else 1.0)
+    return dict(vs_torch, ms_f32=vs_f32["ms_torch"], spread_f32=vs_f32["spread_torch"],
+                ms_attn_2=vs_f32["ms_attn"], flops=flops, kv_bytes=0, dtype=str(dtype)[6:],
+                max_diff=float((out_a.double() - out_t.double()).abs().max()))
+
+
+def half_table(cases, peak_bf16):
+    """The bfloat16 rows: attn against PyTorch's bfloat16 and its own float32."""
+    half = [c for c in cases if c["group"] == "half"]
+    if not half:
+        return []
+    peak_note = (f"the AVX512-BF16 dot-product peak measured in the same run, "
+                 f"{peak_bf16:.0f} GFLOP/s" if peak_bf16 else "no AVX512-BF16 on this CPU")
+    lines = ["", f"bfloat16 prefill (issue 13): attn on torch bfloat16 tensors (float32 "
+             f"accumulation and softmax, outputs rounded once) against PyTorch's bfloat16 SDPA and "
+             f"against attn's own float32 on the same values, each pair alternating; % of "
+             f"peak: of {peak_note}.", "",
+             "| case | attn bf16 ms | attn f32 ms | PyTorch bf16 ms | vs attn f32 | "
+             "vs PyTorch bf16 | attn bf16 GFLOP/s | % of bf16 peak | max \\|diff\\| vs PyTorch |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in half:
+        pct = f"{100 * c['gflops_attn'] / peak_bf16:.0f}%" if peak_bf16 else "–"
+        lines.append(f"| {c['label']} | {c['ms_attn']:.2f} | {c['ms_f32']:.2f} | "
+                     f"{c['ms_torch']:.2f} | **{c['vs_f32']:.2f}×** | **{c['ratio']:.2f}×** | "
+                     f"{c['gflops_attn']:.1f} | {pct} | {c['max_diff']:.1e} |")
+    return lines
 
 
 def bench_short(args, H, L, E):
@@ -577,6 +631,9 @@ def main():
     for shp in prefill:
         for causal in (False, True):
             plan.append(("backward", shp + (causal, None)))
+    for shp in (HALF if not args.quick else [(1, 8, 512, 512, 64)]):
+        for causal in (False, True):
+            plan.append(("half", shp + (causal, None)))
 
     cases, backward = [], []
     for i, (group, p) in enumerate(plan):
@@ -586,7 +643,7 @@ def main():
         else:
             B, H, L, S, E, causal, kvh = p
             label = (("backward " if group == "backward" else "short " if group == "short"
-                      else "") + f"({B},{H},{L},{S},{E})" +
+                      else "bfloat16 " if group == "half" else "") + f"({B},{H},{L},{S},{E})" +
                      (" causal" if causal else "") + (f" {kvh} KV heads" if kvh else ""))
         if args.only and args.only not in label:
             continue
@@ -606,6 +663,10 @@ def main():
         elif group == "short":
             c = bench_short(args, H, L, E)
             c.update(L=L, causal=False, H=H, E=E)
+        elif group == "half":
+            c = bench_half(args, B, H, L, S, E, causal)
+            c.update(L=L, causal=causal)
+            c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
         else:
             c = bench_sdpa(args, B, H, L, S, E, causal, kvh)
             c.update(L=L, causal=causal)
@@ -647,10 +708,13 @@ def main():
             f"gradients (budget {memory_bwd['budget_mib']:.0f} MiB); backward "
             f"{memory_bwd['seconds']:.1f} s")
 
+    peak_bf16 = probe(args, "peak", "--bf16")["gflops"] if any(
+        c["group"] == "half" for c in cases) else 0.0
     peak1 = probe(args, "peak")  # again at the end: the machine may have changed
     peak = max(peak0["gflops"], peak1["gflops"])
     for c in cases:
-        c["peak_pct"] = 100 * c["gflops_attn"] / peak
+        c["peak_pct"] = 100 * c["gflops_attn"] / (peak_bf16 if c["group"] == "half" and peak_bf16
+                                                    else peak)
     for c in backward:
         backward_figures(c, peak)
 
@@ -678,6 +742,12 @@ def main():
             if "BERT" in c["label"]:
                 verdict.append((c["label"], f"≥ {TARGET_BERT_PEAK_PCT:.0f}% of FMA peak",
                                 c["peak_pct"] >= TARGET_BERT_PEAK_PCT, f"{c['peak_pct']:.0f}%"))
+    for c in (c for c in cases if c["group"] == "half"):
+        if peak_bf16:  # the float32 target is for CPUs with bf16 dot products
+            verdict.append((c["label"], f"≥ {TARGET_HALF_VS_F32}× attn float32 (AVX512-BF16)",
+                            c["vs_f32"] >= TARGET_HALF_VS_F32, f"{c['vs_f32']:.2f}×"))
+        verdict.append((c["label"], f"≥ {TARGET_HALF_VS_TORCH}× PyTorch bfloat16",
+                        c["ratio"] >= TARGET_HALF_VS_TORCH, f"{c['ratio']:.2f}×"))
     short = [c for c in cases if c["group"] == "short"]
     if short:
         slow = [c for c in short if c["ratio"] < TARGET_SHORT_RATIO]
@@ -700,7 +770,7 @@ def main():
         verdict += serving_verdict
 
     machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
-                   read_bandwidth_gbps=bw["gbps"])
+                   read_bandwidth_gbps=bw["gbps"], bf16_peak_gflops=peak_bf16)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(dict(machine=machine, cases=cases, memory=memory,
                        targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict],
@@ -719,8 +789,9 @@ def main():
              "| case | attn ms | PyTorch ms | speed-up | attn GFLOP/s | PyTorch GFLOP/s | "
              "attn % of peak | note | extra memory MiB attn / PyTorch | max \\|diff\\| |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
-    lines += [fmt_row(c, peak) for c in cases if c["group"] not in ("sweep", "short")]
+    lines += [fmt_row(c, peak) for c in cases if c["group"] not in ("sweep", "short", "half")]
     lines += short_table(cases)
+    lines += half_table(cases, peak_bf16)
     lines += backward_table(backward)
     if serving_res is not None:
         lines += serving.table(serving_res, machine)
