@@ -45,8 +45,9 @@ static int operand_shape(fz *f, int64_t *shape, const int64_t *B, int nb, int64_
 static attn_dtype pick_dtype(fz *f, attn_dtype usual) {
     if (!fz_one_in(f, 24)) return usual;
     static const attn_dtype odd[] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_BOOL,
+                                     ATTN_DTYPE_F16, ATTN_DTYPE_BF16, ATTN_DTYPE_I32,
                                      (attn_dtype)0, (attn_dtype)42, (attn_dtype)-1};
-    return odd[fz_u8(f) % 6];
+    return odd[fz_u8(f) % 9];
 }
 
 /* Rarely: change one dimension or the rank of a view before it is backed. */
@@ -106,8 +107,14 @@ static void fuzz_views(fz *f) {
 
 static void check_outputs(const problem *pr, double p, const fz_values *vals) {
     if (!vals->tame) return;
-    FZ_ASSERT(fz_all_finite(&pr->out.t, false), "finite inputs gave a non-finite output");
-    double wmax = p < 1.0 ? (1.0 / (1.0 - p)) * (1 + 1e-6) : 0.0;
+    /* |tame values| < 8, so only dropout's 1/(1-p) takes a float16 output
+     * past 65504, where rounding gives infinity */
+    if (pr->out.t.dtype != ATTN_DTYPE_F16 || p < 0.99)
+        FZ_ASSERT(fz_all_finite(&pr->out.t, false), "finite inputs gave a non-finite output");
+    /* a 16-bit weight may round up by half its ulp */
+    const attn_dtype wdt = pr->has_weights ? pr->weights.t.dtype : ATTN_DTYPE_F32;
+    const double slack = wdt == ATTN_DTYPE_BF16 ? 0x1p-8 : wdt == ATTN_DTYPE_F16 ? 0x1p-11 : 1e-6;
+    double wmax = p < 1.0 ? (1.0 / (1.0 - p)) * (1 + slack) : 0.0;
     if (pr->has_weights) {
         const attn_tensor *w = &pr->weights.t;
         int64_t idx[ATTN_MAX_RANK] = {0}, n = attn_tensor_numel(w);
@@ -201,7 +208,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     problem pr;
     memset(&pr, 0, sizeof pr);
     attn_sdpa_params_init(&pr.p);
-    const attn_dtype dt = fz_bool(&f) ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    /* q's dtype (out's, weights'), K and V's (16-bit under a float32 query
+     * sometimes: a low-precision KV cache), and lse's (the compute type) */
+    static const attn_dtype dts[4] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_F16,
+                                      ATTN_DTYPE_BF16};
+    const attn_dtype dt = dts[fz_u8(&f) % 4];
+    const attn_dtype kvdt = dt == ATTN_DTYPE_F32 && fz_one_in(&f, 4)
+                                ? (fz_bool(&f) ? ATTN_DTYPE_F16 : ATTN_DTYPE_BF16)
+                                : dt;
+    const attn_dtype lsedt = dt == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
     const int nb = (int)fz_range(&f, 0, 3);
     int64_t B[ATTN_MAX_RANK];
     for (int d = 0; d < nb; d++) B[d] = fz_dim(&f, 3, true);
@@ -220,14 +235,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int r = operand_shape(&f, shape, B, nb, 0, L, E);
     make(&f, &pr.q, pick_dtype(&f, dt), r, shape, false, &vals);
     r = operand_shape(&f, shape, B, nb, Hkv, S, E);
-    make(&f, &pr.k, pick_dtype(&f, dt), r, shape, false, &vals);
+    make(&f, &pr.k, pick_dtype(&f, kvdt), r, shape, false, &vals);
     r = operand_shape(&f, shape, B, nb, Hkv, S, Ev);
-    make(&f, &pr.v, pick_dtype(&f, dt), r, shape, false, &vals);
+    make(&f, &pr.v, pick_dtype(&f, kvdt), r, shape, false, &vals);
 
     /* Mask: bool or float, broadcast against (B..., L, S). */
     uint8_t mk = fz_u8(&f) % 4;
     if (mk != 0) {
-        attn_dtype mdt = mk == 1 ? ATTN_DTYPE_BOOL : mk == 2 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64;
+        attn_dtype mdt = mk == 1 ? ATTN_DTYPE_BOOL : mk == 2 ? dt : ATTN_DTYPE_F64;
         int mr = (int)fz_range(&f, 1, nb + 2);
         int64_t full[ATTN_MAX_RANK + 2];
         for (int d = 0; d < nb; d++) full[d] = B[d];
@@ -269,7 +284,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (pr.has_lse) {
         for (int d = 0; d < nb; d++) shape[d] = B[d];
         shape[ob] = L;
-        make(&f, &pr.lse, pick_dtype(&f, dt), ob + 1, shape, true, &vals);
+        make(&f, &pr.lse, pick_dtype(&f, lsedt), ob + 1, shape, true, &vals);
     }
 
     /* Dropped pointers. */

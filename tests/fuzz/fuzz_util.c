@@ -169,6 +169,10 @@ void fz_sprinkle_neg_inf(fz *f, fz_tensor *m) {
             ((float *)m->alloc)[i] = -INFINITY;
         else if (m->t.dtype == ATTN_DTYPE_F64)
             ((double *)m->alloc)[i] = -INFINITY;
+        else if (m->t.dtype == ATTN_DTYPE_F16)
+            ((uint16_t *)m->alloc)[i] = 0xfc00;
+        else if (m->t.dtype == ATTN_DTYPE_BF16)
+            ((uint16_t *)m->alloc)[i] = 0xff80;
     }
 }
 

@@ -86,3 +86,10 @@ def test_plot_attention_example(tmp_path, monkeypatch):
     assert sum(1 for a in ns["fig"].axes if a.images) == 4
     assert sum(1 for a in ns["one"].axes if a.images) == 1
     plt.close("all")
+
+
+def test_bfloat16_example_runs():
+    import textwrap
+
+    (block,) = [b for b in python_blocks() if "ml_dtypes.bfloat16" in b]
+    exec(textwrap.dedent(block), {})
