@@ -75,7 +75,9 @@ def table(runs):
     lines.append("| short sequences (1,H,L,L,E) | " +
                  " | ".join(short_summary(r["cases"]) for _, r in runs) + " |")
     return ["Each cell: PyTorch time / attn time in the same run (> 1: attn faster), then "
-            "attn's share of that machine's FMA peak (decoding: of its read bandwidth).", ""] + \
+            "attn's share of that machine's FMA peak (decoding: of its read bandwidth; "
+            "bfloat16 rows: against PyTorch's bfloat16, of the bfloat16 dot-product peak).",
+            ""] + \
         lines + [""] + about
 
 
