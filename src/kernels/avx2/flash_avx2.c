@@ -461,12 +461,8 @@ static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t c
     for (int64_t i = 0; i < nrows; i++) {
         const uint16_t *s = (const uint16_t *)src + i * rs;
         float *d = dst + i * ld;
-        for (int64_t j = 0; j < body; j += 8) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(s + j));
-            const __m256 x = f16 ? _mm256_cvtph_ps(h)
-                                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            _mm256_storeu_ps(d + j, x);
-        }
+        for (int64_t j = 0; j < body; j += 8)
+            _mm256_storeu_ps(d + j, f16 ? load8(s, j, HK_F16) : load8(s, j, HK_BF16));
         if (body < width)
             attn__load_rows_generic_f(s + body, dtype, rs, 1, 1, width - body, d + body, ld);
     }

@@ -286,15 +286,13 @@ enum { HK_F32, HK_F16, HK_BF16 };
 ALWAYS_INLINE __m512 load16(const void *base, int64_t at, __mmask16 mk, const int HK) {
     if (HK == HK_F32) return _mm512_maskz_loadu_ps(mk, (const float *)base + at);
     const uint16_t *h = (const uint16_t *)base + at;
-    if (mk == 0xffff) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)h);
-        return HK == HK_F16 ? _mm512_cvtph_ps(x)
-                            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-    }
     uint16_t part[16] = {0};
-    for (int i = 0; i < 16; i++)
-        if (mk >> i & 1) part[i] = h[i];
-    const __m256i x = _mm256_loadu_si256((const __m256i *)part);
+    if (mk != 0xffff) {
+        for (int i = 0; i < 16; i++)
+            if (mk >> i & 1) part[i] = h[i];
+        h = part;
+    }
+    const __m256i x = _mm256_loadu_si256((const __m256i *)h);
     return HK == HK_F16 ? _mm512_cvtph_ps(x)
                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
@@ -569,12 +567,8 @@ static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t c
     for (int64_t i = 0; i < nrows; i++) {
         const uint16_t *s = (const uint16_t *)src + i * rs;
         float *d = dst + i * ld;
-        for (int64_t j = 0; j < body; j += 16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(s + j));
-            const __m512 x = f16 ? _mm512_cvtph_ps(h)
-                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            _mm512_storeu_ps(d + j, x);
-        }
+        for (int64_t j = 0; j < body; j += 16)
+            _mm512_storeu_ps(d + j, f16 ? load16(s, j, 0xffff, HK_F16) : load16(s, j, 0xffff, HK_BF16));
         if (body < width)
             attn__load_rows_generic_f(s + body, dtype, rs, 1, 1, width - body, d + body, ld);
     }
