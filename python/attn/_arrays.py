@@ -134,7 +134,7 @@ def as_bfloat16(out, like):
     if out is None or out.dtype != np.int16:
         return out
     if like.dtype.name == "bfloat16":
-        return out.view(like.dtype)
+        return out.view(like.dtype.newbyteorder("="))
     return out
 
 
@@ -147,6 +147,8 @@ def as_array(x, name, kind, grad_ok=False):
     if isinstance(x, np.ndarray):
         a = x
         if halves and a.dtype.name == "bfloat16":  # ml_dtypes
+            if not a.dtype.isnative:  # its bits in this machine's byte order first
+                a = a.astype(a.dtype.newbyteorder("="))
             return a.view(np.int16)
     elif _is_torch_tensor(x):
         a = _torch_numpy(x, name, kind, copying=grad_ok or kind == PARAM, bfloat16_bits=halves)

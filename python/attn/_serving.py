@@ -174,17 +174,17 @@ def _numpy_cache(x, name, writable):
     passed as its uint16 bits."""
     a = x
     bf16 = a.dtype.name == "bfloat16"
-    if bf16:
-        a = a.view(np.uint16)
-    elif not (a.dtype.kind == "f" and a.dtype.itemsize in (2, 4, 8)):
+    if not (bf16 or (a.dtype.kind == "f" and a.dtype.itemsize in (2, 4, 8))):
         raise TypeError(f"{name} has dtype {a.dtype}; expected float16, bfloat16, float32 or "
                         f"float64")
-    if not a.dtype.isnative:
+    if not a.dtype.isnative:  # before bfloat16's bits are viewed: they would be swapped
         if writable:
             raise ValueError(f"{name} is in a foreign byte order ({a.dtype}); the new rows "
                              f"would go into a converted copy, not into {name}: pass an array "
                              f"in this machine's byte order")
         a = a.astype(a.dtype.newbyteorder("="))
+    if bf16:
+        a = a.view(np.uint16)
     if writable and not a.flags.writeable:
         raise ValueError(f"{name} is read-only (writeable=False); attention_with_kvcache "
                          f"appends k and v into the cache in place, so it must be writeable")

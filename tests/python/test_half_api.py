@@ -107,6 +107,19 @@ def test_numpy_half_dtypes_round_trip(rng):
         assert np.array_equal(tout.float().numpy(), out.astype(np.float32))
 
 
+def test_byteswapped_bfloat16_is_read_by_value(rng):
+    """An ml_dtypes bfloat16 array in the other byte order holds the same
+    values: they are swapped into this machine's order before use, and the
+    result comes back in native order."""
+    x = rng.standard_normal((2, 5, 8)).astype(ml_dtypes.bfloat16)
+    swapped = x.astype(x.dtype.newbyteorder("S"))
+    assert not swapped.dtype.isnative and np.array_equal(swapped.astype(np.float32),
+                                                         x.astype(np.float32))
+    out = attn.scaled_dot_product_attention(swapped, x, swapped)
+    assert out.dtype == np.dtype(ml_dtypes.bfloat16) and out.dtype.isnative
+    assert np.array_equal(out, attn.scaled_dot_product_attention(x, x, x))
+
+
 def test_float32_query_over_half_kv(rng):
     q = rng.standard_normal((1, 4, 3, 8)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, 50, 8)).astype(ml_dtypes.bfloat16) for _ in range(2))
@@ -157,6 +170,16 @@ def test_varlen_and_kvcache_in_half(dtype, rng):
     assert out.dtype == dtype and torch.equal(cache_k[:, 0], kn[:, 0])
     # one key: the output is its value, exactly (GQA: 2 query heads per KV head)
     assert torch.equal(out[:, 0], vn[:, 0].repeat_interleave(2, dim=1))
+    # a byte-swapped bfloat16 cache is read by value (and refused where it would be written)
+    npk = cache_k.float().numpy().astype(ml_dtypes.bfloat16)
+    npv = cache_v.float().numpy().astype(ml_dtypes.bfloat16)
+    swap = [c.astype(c.dtype.newbyteorder("S")) for c in (npk, npv)]
+    qn = qd.float().numpy()
+    assert np.array_equal(attn.attention_with_kvcache(qn, *swap, cache_seqlens=1),
+                          attn.attention_with_kvcache(qn, npk, npv, cache_seqlens=1))
+    with pytest.raises(ValueError, match="foreign byte order"):
+        attn.attention_with_kvcache(qn, *swap, k=kn.float().numpy(), v=vn.float().numpy(),
+                                    cache_seqlens=1)
     with pytest.raises(TypeError, match="new rows come in q's dtype"):
         attn.attention_with_kvcache(qd, cache_k, cache_v, k=kn.float(), v=vn.float(),
                                     cache_seqlens=1)
