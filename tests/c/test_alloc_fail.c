@@ -104,7 +104,8 @@ static void sdpa_setup(sdpa_state *s, rng *r, attn_dtype dt, bool weights, bool 
     tt_make(&s->v, r, dt, 4, vs, LAYOUT_RANDOM, 1, 0);
     tt_make_output(&s->out, r, dt, 4, os, LAYOUT_RANDOM);
     tt_make_output(&s->weights, r, dt, 4, ws, LAYOUT_CONTIGUOUS);
-    tt_make_output(&s->lse, r, dt, 3, os, LAYOUT_CONTIGUOUS);
+    /* lse: the compute type (float32 for 16-bit operands) */
+    tt_make_output(&s->lse, r, dt == ATTN_DTYPE_F64 ? dt : ATTN_DTYPE_F32, 3, os, LAYOUT_CONTIGUOUS);
     attn_sdpa_params_init(&s->p);
     if (extras) {
         tt_make(&s->mask, r, ATTN_DTYPE_BOOL, 2, ms, LAYOUT_RANDOM, 1, 0.7);
@@ -412,6 +413,9 @@ static void sdpa_failures(void) {
         {"attn_sdpa (f32, out only)", ATTN_DTYPE_F32, false, false, false},
         {"attn_sdpa (f64, weights + lse)", ATTN_DTYPE_F64, true, true, false},
         {"attn_sdpa (mask, causal, gqa, dropout)", ATTN_DTYPE_F32, true, true, true},
+        {"attn_sdpa (bf16, weights + lse, mask, causal, gqa, dropout)", ATTN_DTYPE_BF16, true,
+         true, true},
+        {"attn_sdpa (f16, out only)", ATTN_DTYPE_F16, false, false, false},
     };
     attn_isa paths[8];
     int npaths = 0;
@@ -470,7 +474,7 @@ static void bwd_setup(bwd_state *s, rng *r, attn_dtype dt, bool long_keys) {
     tt_make(&s->mask, r, dt, 2, ms, LAYOUT_RANDOM, 1, 0);
     tt_make(&s->dout, r, dt, 4, os, LAYOUT_RANDOM, 1, 0);
     tt_make_output(&s->out, r, dt, 4, os, LAYOUT_RANDOM);
-    tt_make_output(&s->lse, r, dt, 3, os, LAYOUT_RANDOM);
+    tt_make_output(&s->lse, r, dt == ATTN_DTYPE_F64 ? dt : ATTN_DTYPE_F32, 3, os, LAYOUT_RANDOM);
     const int64_t *shapes[4] = {qs, ks, vs, ms};
     const int ranks[4] = {4, 4, 4, 2};
     for (int g = 0; g < 4; g++)
@@ -498,12 +502,14 @@ static void backward_failures(void) {
         if (!attn_isa_supported((attn_isa)i)) continue;
         CHECK_OK(attn_set_isa((attn_isa)i));
         printf(" path %s:\n", attn_isa_name((attn_isa)i));
-        for (int long_keys = 0; long_keys <= 1; long_keys++) {
+        for (int kind = 0; kind < 3; kind++) { /* f64 folded, f32 long keys, bf16 folded */
+            static const char *const names[3] = {"attn_sdpa_backward (f64, folded K/V, dmask)",
+                                                 "attn_sdpa_backward (f32, 2100 keys)",
+                                                 "attn_sdpa_backward (bf16, folded K/V, dmask)"};
+            static const attn_dtype dts[3] = {ATTN_DTYPE_F64, ATTN_DTYPE_F32, ATTN_DTYPE_BF16};
             bwd_state st;
-            bwd_setup(&st, &r, long_keys ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64, long_keys);
-            scenario s = {long_keys ? "attn_sdpa_backward (f32, 2100 keys)"
-                                    : "attn_sdpa_backward (f64, folded K/V, dmask)",
-                          bwd_run, &st};
+            bwd_setup(&st, &r, dts[kind], kind == 1);
+            scenario s = {names[kind], bwd_run, &st};
             run_scenario(&s);
             bwd_teardown(&st);
         }

@@ -422,6 +422,58 @@ static void byte_count_overflow_rejected(void) {
     attn_mha_destroy(mha);
 }
 
+/* ---- float16 outputs at the top of their range ---- */
+
+/* A float16 output is the exact value rounded once: values up to 65504
+ * (float16's largest) stay finite even when every key's value is 65504,
+ * and only a result past 65520 (dropout's 1/(1-p) scaling here) becomes
+ * infinity, as rounding makes it. Every path, keys in lanes and in
+ * columns (L = 40 and L = 1), with the split decode's merge (S = 3000). */
+static void float16_outputs_round_at_the_range(void) {
+    enum { L = 40, S = 3000, E = 16 };
+    static uint16_t q[L * E], k[S * E], v[S * E], out[L * E];
+    for (int i = 0; i < L * E; i++) q[i] = (uint16_t)(i % 7 == 0 ? 0x3c00 : 0x3800); /* 1, 0.5 */
+    for (int i = 0; i < S * E; i++) {
+        k[i] = (uint16_t)(i % 5 == 0 ? 0xbc00 : 0x3400); /* -1, 0.25 */
+        v[i] = 0x7bff;                                    /* 65504 */
+    }
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)i));
+        for (int rows = 1; rows <= L; rows += L - 1) {
+            int64_t qs[2] = {rows, E}, ks[2] = {S, E};
+            attn_tensor tq, tk, tv, to;
+            attn_tensor_init(&tq, q, ATTN_DTYPE_F16, 2, qs);
+            attn_tensor_init(&tk, k, ATTN_DTYPE_F16, 2, ks);
+            attn_tensor_init(&tv, v, ATTN_DTYPE_F16, 2, ks);
+            attn_tensor_init(&to, out, ATTN_DTYPE_F16, 2, qs);
+            attn_sdpa_params p;
+            attn_sdpa_params_init(&p);
+            CHECK_OK(attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL));
+            bool all_max = true;
+            for (int x = 0; x < rows * E; x++) all_max = all_max && out[x] == 0x7bff;
+            CHECK(all_max, "%s, %d rows: a convex mix of 65504s is not 65504 in float16",
+                  attn_isa_name((attn_isa)i), rows);
+            /* kept weights doubled: a row whose kept weights sum past about
+             * half gives more than 65520, which rounds to +infinity; the
+             * rest stay finite, and nothing is NaN */
+            p.dropout_p = 0.5;
+            p.seed = 3;
+            CHECK_OK(attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL));
+            bool inf_or_finite = true, some_inf = false;
+            for (int x = 0; x < rows * E; x++) {
+                inf_or_finite = inf_or_finite && (out[x] == 0x7c00 || (out[x] & 0x7fff) < 0x7c00);
+                some_inf = some_inf || out[x] == 0x7c00;
+            }
+            CHECK(inf_or_finite && some_inf,
+                  "%s, %d rows: dropout's values past 65520 are not +infinity (or a NaN came out)",
+                  attn_isa_name((attn_isa)i), rows);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
-             T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected))
+             T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
+             T(float16_outputs_round_at_the_range))
