@@ -93,13 +93,45 @@ def test_every_kwarg_matches_torch(rng, dtype):
         assert p.fell_back == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_calls_are_routed(rng, dtype):
+    """16-bit calls go to attn, every keyword too: each result within 2x
+    torch's own error in that dtype (both against float64) plus an ulp of
+    the output's size, where torch happens to be exact."""
+    q, k, v, masks = _every_kwarg_case(rng, dtype)
+    calls = [dict(attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+             for mask in masks for is_causal in ([False, True] if mask is None else [False])
+             for scale in (None, 0.7)]
+    ulp = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    with attn.patch_torch() as p:
+        for n, kw in enumerate(calls, 1):
+            ours = F.scaled_dot_product_attention(q, k, v, **kw)
+            assert p.routed == n and ours.dtype == dtype, kw
+            m = kw["attn_mask"]
+            if type(m) is not torch.Tensor and m is not None:  # a CausalBias: its bool mask
+                m = m._materialize()
+            theirs = TORCH_SDPA(q, k, v, **dict(kw, attn_mask=m))
+            if m is not None and m.is_floating_point():
+                m = m.double()
+            exact = TORCH_SDPA(q.double(), k.double(), v.double(), **dict(kw, attn_mask=m))
+            e_ours = float((ours.double() - exact).abs().max())
+            e_torch = float((theirs.double() - exact).abs().max())
+            assert e_ours <= 2 * e_torch + ulp * float(exact.abs().max()), (kw, e_ours, e_torch)
+        assert p.fell_back == 0
+
+
 def test_everything_else_goes_to_torch(rng):
     q = torch.randn(2, 3, 5, 8)
     mask = torch.rand(5, 5) < 0.8
     with attn.patch_torch() as p:
+        # mixed dtypes: torch's own error (attn would take a float32 query
+        # over 16-bit keys, torch does not)
+        for a, b in ((q.half(), q), (q, q.bfloat16())):
+            with pytest.raises(RuntimeError, match="same dtype"):
+                F.scaled_dot_product_attention(a, b, b)
+        assert p.fell_back == 2 and p.routed == 0
+        p.fell_back = 0
         cases = [
-            lambda: F.scaled_dot_product_attention(q.half(), q.half(), q.half()),
-            lambda: F.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16()),
             lambda: F.scaled_dot_product_attention(q.to("meta"), q.to("meta"), q.to("meta")),
             # L = 0: attn refuses empty tensors, torch returns an empty result
             lambda: F.scaled_dot_product_attention(q[:, :, :0], q, q),
@@ -119,15 +151,14 @@ def test_everything_else_goes_to_torch(rng):
         with pytest.raises(RuntimeError, match="attn_mask should not be set"):
             F.scaled_dot_product_attention(q3, q3, q3, attn_mask=mask, is_causal=True)
         assert p.fell_back == n + 3 and p.routed == 0
-        # A CausalBias with a dtype attn does not take: torch's answer, right
+        # A CausalBias with a call attn does not take (mixed dtypes): torch's answer, right
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bias = causal_lower_right(5, 5)
         h = q.half()
-        out = F.scaled_dot_product_attention(h, h, h, attn_mask=bias)
+        with pytest.raises(RuntimeError):  # torch refuses mixed dtypes too
+            F.scaled_dot_product_attention(h, q, q, attn_mask=bias)
         assert p.routed == 0
-        ref = TORCH_SDPA(h.float(), h.float(), h.float(), attn_mask=bias._materialize())
-        torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
         nt = torch.nested.nested_tensor([torch.randn(2, 4, 8), torch.randn(2, 6, 8)],
                                         layout=torch.jagged).transpose(1, 2)
         n = p.fell_back
