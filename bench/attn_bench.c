@@ -196,20 +196,17 @@ static float *filled(int64_t n, unsigned seed) {
 
 /* float32 values as `dtype` (float32, or 16-bit, rounded to nearest even)
  * in place: the buffer keeps its float32 room. */
-static int narrow_to(float *x, int64_t n, attn_dtype dtype) {
-    if (dtype == ATTN_DTYPE_F32) return 0;
+static void narrow_to(float *x, int64_t n, attn_dtype dtype) {
+    if (dtype == ATTN_DTYPE_F32) return;
     uint16_t *h = (uint16_t *)x;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], sizeof u);
         if (dtype == ATTN_DTYPE_BF16) {
-            h[i] = (uint16_t)((u + 0x7fffu + (u >> 16 & 1u)) >> 16);
+            h[i] = bench_bf16(x[i]);
         } else { /* binary16; the bench's values are in (-0.5, 0.5): normal or subnormal */
             _Float16 f = (_Float16)x[i];
             memcpy(&h[i], &f, sizeof f);
         }
     }
-    return 0;
 }
 
 /* --dtype / --kv-dtype: float32, float16 or bfloat16 (0: anything else). */

@@ -35,4 +35,11 @@ static inline float bench_hashed(uint64_t seed, uint64_t i) {
 /* The serving cases (bench/serving_bench.c): decode, window, varlen. */
 int bench_serving(const char *cmd, int argc, char **argv);
 
+/* bfloat16 bits of a finite float, rounded to nearest even. */
+static inline uint16_t bench_bf16(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, sizeof u);
+    return (uint16_t)((u + 0x7fffu + (u >> 16 & 1u)) >> 16);
+}
+
 #endif

@@ -219,11 +219,7 @@ static attn_status run_contiguous_bf16(serving_case *c, variant *v) {
 /* float32 values to bfloat16 bits, rounded to nearest even (finite values). */
 static void to_bf16(const float *x, uint16_t *h, int64_t n) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], sizeof u);
-        h[i] = (uint16_t)((u + 0x7fffu + (u >> 16 & 1u)) >> 16);
-    }
+    for (int64_t i = 0; i < n; i++) h[i] = bench_bf16(x[i]);
 }
 
 static attn_status run_sdpa_per_seq(serving_case *c, variant *v) {

@@ -113,8 +113,7 @@ static PyObject *py_sdpa(PyObject *self, PyObject *args, PyObject *kwds) {
     if (want_lse) {
         /* for the backward: float64, whose digits float32 would round off
          * and every weight the backward recomputes would inherit */
-        const attn_dtype lse_dt = lse_for_backward || dt == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64
-                                                                           : ATTN_DTYPE_F32;
+        const attn_dtype lse_dt = lse_dtype_of(dt, lse_for_backward);
         r_lse = new_output(empty, rank - 1, shape, lse_dt, "lse", &lse);
         if (r_lse == NULL) goto done;
     }

@@ -156,8 +156,7 @@ static int ring_forward_outputs(ring_call *c, const attn_ring_params *p, PyObjec
     if (c->result[0] == NULL) return -1;
     if (!want_lse) return 0;
     /* float64 for the backward, as sdpa's lse_for_backward */
-    const attn_dtype lse_dt = p->sdpa.lse_for_backward || dt == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64
-                                                                               : ATTN_DTYPE_F32;
+    const attn_dtype lse_dt = lse_dtype_of(dt, p->sdpa.lse_for_backward);
     c->result[1] = new_output(empty, rank - 1, shape, lse_dt, "lse", &c->res[1]);
     return c->result[1] != NULL ? 0 : -1;
 }

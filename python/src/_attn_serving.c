@@ -13,11 +13,6 @@
 #include <string.h>
 
 /* A rank the output shapes depend on; -1 with ValueError naming `name`. */
-/* lse's dtype for a query's: float64 for float64, float32 otherwise. */
-static attn_dtype lse_dtype_of(attn_dtype q) {
-    return q == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
-}
-
 static int require_rank(const buffer_view *v, const char *name, int rank, const char *layout) {
     if (v->t.rank == rank) return 0;
     PyErr_Format(PyExc_ValueError, "%s has %d dimensions; expected %d %s", name, v->t.rank, rank,
@@ -95,7 +90,7 @@ static PyObject *varlen_outputs(varlen_call *c, PyObject *empty) {
     Py_INCREF(lse);
     if (c->want_lse) {
         Py_DECREF(lse);
-        lse = new_output(empty, 2, lshape, lse_dtype_of(q->dtype), "lse", &c->lse);
+        lse = new_output(empty, 2, lshape, lse_dtype_of(q->dtype, 0), "lse", &c->lse);
         if (lse == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -210,7 +205,7 @@ static PyObject *kvcache_outputs(kvcache_call *c, PyObject *empty) {
     Py_INCREF(lse);
     if (c->want_lse) {
         Py_DECREF(lse);
-        lse = new_output(empty, 3, lshape, lse_dtype_of(q->dtype), "lse", &c->lse);
+        lse = new_output(empty, 3, lshape, lse_dtype_of(q->dtype, 0), "lse", &c->lse);
         if (lse == NULL) {
             Py_DECREF(out);
             return NULL;

@@ -27,6 +27,13 @@ typedef struct buffer_view {
     attn_tensor t;
 } buffer_view;
 
+/* The lse an output allocator makes for a query of dtype q: float64 for
+ * float64 queries and for the backward (whose weights would inherit a
+ * float32 lse's rounding), float32 otherwise (16-bit queries included). */
+static inline attn_dtype lse_dtype_of(attn_dtype q, int for_backward) {
+    return for_backward || q == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+}
+
 /* A buffer's view: its dtype from its format, where 16-bit integers hold
  * bfloat16 bit patterns (NumPy has no bfloat16). */
 int view_get(PyObject *obj, const char *name, int writable, buffer_view *v);

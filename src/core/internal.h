@@ -113,6 +113,13 @@ static inline bool attn__is_half(attn_dtype d) {
     return d == ATTN_DTYPE_F16 || d == ATTN_DTYPE_BF16;
 }
 
+/* The type a computation over operands of query dtype d runs in: float64
+ * for float64, float32 for everything else (16-bit included); also the
+ * dtype of its lse (besides float64, which every call may ask for). */
+static inline attn_dtype attn__compute_dtype(attn_dtype d) {
+    return d == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+}
+
 /* Whether dtype is any of the four floating dtypes a computation reads. */
 static inline bool attn__is_floating(attn_dtype d) {
     return attn__is_float(d) || attn__is_half(d);

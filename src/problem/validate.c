@@ -104,7 +104,7 @@ attn_status attn__check_qkv_dtypes(const attn_tensor *q, const char *qn, const a
                               "keys and values under a float32 query)",
                               kn, attn_dtype_name(k->dtype), qn, attn_dtype_name(q->dtype),
                               attn_dtype_name(q->dtype));
-    *compute = q->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    *compute = attn__compute_dtype(q->dtype);
     return ATTN_OK;
 }
 

@@ -33,7 +33,7 @@ static attn_status check_rows(const attn_tensor *dout, const attn_tensor *out,
                               attn__shape_str(a, sizeof a, dout->rank, dout->shape),
                               attn_dtype_name(out->dtype),
                               attn__shape_str(b, sizeof b, out->rank, out->shape));
-    const attn_dtype lse_own = out->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    const attn_dtype lse_own = attn__compute_dtype(out->dtype);
     same = lse->rank == out->rank - 1 && (lse->dtype == lse_own || lse->dtype == ATTN_DTYPE_F64);
     for (int d = 0; same && d < lse->rank; d++) same = lse->shape[d] == out->shape[d];
     if (!same)

@@ -45,7 +45,7 @@ static attn_status check_query(attn__problem *p, kv_args *a) {
                               a->qn, a->q->rank);
     if (!attn__is_floating(a->q->dtype))
         return wrong_dtype(a->qn, a->q->dtype, "float32, float64, float16 or bfloat16");
-    p->dtype = a->q->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    p->dtype = attn__compute_dtype(a->q->dtype);
     a->B = a->q->shape[0];
     a->Lq = a->q->shape[1];
     a->Hq = a->q->shape[2];
