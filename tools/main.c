@@ -41,7 +41,7 @@ static int info(void) {
     attn_isa isa = attn_get_isa();
     printf("attn %s\nkernel path: %s\nthreads: %d\nsupported paths:", attn_version(),
            attn_isa_name(isa), attn_get_num_threads());
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++)
         if (attn_isa_supported((attn_isa)i)) printf(" %s", attn_isa_name((attn_isa)i));
     const char *blas = attn_blas_info();
     printf("\nBLAS (MHA projections): %s\n", blas);

@@ -1045,7 +1045,7 @@ static PyObject *py_supported_isas(PyObject *self, PyObject *noargs) {
     (void)noargs;
     PyObject *list = PyList_New(0);
     if (list == NULL) return NULL;
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
         if (!attn_isa_supported((attn_isa)i)) continue;
         PyObject *name = PyUnicode_FromString(attn_isa_name((attn_isa)i));
         if (name == NULL || PyList_Append(list, name) < 0) {
@@ -1068,13 +1068,13 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     (void)self;
     const char *name = PyUnicode_AsUTF8(arg);
     if (name == NULL) return NULL;
-    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_AVX512; i++)
+    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_LAST; i++)
         if (strcmp(name, attn_isa_name((attn_isa)i)) == 0) {
             attn_status st = attn_set_isa((attn_isa)i);
             if (st != ATTN_OK) return raise_status(st);
             Py_RETURN_NONE;
         }
-    PyErr_Format(PyExc_ValueError, "isa is '%s'; expected auto, ref, generic, avx2 or avx512",
+    PyErr_Format(PyExc_ValueError, "isa is '%s'; expected auto, ref, generic, avx2, avx512 or avx512_bf16",
                  name);
     return NULL;
 }

@@ -13,31 +13,38 @@
 #define ATTN_X86 1
 #endif
 
-attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint64_t xcr0,
-                                    bool osxsave_usable) {
-    attn__cpu_features f = {false, false, false};
+attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint32_t leaf7_1_eax,
+                                    uint64_t xcr0, bool osxsave_usable) {
+    attn__cpu_features f = {false, false, false, false};
     bool fma = (leaf1_ecx >> 12) & 1, avx = (leaf1_ecx >> 28) & 1, f16c = (leaf1_ecx >> 29) & 1;
     bool avx2 = (leaf7_ebx >> 5) & 1, avx512f = (leaf7_ebx >> 16) & 1;
     bool avx512dq = (leaf7_ebx >> 17) & 1, avx512bw = (leaf7_ebx >> 30) & 1,
          avx512vl = (leaf7_ebx >> 31) & 1;
+    bool avx512bf16 = (leaf7_1_eax >> 5) & 1;
     bool ymm_saved = osxsave_usable && (xcr0 & 0x6) == 0x6;            /* XMM, YMM */
     bool zmm_saved = osxsave_usable && (xcr0 & 0xE6) == 0xE6;          /* + opmask, ZMM */
     f.avx2_fma = avx && avx2 && fma && f16c && ymm_saved; /* f16c: float16 loads */
     f.avx512f = f.avx2_fma && avx512f && zmm_saved;
     f.avx512_core = f.avx512f && avx512dq && avx512bw && avx512vl;
+    f.avx512_bf16 = f.avx512_core && avx512bf16;
     return f;
 }
 
 static attn__cpu_features detect(void) {
+    const attn__cpu_features none = {false, false, false, false};
 #ifdef ATTN_X86
     unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return (attn__cpu_features){false, false, false};
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return none;
     uint32_t leaf1_ecx = c;
     bool osxsave = (leaf1_ecx >> 27) & 1;
-    uint32_t leaf7_ebx = 0;
+    uint32_t leaf7_ebx = 0, leaf7_1_eax = 0;
     if (__get_cpuid_max(0, NULL) >= 7) {
         __cpuid_count(7, 0, a, b, c, d);
         leaf7_ebx = b;
+        if (a >= 1) { /* subleaf 1 exists: AVX512-BF16 is its EAX bit 5 */
+            __cpuid_count(7, 1, a, b, c, d);
+            leaf7_1_eax = a;
+        }
     }
     uint64_t xcr0 = 0;
     if (osxsave) {
@@ -45,23 +52,27 @@ static attn__cpu_features detect(void) {
         __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
         xcr0 = ((uint64_t)hi << 32) | lo;
     }
-    return attn__cpu_decode(leaf1_ecx, leaf7_ebx, xcr0, osxsave);
+    return attn__cpu_decode(leaf1_ecx, leaf7_ebx, leaf7_1_eax, xcr0, osxsave);
 #else
-    return (attn__cpu_features){false, false, false};
+    return none;
 #endif
 }
 
 const attn__cpu_features *attn__cpu(void) {
     /* Detection is idempotent, so first callers may race to do it; what they
      * publish is one atomic index into constant data, so no thread ever
-     * writes memory another may be reading. */
-    static const attn__cpu_features table[4] = {
-        {false, false, false}, {true, false, false}, {true, true, false}, {true, true, true}};
+     * writes memory another may be reading. Each level implies the ones
+     * before it (attn__cpu_decode). */
+    static const attn__cpu_features table[5] = {{false, false, false, false},
+                                                {true, false, false, false},
+                                                {true, true, false, false},
+                                                {true, true, true, false},
+                                                {true, true, true, true}};
     static atomic_int index = -1;
     int i = atomic_load_explicit(&index, memory_order_acquire);
     if (i < 0) {
         attn__cpu_features f = detect();
-        i = f.avx512_core ? 3 : f.avx512f ? 2 : f.avx2_fma ? 1 : 0;
+        i = f.avx512_bf16 ? 4 : f.avx512_core ? 3 : f.avx512f ? 2 : f.avx2_fma ? 1 : 0;
         atomic_store_explicit(&index, i, memory_order_release);
     }
     return &table[i];
@@ -101,6 +112,9 @@ int attn_isa_supported(attn_isa isa) {
 #ifdef ATTN_HAVE_AVX512
     case ATTN_ISA_AVX512: return f->avx512f;
 #endif
+#if defined(ATTN_HAVE_AVX512) && defined(ATTN_HAVE_AVX512_BF16)
+    case ATTN_ISA_AVX512_BF16: return f->avx512_bf16;
+#endif
     default: break;
     }
     return 0;
@@ -113,15 +127,20 @@ const char *attn_isa_name(attn_isa isa) {
     case ATTN_ISA_GENERIC: return "generic";
     case ATTN_ISA_AVX2: return "avx2";
     case ATTN_ISA_AVX512: return "avx512";
+    case ATTN_ISA_AVX512_BF16: return "avx512_bf16";
     }
     return "unknown";
 }
 
 static attn_isa best_isa(void) {
+    if (attn_isa_supported(ATTN_ISA_AVX512_BF16)) return ATTN_ISA_AVX512_BF16;
     if (attn_isa_supported(ATTN_ISA_AVX512)) return ATTN_ISA_AVX512;
     if (attn_isa_supported(ATTN_ISA_AVX2)) return ATTN_ISA_AVX2;
     return ATTN_ISA_GENERIC;
 }
+
+/* ASCII lower case (names hold letters, digits and '_'; no locale). */
+static char lower(char c) { return c >= 'A' && c <= 'Z' ? (char)(c - 'A' + 'a') : c; }
 
 /* -1 until first use; then the forced or detected path. */
 static atomic_int chosen = -1;
@@ -132,12 +151,10 @@ static atomic_int chosen = -1;
 static attn_isa isa_from_env(void) {
     const char *env = getenv("ATTN_ISA");
     if (env == NULL || *env == '\0') return best_isa();
-    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_AVX512; i++) {
+    for (int i = ATTN_ISA_AUTO; i <= ATTN_ISA_LAST; i++) {
         const char *name = attn_isa_name((attn_isa)i);
         size_t n = 0;
-        while (name[n] != '\0' && env[n] != '\0' &&
-               (env[n] | 0x20) == name[n]) /* ASCII lower-case compare */
-            n++;
+        while (name[n] != '\0' && env[n] != '\0' && lower(env[n]) == name[n]) n++;
         if (name[n] != '\0' || env[n] != '\0') continue;
         if (i == ATTN_ISA_AUTO) return best_isa();
         if (attn_isa_supported((attn_isa)i)) return (attn_isa)i;
@@ -146,7 +163,7 @@ static attn_isa isa_from_env(void) {
         return best_isa();
     }
     fprintf(stderr,
-            "attn: ignoring ATTN_ISA=%.32s: expected ref, generic, avx2, avx512 or auto; "
+            "attn: ignoring ATTN_ISA=%.32s: expected ref, generic, avx2, avx512, avx512_bf16 or auto; "
             "using %s\n",
             env, attn_isa_name(best_isa()));
     return best_isa();
@@ -166,7 +183,7 @@ attn_isa attn_get_isa(void) {
 
 attn_status attn_set_isa(attn_isa isa) {
     attn__clear_error();
-    if (isa < ATTN_ISA_AUTO || isa > ATTN_ISA_AVX512)
+    if (isa < ATTN_ISA_AUTO || isa > ATTN_ISA_LAST)
         return attn__fail(ATTN_ERR_INVALID, "attn_set_isa: unknown ISA code %d", (int)isa);
     if (!attn_isa_supported(isa))
         return attn__fail(ATTN_ERR_UNSUPPORTED,

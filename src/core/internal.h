@@ -270,6 +270,7 @@ typedef struct attn__cpu_features {
     bool avx512f;     /* AVX-512F, and the OS saves ZMM and opmask state   */
     bool avx512_core; /* avx512f + BW, DQ and VL: what OpenBLAS's SkylakeX
                          kernels need (gemm.c picks its core from this)     */
+    bool avx512_bf16; /* avx512_core + AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16) */
 } attn__cpu_features;
 
 /* Detected once (CPUID + xgetbv), then cached. */
@@ -279,7 +280,7 @@ int64_t attn__l2_bytes(void);
 /* Pure decoding of CPUID/XCR0 words, exposed so the detector can be tested
  * on feature sets this machine does not have. */
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx,
-                                    uint64_t xcr0, bool osxsave_usable);
+                                    uint32_t leaf7_1_eax, uint64_t xcr0, bool osxsave_usable);
 
 /* ---- Philox-4x32-10 (philox.c) ---- */
 

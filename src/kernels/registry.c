@@ -10,7 +10,7 @@
 
 #include "ukernel.h"
 
-enum { CTX_GENERIC, CTX_AVX2, CTX_AVX512, CTX_COUNT };
+enum { CTX_GENERIC, CTX_AVX2, CTX_AVX512, CTX_AVX512_BF16, CTX_COUNT };
 
 static attn__ukernel contexts[CTX_COUNT];
 /* Built under pthread_once: the first caller builds, every other waits for
@@ -34,11 +34,18 @@ static void build_contexts(void) {
 #ifdef ATTN_HAVE_AVX512
     if (attn_isa_supported(ATTN_ISA_AVX512)) attn__ukernel_init_avx512(&contexts[CTX_AVX512]);
 #endif
+    /* AVX512-BF16: the AVX-512 context plus its bfloat16 slots */
+    contexts[CTX_AVX512_BF16] = contexts[CTX_AVX512];
+#ifdef ATTN_HAVE_AVX512_BF16
+    if (attn_isa_supported(ATTN_ISA_AVX512_BF16))
+        attn__ukernel_init_avx512_bf16(&contexts[CTX_AVX512_BF16]);
+#endif
 }
 
 const attn__ukernel *attn__ukernel_for(attn_isa isa) {
     pthread_once(&built, build_contexts);
     switch (isa) {
+    case ATTN_ISA_AVX512_BF16: return &contexts[CTX_AVX512_BF16];
     case ATTN_ISA_AVX512: return &contexts[CTX_AVX512];
     case ATTN_ISA_AVX2: return &contexts[CTX_AVX2];
     case ATTN_ISA_AUTO:

@@ -58,7 +58,7 @@
 enum { ATTN__KEY_BLOCK_CLASSES = 3 };
 
 typedef struct attn__ukernel {
-    const char *name; /* "generic", "avx2", "avx512" */
+    const char *name; /* "generic", "avx2", "avx512", "avx512_bf16" */
 
     /* ---- blocking: the driver derives every block size from these ---- */
     int lanes;       /* queries in lanes: query rows per block, at most       */
@@ -132,6 +132,36 @@ typedef struct attn__ukernel {
                             const float *off, const float *off_lo, const float *D,
                             float ds_scale);
 
+    /* ---- bfloat16 products (optional, all or none; NULL: a bfloat16 call
+     * widens its rows and runs float32's kernels) ----
+     * A bfloat16 call's queries-in-lanes blocks (prefill) multiply in
+     * bfloat16: Q, K and V as they are and P rounded to bfloat16 (round to
+     * nearest even), each product exact and summed in float32; the softmax
+     * between them is softmax_t_f's. A pair is two bfloat16 values in a
+     * uint32_t, the lower-indexed one in the low half: the operand of one
+     * dot-product step (vdpbf16ps); an odd count is completed by a zero. */
+    /* qtp[p·lanes + r] = (q[r·rs + 2p·cs], q[r·rs + (2p+1)·cs]) for r < nr,
+     * p < ceil(E/2); lanes nr .. lanes-1 are left alone. Not scaled. */
+    void (*pack_qt_bf)(const uint16_t *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
+                       uint32_t *qtp, int64_t lanes);
+    /* St = K · Qt as qkt_f, from qtp (ceil(E/2) x lanes pairs, leading
+     * dimension ldqt) and bfloat16 K rows with unit column stride, in place */
+    void (*qkt_bf)(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
+                   int64_t nk, int64_t lanes, float *st, int64_t ldst);
+    /* vp[p·ldvp + e] = (v[2p·ldv + e], v[(2p+1)·ldv + e]) for p < ceil(nk/2),
+     * e < Ev: V rows in key pairs */
+    void (*pack_v_bf)(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, uint32_t *vp,
+                      int64_t ldvp);
+    /* pp[p·ldpp + r] = the pair of st[2p·ldst + r], st[(2p+1)·ldst + r]
+     * rounded to bfloat16, for p < ceil(nk/2), r < lanes (a multiple of
+     * lane_step): a softmax tile's weights in key pairs */
+    void (*pack_p_bf)(const float *st, int64_t ldst, int64_t nk, int64_t lanes, uint32_t *pp,
+                      int64_t ldpp);
+    /* O = alpha·O + P·V as pv_f, over npairs key pairs: weights pp[p·ldpp + r]
+     * (pack_p_bf), V rows vp (pack_v_bf) */
+    void (*pv_bf)(const uint32_t *pp, int64_t ldpp, const uint32_t *vp, int64_t ldvp, int rows,
+                  int64_t npairs, int64_t Ev, float *o, int64_t ldo, const float *alpha);
+
     /* ---- micro-kernels, float64: the same contracts ---- */
     void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
                       double scale, double *qt, int64_t lanes);
@@ -164,9 +194,12 @@ void attn__ukernel_init_generic(attn__ukernel *ctx);
  * ATTN_HAVE_AVX512). */
 void attn__ukernel_init_avx2(attn__ukernel *ctx);
 void attn__ukernel_init_avx512(attn__ukernel *ctx);
+/* The bfloat16 slots, on an AVX-512 context (ATTN_HAVE_AVX512_BF16). */
+void attn__ukernel_init_avx512_bf16(attn__ukernel *ctx);
 
 /* The context of a fused path, built once (thread-safe) and then constant:
- * ATTN_ISA_AVX2 and ATTN_ISA_AVX512 get theirs when it was compiled in,
+ * ATTN_ISA_AVX2, ATTN_ISA_AVX512 and ATTN_ISA_AVX512_BF16 (AVX-512's
+ * context with the bfloat16 slots) get theirs when it was compiled in,
  * every other value (and an ISA not compiled in) the generic one. Whether
  * the CPU can run it is the caller's question (attn_isa_supported). */
 const attn__ukernel *attn__ukernel_for(attn_isa isa);

@@ -277,6 +277,17 @@ static const void *element_at(const void *data, attn_dtype dtype, int64_t off) {
     return (const char *)data + off * (int64_t)attn_dtype_size(dtype);
 }
 
+/* Whether a block's products run in bfloat16 (ukernel.h, "bfloat16
+ * products"): a bfloat16 call (q, k and v all bfloat16) in the
+ * queries-in-lanes layout, on a context that has the kernels (AVX512-BF16),
+ * with K and V rows of unit column stride (read, or a page's rows gathered,
+ * as they are). Every other call widens its rows to float32. */
+static bool bf16_pairs(const attn__problem *p, const flash_work *w, const attn__ukernel *kern) {
+    return !w->direct && kern->qkt_bf != NULL && compute_dtype(p) == ATTN_DTYPE_F32 &&
+           p->q.dtype == ATTN_DTYPE_BF16 && p->k.dtype == ATTN_DTYPE_BF16 &&
+           p->v.dtype == ATTN_DTYPE_BF16 && p->k.cs == 1 && p->v.cs == 1;
+}
+
 /* Per-row bookkeeping for one query block. */
 typedef struct flash_row {
     int64_t b, i;                       /* batch index, query position     */
@@ -368,6 +379,7 @@ static void dropout_keep(const attn__problem *p, uint64_t index, int64_t n, unsi
 /* Scratch per thread, in elements of the compute type. */
 typedef struct flash_scratch_size {
     int64_t q, kp, vp, s, o, stat, keep;
+    int64_t pairs; /* bf16_pairs: P and V of a block in key pairs (uint32_t) */
 } flash_scratch_size;
 
 static flash_scratch_size scratch_size(const attn__problem *p, const flash_work *w,
@@ -382,6 +394,8 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
     z.keep = cols;
+    const int64_t key_pairs = (w->BC + 1) / 2;
+    z.pairs = bf16_pairs(p, w, kern) ? key_pairs * (w->lanes + p->Ev) : 0;
     return z;
 }
 

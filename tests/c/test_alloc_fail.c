@@ -419,7 +419,7 @@ static void sdpa_failures(void) {
     };
     attn_isa paths[8];
     int npaths = 0;
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++)
         if (attn_isa_supported((attn_isa)i)) paths[npaths++] = (attn_isa)i;
     for (int pi = 0; pi < npaths; pi++) {
         CHECK_OK(attn_set_isa(paths[pi]));
@@ -498,7 +498,7 @@ static void bwd_teardown(bwd_state *s) {
 
 static void backward_failures(void) {
     rng r = {harness_seed() ^ 0xbacc};
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
         if (!attn_isa_supported((attn_isa)i)) continue;
         CHECK_OK(attn_set_isa((attn_isa)i));
         printf(" path %s:\n", attn_isa_name((attn_isa)i));
@@ -647,7 +647,7 @@ static void serving_failures(void) {
         {"attn_sdpa_kvcache (paged f16, ALiBi)", true, true, true, false},
         {"attn_sdpa_kvcache (long: key chunks)", true, false, false, true},
     };
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
         if (!attn_isa_supported((attn_isa)i)) continue;
         CHECK_OK(attn_set_isa((attn_isa)i));
         printf(" path %s:\n", attn_isa_name((attn_isa)i));

@@ -170,7 +170,8 @@ static void test_reference_matches_finite_differences(void) {
 
 /* ---- fused paths against the reference ---- */
 
-static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512};
+static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512,
+                                 ATTN_ISA_AVX512_BF16};
 
 /* A random case of moderate size (one block and a few). */
 static bw_case random_case(rng *r) {
@@ -336,7 +337,7 @@ static void test_hidden_nan_and_empty_rows(void) {
     rng r = {harness_seed() ^ 0x4a4u};
     const bw_case c = {4, {1, 2, 6, 4}, {1, 2, 7, 4}, {1, 2, 7, 3}, 2, {6, 7}, ATTN_DTYPE_BOOL,
                        ATTN_CAUSAL_NONE, 0, 0, 0, 0};
-    for (int isa = ATTN_ISA_REF; isa <= ATTN_ISA_AVX512; isa++) {
+    for (int isa = ATTN_ISA_REF; isa <= ATTN_ISA_LAST; isa++) {
         if (!attn_isa_supported((attn_isa)isa)) continue;
         CHECK_OK(attn_set_isa((attn_isa)isa));
         bw_data d;

@@ -31,39 +31,48 @@ static void philox_known_answers(void) {
 static void cpu_feature_decoding(void) {
     const uint32_t ecx_avx_fma = (1u << 29) | (1u << 28) | (1u << 12) | (1u << 27); /* +F16C */
     const uint32_t ebx_avx2 = 1u << 5, ebx_avx512 = (1u << 5) | (1u << 16);
-    attn__cpu_features f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0xE7, true);
+    attn__cpu_features f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0, 0xE7, true);
     CHECK(f.avx2_fma && f.avx512f && !f.avx512_core, "AVX-512F alone (Knights Landing)");
     const uint32_t ebx_skx = ebx_avx512 | (1u << 17) | (1u << 30) | (1u << 31); /* DQ BW VL */
-    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 0xE7, true);
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 0, 0xE7, true);
     CHECK(f.avx512f && f.avx512_core, "F+DQ+BW+VL: the AVX-512 core set OpenBLAS SkylakeX needs");
-    f = attn__cpu_decode(ecx_avx_fma, ebx_skx & ~(1u << 30), 0xE7, true);
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx & ~(1u << 30), 0, 0xE7, true);
     CHECK(f.avx512f && !f.avx512_core, "no AVX-512BW: not the core set");
-    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 0x07, true);
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 0, 0x07, true);
     CHECK(!f.avx512f && !f.avx512_core, "core set without OS ZMM support must not be used");
-    f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0x07, true); /* OS saves no ZMM */
+    f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0, 0x07, true); /* OS saves no ZMM */
     CHECK(f.avx2_fma && !f.avx512f, "AVX-512 without OS ZMM support must not be used");
-    f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0x03, true); /* OS saves no YMM */
+    f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 0, 0x03, true); /* OS saves no YMM */
     CHECK(!f.avx2_fma && !f.avx512f, "no YMM state: no AVX2");
-    f = attn__cpu_decode(ecx_avx_fma, ebx_avx2, 0xE7, false); /* OSXSAVE off */
+    f = attn__cpu_decode(ecx_avx_fma, ebx_avx2, 0, 0xE7, false); /* OSXSAVE off */
     CHECK(!f.avx2_fma, "xgetbv unusable: no AVX");
-    f = attn__cpu_decode(1u << 29 | 1u << 28 | 1u << 27, ebx_avx2, 0x07, true); /* no FMA */
+    f = attn__cpu_decode(1u << 29 | 1u << 28 | 1u << 27, ebx_avx2, 0, 0x07, true); /* no FMA */
     CHECK(!f.avx2_fma, "AVX2 without FMA is not the avx2 path");
-    f = attn__cpu_decode(ecx_avx_fma & ~(1u << 29), ebx_avx2, 0x07, true); /* no F16C */
+    f = attn__cpu_decode(ecx_avx_fma & ~(1u << 29), ebx_avx2, 0, 0x07, true); /* no F16C */
     CHECK(!f.avx2_fma, "AVX2 without F16C is not the avx2 path (its float16 loads)");
-    f = attn__cpu_decode(0, 0, 0, false);
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 1u << 5, 0xE7, true);
+    CHECK(f.avx512_core && f.avx512_bf16, "AVX512-BF16 (leaf 7.1 EAX bit 5) on the core set");
+    f = attn__cpu_decode(ecx_avx_fma, ebx_avx512, 1u << 5, 0xE7, true);
+    CHECK(!f.avx512_bf16, "AVX512-BF16 without BW/DQ/VL is not the bf16 path");
+    f = attn__cpu_decode(ecx_avx_fma, ebx_skx, 1u << 5, 0x07, true);
+    CHECK(!f.avx512_bf16, "AVX512-BF16 without OS ZMM support must not be used");
+    f = attn__cpu_decode(0, 0, 0, 0, false);
     CHECK(!f.avx2_fma && !f.avx512f, "bare machine");
     /* What this machine reports is consistent with the public query. */
     const attn__cpu_features *here = attn__cpu();
     CHECK(attn_isa_supported(ATTN_ISA_AVX512) == here->avx512f, "isa_supported(avx512)");
     CHECK(attn_isa_supported(ATTN_ISA_AVX2) == here->avx2_fma, "isa_supported(avx2)");
+    /* (a compiler without -mavx512bf16 leaves the path out on any CPU) */
+    CHECK(!attn_isa_supported(ATTN_ISA_AVX512_BF16) || here->avx512_bf16,
+          "isa_supported(avx512_bf16) only where the CPU has it");
     CHECK(attn_isa_supported(ATTN_ISA_REF) && attn_isa_supported(ATTN_ISA_GENERIC),
           "portable paths always run");
-    printf("  this CPU: avx2+fma %s, avx512f %s\n", here->avx2_fma ? "yes" : "no",
-           here->avx512f ? "yes" : "no");
+    printf("  this CPU: avx2+fma %s, avx512f %s, avx512-bf16 %s\n", here->avx2_fma ? "yes" : "no",
+           here->avx512f ? "yes" : "no", here->avx512_bf16 ? "yes" : "no");
 }
 
 static void isa_switch(void) {
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
         attn_isa isa = (attn_isa)i;
         if (attn_isa_supported(isa)) {
             CHECK_OK(attn_set_isa(isa));
@@ -76,6 +85,7 @@ static void isa_switch(void) {
     CHECK_OK(attn_set_isa(ATTN_ISA_AUTO));
     CHECK(attn_get_isa() != ATTN_ISA_AUTO, "AUTO resolves to a concrete path");
     CHECK(strcmp(attn_isa_name(ATTN_ISA_AVX512), "avx512") == 0, "names");
+    CHECK(strcmp(attn_isa_name(ATTN_ISA_AVX512_BF16), "avx512_bf16") == 0, "names");
 }
 
 /* ---- the allocator hook ---- */

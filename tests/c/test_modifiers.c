@@ -14,14 +14,17 @@
 
 /* The forward error model of test_sdpa.c, with the modifiers' terms: the
  * soft-cap's tanh errs by about u·softcap and ALiBi's bias by u·|bias|,
- * absolute, in every logit (see test_sdpa.c for the rest). */
+ * absolute, in every logit (see test_sdpa.c for the rest). p_u: the
+ * relative rounding of each weight before P·V (bfloat16 products round P
+ * to bfloat16, 2^-9), which moves out by at most p_u·sum_j P_j|V_j| / l
+ * <= p_u·vmax. */
 typedef struct model {
-    double u, out_u, A, E, S, vmax, extra;
+    double u, out_u, p_u, A, E, S, vmax, extra;
 } model;
 
 static double tol_out(const model *m) {
     const double rel = 4 * m->u * ((m->E + 4) * m->A + m->S + 16 + 4 * m->extra);
-    return rel * m->vmax + 2 * m->out_u * m->vmax;
+    return rel * m->vmax + 2 * m->out_u * m->vmax + m->p_u * m->vmax;
 }
 
 static double max_abs(const double *x, int64_t n) {
@@ -72,7 +75,10 @@ static void make_case(mod_case *c, rng *r, case_size size, bool dense, bool halv
     /* wide: one K/V head and 100-200 query rows, which 1 thread runs in
      * blocks of 48 rows and 8 threads in blocks of 16 or 32 (lanes_for) */
     static const int64_t wide_rows[] = {100, 150, 200}, wide_keys[] = {300, 700, 1000};
-    static const int64_t widths[] = {8, 16, 32, 64, 80};
+    static const int64_t full_widths[] = {8, 16, 32, 64, 80};
+    /* 16-bit: odd widths too (bfloat16 products pair features, ukernel.h) */
+    static const int64_t half_widths[] = {7, 16, 33, 64, 80};
+    const int64_t *widths = halves ? half_widths : full_widths;
     const bool decode = size == CASE_DECODE;
     pick_dtypes(c, r, halves);
     const bool wide = size == CASE_WIDE;
@@ -157,6 +163,10 @@ static model model_of(const mod_case *c) {
     const bool f32 = c->dtype != ATTN_DTYPE_F64; /* float32 kernels, also for 16-bit */
     m.u = attn_get_isa() == ATTN_ISA_REF || !f32 ? 0x1p-53 : 0x1p-24;
     m.out_u = half_out(c) ? 0 : f32 ? 0x1p-24 : 0x1p-53;
+    /* a bfloat16 call on the bfloat16-products path (its prefill blocks) */
+    const bool bf16_products = c->dtype == ATTN_DTYPE_BF16 && c->kv_dtype == ATTN_DTYPE_BF16 &&
+                               attn_get_isa() == ATTN_ISA_AVX512_BF16;
+    m.p_u = bf16_products ? 0x1p-9 : 0;
     double *Q = tt_dense(&c->q.t), *K = tt_dense(&c->k.t), *V = tt_dense(&c->v.t);
     double qrow = 0;
     for (int64_t i = 0; i < attn_tensor_numel(&c->q.t); i += c->E) {
@@ -232,7 +242,7 @@ static double run_case(mod_case *c, int index) {
 
 static int paths(attn_isa *out) {
     int n = 0;
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++)
         if (attn_isa_supported((attn_isa)i)) out[n++] = (attn_isa)i;
     return n;
 }

@@ -124,7 +124,7 @@ static const char *POISON_NAME[] = {"NaN", "+Inf", "-Inf"};
 
 /* Runs `fn` on every supported path, for float32 and float64. */
 static void each_path(void (*fn)(attn_dtype, const char *)) {
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
         if (!attn_isa_supported((attn_isa)i)) continue;
         CHECK_OK(attn_set_isa((attn_isa)i));
         char where[64];
@@ -437,7 +437,7 @@ static void float16_outputs_round_at_the_range(void) {
         k[i] = (uint16_t)(i % 5 == 0 ? 0xbc00 : 0x3400); /* -1, 0.25 */
         v[i] = 0x7bff;                                    /* 65504 */
     }
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
         if (!attn_isa_supported((attn_isa)i)) continue;
         CHECK_OK(attn_set_isa((attn_isa)i));
         for (int rows = 1; rows <= L; rows += L - 1) {

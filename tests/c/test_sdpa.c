@@ -285,7 +285,7 @@ static bool run_case(sdpa_case *c, int index) {
 static int test_paths(attn_isa *paths) {
     const char *only = getenv("ATTN_TEST_ISA");
     int n = 0;
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++)
         if (attn_isa_supported((attn_isa)i) &&
             (only == NULL || strcmp(only, attn_isa_name((attn_isa)i)) == 0))
             paths[n++] = (attn_isa)i;

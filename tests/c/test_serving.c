@@ -24,7 +24,7 @@ static int NPATHS;
 
 static void find_paths(void) {
     NPATHS = 0;
-    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_AVX512; i++)
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++)
         if (attn_isa_supported((attn_isa)i)) PATHS[NPATHS++] = (attn_isa)i;
 }
 
@@ -125,8 +125,13 @@ static double oracle_row(const mods *m, int64_t n, int64_t h, const double *q, c
 
 /* Error bounds: u per operation, for sums over E products and S keys. */
 static double tol_of(attn_dtype dt, int64_t E, int64_t S, double mag) {
-    const double u = dt == ATTN_DTYPE_F32 ? 0x1p-24 : 0x1p-53;
-    return 8 * u * (double)(E + S + 16) * (1 + mag);
+    const bool f64 = dt == ATTN_DTYPE_F64, half = dt == ATTN_DTYPE_F16 || dt == ATTN_DTYPE_BF16;
+    const double u = f64 ? 0x1p-53 : 0x1p-24; /* 16-bit calls compute in float32 */
+    /* 16-bit: the output's rounding (half an ulp, relative 2^-9 in
+     * bfloat16, 2^-12 in float16) and, for bfloat16 products, each
+     * weight's (2^-9 of sum P|V| / l <= vmax) */
+    const double round = dt == ATTN_DTYPE_BF16 ? 2 * 0x1p-9 : half ? 0x1p-11 : 0;
+    return 8 * u * (double)(E + S + 16) * (1 + mag) + round * (1 + mag);
 }
 
 /* ---- modifiers drawn for a case ---- */
@@ -690,7 +695,9 @@ static void kv_build(kv_case *c, rng *r) {
     }
     tt_make_output(&c->out, r, c->dt, 4, os, LAYOUT_RANDOM);
     fill(&c->out.t, SENTINEL);
-    tt_make_output(&c->lse, r, rng_int(r, 0, 1) ? ATTN_DTYPE_F64 : c->dt, 3, ls, LAYOUT_RANDOM);
+    const bool half = c->dt == ATTN_DTYPE_F16 || c->dt == ATTN_DTYPE_BF16; /* lse: float32 */
+    tt_make_output(&c->lse, r, rng_int(r, 0, 1) ? ATTN_DTYPE_F64 : half ? ATTN_DTYPE_F32 : c->dt,
+                   3, ls, LAYOUT_RANDOM);
     fill(&c->lse.t, SENTINEL);
     attn_tensor_init(&c->tseq, c->seqlens, ATTN_DTYPE_I32, 1, &c->B);
     attn_sdpa_params_init(&c->p);
@@ -951,6 +958,42 @@ static void kvcache_paged(void) {
 static void kvcache_modifiers(void) {
     kv_cases(0, true, cases_per_path(30));
     kv_cases(16, true, cases_per_path(30));
+}
+
+/* 16-bit queries over a cache of their dtype, prefill chunks of 17-60 rows
+ * per head: the queries-in-lanes layout, whose bfloat16 products
+ * (avx512_bf16) read a contiguous cache and pages of 64 rows in place and
+ * gather pages of 16; ragged sequences, GQA, odd widths and strided
+ * queries; on every path against the oracle. */
+static void kvcache_half_prefill(void) {
+    rng r = {harness_seed() ^ 0xbf16};
+    for (int pi = 0; pi < NPATHS; pi++) {
+        CHECK_OK(attn_set_isa(PATHS[pi]));
+        double worst = 0;
+        for (int i = 0; i < 12; i++) {
+            kv_case c;
+            memset(&c, 0, sizeof c);
+            c.dt = c.cdt = i % 4 == 3 ? ATTN_DTYPE_F16 : ATTN_DTYPE_BF16;
+            c.B = rng_int(&r, 1, 3);
+            c.Lq = rng_int(&r, 17, 60);
+            c.Hkv = rng_int(&r, 1, 2);
+            c.Hq = c.Hkv * rng_int(&r, 1, 3);
+            c.E = i % 2 ? 64 : rng_int(&r, 1, 40);
+            c.Ev = rng_int(&r, 0, 1) ? c.E : rng_int(&r, 1, 80);
+            c.Lnew = rng_int(&r, 0, 1) ? c.Lq : 0;
+            c.bs = i % 3 == 0 ? 0 : i % 3 == 1 ? 16 : 64;
+            c.with_seqlens = true;
+            for (int64_t b = 0; b < c.B; b++) c.seqlens[b] = (int32_t)rng_int(&r, 0, 300);
+            kv_build(&c, &r);
+            c.with_lse = true;
+            c.p.causal = c.m.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+            worst = fmax(worst, kv_run_check(&c, "16-bit prefill over a cache"));
+            kv_free(&c);
+        }
+        printf("  path %-11s 12 cases; worst error/tolerance %.3f\n", attn_isa_name(PATHS[pi]),
+               worst);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
 }
 
 /* cache_seqlens NULL: every row of the cache is filled and attended to. */
@@ -1504,7 +1547,7 @@ int main(int argc, char **argv) {
     find_paths();
     static const harness_test tests[] = {
         T(varlen_random),          T(varlen_edges),           T(varlen_hostile),
-        T(kvcache_contiguous),     T(kvcache_paged),          T(kvcache_full),
+        T(kvcache_contiguous),     T(kvcache_paged),          T(kvcache_full), T(kvcache_half_prefill),
         T(kvcache_hostile_indices), T(kvcache_hostile_args),  T(varlen_modifiers),
         T(kvcache_modifiers),      T(nonfinite_key_in_short_sequence), T(huge_windows),
         T(kvcache_long),           T(sdpa_token_major),

@@ -200,7 +200,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fz_values vals = {true};
 
     /* Every kernel path this machine runs is fuzzed. */
-    attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_AVX512);
+    attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_LAST);
     if (attn_isa_supported(isa)) fz_check_status(attn_set_isa(isa), "attn_set_isa");
     if (fz_one_in(&f, 16)) fuzz_views(&f);
 

@@ -503,7 +503,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fz f = {data, size};
     fz_values vals = {true};
     /* Every kernel path this machine runs is fuzzed. */
-    attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_AVX512);
+    attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_LAST);
     if (attn_isa_supported(isa)) fz_check_status(attn_set_isa(isa), "attn_set_isa");
     if (fz_bool(&f))
         fuzz_kvcache(&f, &vals);

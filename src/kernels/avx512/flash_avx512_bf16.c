@@ -1,0 +1,308 @@
+/*
+ * flash_avx512_bf16.c — the bfloat16 slots of ukernel.h with AVX512-BF16:
+ * a bfloat16 call's prefill products in vdpbf16ps, which multiplies 16
+ * pairs of bfloat16 values per instruction into float32 sums (twice the
+ * multiply-adds of a float32 FMA; `attn_bench peak --bf16`). Only this
+ * file is compiled with -mavx512bf16 (and BW, DQ, VL, which every CPU with
+ * it has); the registry applies it on top of the AVX-512 context after
+ * CPUID said the CPU has it.
+ *
+ * The register tiles are the float32 kernels' with a key pair (or feature
+ * pair) where those have one key (feature):
+ *   qkt  8 keys x 48 queries: 24 accumulators, 3 Qt pair vectors, a
+ *        broadcast K pair (two adjacent features of one key, read in place)
+ *   pv   6 query rows x 64 output features: 24 accumulators, 4 V pair
+ *        vectors, a broadcast P pair (two adjacent keys of one row)
+ * Operands enter as pairs (ukernel.h): Qt transposed as 32-bit elements,
+ * V interleaved two rows at a time, P rounded and interleaved likewise.
+ *
+ * Arithmetic: each bfloat16 product is exact in float32; vdpbf16ps adds a
+ * pair's two products to the sum one after the other, each rounded to
+ * nearest even, with bfloat16 subnormal inputs read as zero and subnormal
+ * sums flushed to zero (it ignores MXCSR). Scores therefore differ from the
+ * widened float32 path's in the order of their roundings only; the weights
+ * P lose their bits below bfloat16's (a relative 2^-9), as in every
+ * bfloat16 attention (PyTorch's CPU kernel rounds P alike).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../ukernel.h"
+#include "transpose16.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define ROWS 6  /* pv tile rows                             */
+#define VECS 4  /* pv tile: 16-feature vectors per row       */
+#define KEYS 8  /* qkt tile keys                            */
+#define QVECS 3 /* qkt tile: 16-query vectors (48 queries)  */
+
+/* A pair vector seen as what vdpbf16ps multiplies. */
+ALWAYS_INLINE __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+/* Elements [0, n) of 16-bit values, zero past them: a bit per element. */
+ALWAYS_INLINE __mmask32 first_n32(int64_t n) {
+    return n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1);
+}
+ALWAYS_INLINE __mmask16 first_n16(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* ---- Qt in pairs ---- */
+
+/* Unit column stride: the pair (2p, 2p+1) of a row is one 32-bit element,
+ * so Qt in pairs is the transpose of the rows read as 32-bit elements, 16 x
+ * 16 at a time. Loads mask by 16-bit element, so an odd E's last pair has a
+ * zero high half and nothing past a row is read. */
+static void pack_qt_rows(const uint16_t *q, int64_t rs, int64_t nr, int64_t E, uint32_t *qtp,
+                         int64_t lanes) {
+    const int64_t pairs = (E + 1) / 2;
+    (void)lanes;
+    for (int64_t c = 0; c < nr; c += 16) {
+        const int64_t live = nr - c < 16 ? nr - c : 16;
+        const __mmask16 store = first_n16(live);
+        for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+            const __mmask32 elems = first_n32(E - 2 * p0);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < live ? _mm512_castsi512_ps(
+                                      _mm512_maskz_loadu_epi16(elems, q + (c + i) * rs + 2 * p0))
+                                : _mm512_setzero_ps();
+            transpose16(r);
+            const int64_t np = pairs - p0 < 16 ? pairs - p0 : 16;
+            for (int k = 0; k < np; k++)
+                _mm512_mask_storeu_epi32(qtp + (p0 + k) * lanes + c, store,
+                                         _mm512_castps_si512(r[k]));
+        }
+    }
+}
+
+static void pack_qt_bf(const uint16_t *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
+                       uint32_t *qtp, int64_t lanes) {
+    if (cs == 1) {
+        pack_qt_rows(q, rs, nr, E, qtp, lanes);
+        return;
+    }
+    for (int64_t p = 0; p < (E + 1) / 2; p++)
+        for (int64_t r = 0; r < nr; r++) {
+            const uint32_t lo = q[r * rs + 2 * p * cs];
+            const uint32_t hi = 2 * p + 1 < E ? q[r * rs + (2 * p + 1) * cs] : 0;
+            qtp[p * lanes + r] = lo | hi << 16;
+        }
+}
+
+/* ---- St = K · Qt ---- */
+
+/* K's pair p of row `row`, broadcast: features 2p and 2p+1, or 2p and a
+ * zero when 2p is the last feature (nothing past the row is read). */
+ALWAYS_INLINE __m512i k_pair(const uint16_t *row, int64_t p, int64_t E) {
+    uint32_t x;
+    if (2 * p + 1 < E)
+        memcpy(&x, row + 2 * p, sizeof x);
+    else
+        x = row[2 * p];
+    return _mm512_set1_epi32((int)x);
+}
+
+ALWAYS_INLINE void qkt_tile(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk,
+                            int64_t E, float *st, int64_t ldst, const int JK, const int NV) {
+    __m512 acc[KEYS][QVECS];
+#pragma GCC unroll 8
+    for (int j = 0; j < JK; j++)
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) acc[j][v] = _mm512_setzero_ps();
+    const int64_t pairs = (E + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i q[QVECS];
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) q[v] = _mm512_loadu_si512(qtp + p * ldqt + 16 * v);
+#pragma GCC unroll 8
+        for (int j = 0; j < JK; j++) {
+            const __m512i kb = k_pair(k + j * ldk, p, E);
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++)
+                acc[j][v] = _mm512_dpbf16_ps(acc[j][v], as_bh(kb), as_bh(q[v]));
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < JK; j++)
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(st + j * ldst + 16 * v, acc[j][v]);
+}
+
+#define QKT_NV(JK)                                                                            \
+    case JK:                                                                                  \
+        if (nv == 3)                                                                          \
+            qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 3);     \
+        else if (nv == 2)                                                                     \
+            qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 2);     \
+        else                                                                                  \
+            qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 1);     \
+        break;
+
+static void qkt_bf(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
+                   int64_t nk, int64_t lanes, float *st, int64_t ldst) {
+    for (int64_t c = 0; c < lanes; c += 16 * QVECS) {
+        const int nv = (int)((lanes - c) / 16 < QVECS ? (lanes - c) / 16 : QVECS);
+        for (int64_t j = 0; j < nk; j += KEYS) {
+            switch (nk - j < KEYS ? nk - j : KEYS) {
+                QKT_NV(8)
+                QKT_NV(7)
+                QKT_NV(6)
+                QKT_NV(5)
+                QKT_NV(4)
+                QKT_NV(3)
+                QKT_NV(2)
+                QKT_NV(1)
+            default: break;
+            }
+        }
+    }
+}
+
+/* ---- V and P in key pairs ---- */
+
+/* Two rows interleaved 16 features at a time: word 2i of a pair vector is
+ * row a's feature i, word 2i+1 row b's (vpermt2w). */
+static void pack_v_bf(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, uint32_t *vp,
+                      int64_t ldvp) {
+    __m512i lo_idx, hi_idx;
+    {
+        uint16_t lo[32], hi[32];
+        for (int i = 0; i < 16; i++) {
+            lo[2 * i] = (uint16_t)i, lo[2 * i + 1] = (uint16_t)(32 + i);
+            hi[2 * i] = (uint16_t)(16 + i), hi[2 * i + 1] = (uint16_t)(48 + i);
+        }
+        lo_idx = _mm512_loadu_si512(lo);
+        hi_idx = _mm512_loadu_si512(hi);
+    }
+    for (int64_t p = 0; 2 * p < nk; p++) {
+        const uint16_t *a = v + 2 * p * ldv, *b = a + ldv;
+        const bool has_b = 2 * p + 1 < nk;
+        uint32_t *dst = vp + p * ldvp;
+        for (int64_t e = 0; e < Ev; e += 32) {
+            const __mmask32 mk = first_n32(Ev - e);
+            const __m512i x = _mm512_maskz_loadu_epi16(mk, a + e);
+            const __m512i y = has_b ? _mm512_maskz_loadu_epi16(mk, b + e) : _mm512_setzero_si512();
+            _mm512_mask_storeu_epi32(dst + e, first_n16(Ev - e),
+                                     _mm512_permutex2var_epi16(x, lo_idx, y));
+            if (Ev - e > 16)
+                _mm512_mask_storeu_epi32(dst + e + 16, first_n16(Ev - e - 16),
+                                         _mm512_permutex2var_epi16(x, hi_idx, y));
+        }
+    }
+}
+
+/* Two rows of weights rounded (vcvtne2ps2bf16: row a in the low half) and
+ * interleaved (vpermw). */
+static void pack_p_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, uint32_t *pp,
+                      int64_t ldpp) {
+    uint16_t idx[32];
+    for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(16 + i);
+    const __m512i zip = _mm512_loadu_si512(idx);
+    for (int64_t p = 0; 2 * p < nk; p++) {
+        const float *a = st + 2 * p * ldst, *b = a + ldst;
+        const bool has_b = 2 * p + 1 < nk;
+        for (int64_t r = 0; r < lanes; r += 16) {
+            const __m512 y = has_b ? _mm512_loadu_ps(b + r) : _mm512_setzero_ps();
+            const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(y, _mm512_loadu_ps(a + r));
+            _mm512_storeu_si512(pp + p * ldpp + r, _mm512_permutexvar_epi16(zip, x));
+        }
+    }
+}
+
+/* ---- O = alpha·O + P · V over key pairs ---- */
+
+ALWAYS_INLINE __m512 load_part(const float *x, __mmask16 mk, bool partial) {
+    return partial ? _mm512_maskz_loadu_ps(mk, x) : _mm512_loadu_ps(x);
+}
+
+ALWAYS_INLINE void pv_tile(const uint32_t *pp, int64_t ldpp, const uint32_t *vp, int64_t ldvp,
+                           int64_t npairs, float *o, int64_t ldo, const float *alpha, const int R,
+                           const int NV, __mmask16 last, const bool TAIL) {
+    __m512 acc[ROWS][VECS];
+    __m512i vv[VECS];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+        for (int vi = 0; vi < NV; vi++)
+            acc[r][vi] = _mm512_mul_ps(a, load_part(o + r * ldo + 16 * vi, last, TAIL && vi == NV - 1));
+    }
+    for (int64_t p = 0; p < npairs; p++) {
+#pragma GCC unroll 4
+        for (int vi = 0; vi < NV; vi++)
+            vv[vi] = TAIL && vi == NV - 1 ? _mm512_maskz_loadu_epi32(last, vp + p * ldvp + 16 * vi)
+                                          : _mm512_loadu_si512(vp + p * ldvp + 16 * vi);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m512i pb = _mm512_set1_epi32((int)pp[p * ldpp + r]);
+#pragma GCC unroll 4
+            for (int vi = 0; vi < NV; vi++)
+                acc[r][vi] = _mm512_dpbf16_ps(acc[r][vi], as_bh(pb), as_bh(vv[vi]));
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int vi = 0; vi < NV; vi++) {
+            if (TAIL && vi == NV - 1)
+                _mm512_mask_storeu_ps(o + r * ldo + 16 * vi, last, acc[r][vi]);
+            else
+                _mm512_storeu_ps(o + r * ldo + 16 * vi, acc[r][vi]);
+        }
+}
+
+#define PV_CALL(R, NV)                                                                      \
+    (tail ? pv_tile(p, ldpp, ve, ldvp, npairs, o + e, ldo, alpha, R, NV, last, true)        \
+          : pv_tile(p, ldpp, ve, ldvp, npairs, o + e, ldo, alpha, R, NV, last, false))
+#define PV_CASE(R)                     \
+    case R:                            \
+        switch (nv) {                  \
+        case 4: PV_CALL(R, 4); break;  \
+        case 3: PV_CALL(R, 3); break;  \
+        case 2: PV_CALL(R, 2); break;  \
+        default: PV_CALL(R, 1); break; \
+        }                              \
+        break;
+
+/* Feature chunks outside, row tiles inside, as pv_f: one chunk of the V
+ * pairs stays in L1 while every row tile reads it. */
+static void pv_bf(const uint32_t *pp, int64_t ldpp, const uint32_t *vp, int64_t ldvp,
+                  int rows_all, int64_t npairs, int64_t Ev, float *o_all, int64_t ldo,
+                  const float *alpha_all) {
+    for (int64_t e = 0; e < Ev; e += 16 * VECS) {
+        const uint32_t *ve = vp + e;
+        const int64_t left = Ev - e;
+        const int nv = (int)(left >= 16 * VECS ? VECS : (left + 15) / 16);
+        const int64_t in_last = left - 16 * (nv - 1);
+        const bool tail = in_last < 16;
+        const __mmask16 last = first_n16(in_last);
+        for (int rr = 0; rr < rows_all; rr += ROWS) {
+            const int rows = rows_all - rr < ROWS ? rows_all - rr : ROWS;
+            const uint32_t *p = pp + rr;
+            const float *alpha = alpha_all + rr;
+            float *o = o_all + rr * ldo;
+            switch (rows) {
+                PV_CASE(6)
+                PV_CASE(5)
+                PV_CASE(4)
+                PV_CASE(3)
+                PV_CASE(2)
+                PV_CASE(1)
+            default: break;
+            }
+        }
+    }
+}
+
+/* The bfloat16 slots; every other slot and the blocking stay AVX-512's
+ * (the tiles have the float32 kernels' shapes). */
+void attn__ukernel_init_avx512_bf16(attn__ukernel *ctx) {
+    ctx->name = "avx512_bf16";
+    ctx->pack_qt_bf = pack_qt_bf;
+    ctx->qkt_bf = qkt_bf;
+    ctx->pack_v_bf = pack_v_bf;
+    ctx->pack_p_bf = pack_p_bf;
+    ctx->pv_bf = pv_bf;
+}
