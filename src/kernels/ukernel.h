@@ -132,6 +132,12 @@ typedef struct attn__ukernel {
                             const float *off, const float *off_lo, const float *D,
                             float ds_scale);
 
+    /* Optional (NULL: attn__store per element): dst[e] = o[e]·inv for e < n,
+     * computed in float64 and rounded once to dtype (ATTN_DTYPE_F16 or
+     * ATTN_DTYPE_BF16) as attn__store does; returns whether every o[e]·inv
+     * is finite. A 16-bit call's output rows. */
+    bool (*store_half_f)(const float *o, double inv, int64_t n, attn_dtype dtype, uint16_t *dst);
+
     /* ---- bfloat16 products (optional, all or none; NULL: a bfloat16 call
      * widens its rows and runs float32's kernels) ----
      * A bfloat16 call's queries-in-lanes blocks (prefill) multiply in
@@ -157,6 +163,11 @@ typedef struct attn__ukernel {
      * lane_step): a softmax tile's weights in key pairs */
     void (*pack_p_bf)(const float *st, int64_t ldst, int64_t nk, int64_t lanes, uint32_t *pp,
                       int64_t ldpp);
+    /* softmax_t_f's update with the weights written as pack_p_bf writes
+     * them (bits for bits), not to st: without dropout, which needs them
+     * in st first */
+    void (*softmax_t_bf)(const float *st, int64_t ldst, int64_t nk, int64_t lanes, float c,
+                         float *m, float *l, float *alpha, uint32_t *pp, int64_t ldpp);
     /* O = alpha·O + P·V as pv_f, over npairs key pairs: weights pp[p·ldpp + r]
      * (pack_p_bf), V rows vp (pack_v_bf) */
     void (*pv_bf)(const uint32_t *pp, int64_t ldpp, const uint32_t *vp, int64_t ldvp, int rows,

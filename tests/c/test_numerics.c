@@ -17,6 +17,7 @@
  * value by rounding (1e-12 relative in float64, 1e-5 in float32) when it
  * reroutes around a non-finite input, never make it NaN/Inf.
  */
+#include "kernels/ukernel.h"
 #include "testutil.h"
 
 enum { MAXL = 16, MAXS = 16, MAXE = 32 };
@@ -473,7 +474,61 @@ static void float16_outputs_round_at_the_range(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* Every context's store_half_f writes the bits attn__store writes (o·inv in
+ * float64 rounded once) and reports non-finite products: random values
+ * and the edges (bfloat16 and float16 ties, subnormal results, the top of
+ * each range, past float32's, NaN and Inf), every tail length. */
+static uint64_t below(rng *r, uint64_t n) { return rng_next(r) % n; }
+
+static void output_rows_round_as_attn_store(void) {
+    rng r = {harness_seed() ^ 0x57e};
+    enum { N = 40 };
+    const float edges[] = {1.0f + 0x1p-11f, 1.5f + 0x1p-8f, -(1.0f + 0x1p-11f), 1.0f + 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-20f, -(1.0f + 0x1p-7f + 0x1p-8f),
+                           65504.0f, 65520.0f, 65519.99f, 0x1p-24f, 0x1.8p-25f, 0x1p-130f,
+                           3.0e38f, -3.3e38f, 0x1.fefffep127f, 0.0f, -0.0f, 1e-45f};
+    int checked = 0;
+    for (int isa = ATTN_ISA_GENERIC; isa <= ATTN_ISA_LAST; isa++) {
+        if (!attn_isa_supported((attn_isa)isa)) continue;
+        const attn__ukernel *kern = attn__ukernel_for((attn_isa)isa);
+        if (kern->store_half_f == NULL) continue;
+        for (int trial = 0; trial < 400; trial++) {
+            float o[N];
+            const int64_t n = 1 + (int64_t)below(&r, N);
+            /* 1 +- 2^-40: products just off a tie that float32 cannot hold
+             * (rounding twice would land on the tie) */
+            const double invs[] = {1.0,  1.0 / 3.0, 0.7 + rng_uniform(&r), 2.0,
+                                   1e-10, 0.0,      1 + 0x1p-40,           1 - 0x1p-40};
+            const double inv = invs[trial % 8];
+            for (int64_t e = 0; e < n; e++)
+                o[e] = below(&r, 3) == 0 ? edges[below(&r, sizeof edges / sizeof *edges)]
+                                             : (float)(rng_normal(&r) * ldexp(1, (int)below(&r, 40) - 20));
+            if (trial % 50 == 7) o[below(&r, (uint64_t)n)] = trial % 100 == 7 ? NAN : INFINITY;
+            for (int d = 0; d < 2; d++) {
+                const attn_dtype dt = d ? ATTN_DTYPE_BF16 : ATTN_DTYPE_F16;
+                uint16_t got[N + 1], want[N + 1];
+                bool finite = true;
+                got[n] = 0xdead;
+                for (int64_t e = 0; e < n; e++) {
+                    attn__store(want, dt, e, (double)o[e] * inv);
+                    finite &= isfinite((double)o[e] * inv);
+                }
+                const bool said = kern->store_half_f(o, inv, n, dt, got);
+                CHECK(said == finite, "%s %s: finite %d, said %d", kern->name, attn_dtype_name(dt),
+                      finite, said);
+                CHECK(got[n] == 0xdead, "%s: wrote past n = %lld", kern->name, (long long)n);
+                for (int64_t e = 0; e < n; e++) {
+                    if (!isfinite((double)o[e] * inv)) continue; /* recomputed by the reference */
+                    CHECK(got[e] == want[e], "%s %s: %.9g x %.17g gave %04x, attn__store %04x",
+                          kern->name, attn_dtype_name(dt), (double)o[e], inv, got[e], want[e]);
+                }
+                checked++;
+            }
+        }
+    }
+    printf("  %d rows compared\n", checked);
+}
+
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
-             T(float16_outputs_round_at_the_range))
+             T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store))

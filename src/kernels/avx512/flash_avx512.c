@@ -18,33 +18,11 @@
 
 #include "../exp2.h"
 #include "../ukernel.h"
-#include "transpose16.h"
+#include "simd512.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6
 #define VECS 4 /* 16-float vectors per tile row */
-
-/* ---- exp2 on 16 lanes: the polynomial of exp2.h ---- */
-
-ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
-    /* Lanes below -125 (masked keys are -inf) give an exact 0 through the
-     * zeroing mask, so no subnormal is ever produced: on Intel cores a
-     * subnormal result costs a microcode assist per lane. Weights that small
-     * are below float32 resolution next to the row's largest weight (1).
-     * NaN keeps its lane: "not less than" is true for unordered operands. */
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(ATTN__EXP2F_MIN), x);
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(ATTN__EXP2F_C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C0));
-    return _mm512_maskz_scalef_ps(keep, p, n); /* p * 2^n, exact */
-}
 
 /* ---- Qt: a block of query rows, transposed ---- */
 
@@ -504,6 +482,46 @@ static void pv_h(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, 
         pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_BF16);
 }
 
+/* ---- 16-bit output rows (ukernel.h: store_half_f) ---- */
+
+/* o·inv in float64, truncated to float32 and its last bit set when that
+ * was inexact (rounding "to odd"), then rounded to nearest even: float16
+ * by vcvtps2ph, bfloat16 by adding 0x7fff plus the kept bit's parity.
+ * The same bits as attn__store, 16 values per step. */
+static bool store_half_f(const float *o, double inv, int64_t n, attn_dtype dtype, uint16_t *dst) {
+    const __m512d iv = _mm512_set1_pd(inv), inf = _mm512_set1_pd(INFINITY);
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    __mmask8 special = 0;
+    for (int64_t e = 0; e < n; e += 16) {
+        const __mmask16 mk = n - e >= 16 ? 0xffff : (__mmask16)((1u << (n - e)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(mk, o + e);
+        const __m512d lo = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), iv);
+        const __m512d hi = _mm512_mul_pd(
+            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), iv);
+        special |= _mm512_cmp_pd_mask(_mm512_abs_pd(lo), inf, _CMP_NLT_UQ) |
+                   _mm512_cmp_pd_mask(_mm512_abs_pd(hi), inf, _CMP_NLT_UQ);
+        const __m256 tlo = _mm512_cvt_roundpd_ps(lo, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 thi = _mm512_cvt_roundpd_ps(hi, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __mmask16 inexact =
+            (__mmask16)(_mm512_cmp_pd_mask(_mm512_cvtps_pd(tlo), lo, _CMP_NEQ_UQ) |
+                        _mm512_cmp_pd_mask(_mm512_cvtps_pd(thi), hi, _CMP_NEQ_UQ) << 8);
+        __m512i u = _mm512_castpd_si512(_mm512_insertf64x4(
+            _mm512_castpd256_pd512(_mm256_castps_pd(tlo)), _mm256_castps_pd(thi), 1));
+        u = _mm512_mask_or_epi32(u, inexact, u, one); /* to odd */
+        if (dtype == ATTN_DTYPE_BF16) {
+            const __m512i parity = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+            u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, parity)), 16);
+            _mm512_mask_cvtepi32_storeu_epi16(dst + e, mk, u);
+        } else {
+            uint16_t h[16];
+            _mm256_storeu_si256((__m256i *)h, _mm512_cvtps_ph(_mm512_castsi512_ps(u),
+                                                              _MM_FROUND_TO_NEAREST_INT));
+            for (int64_t i = 0; i < 16 && e + i < n; i++) dst[e + i] = h[i];
+        }
+    }
+    return special == 0;
+}
+
 /* ---- the backward's elementwise step (ukernel.h) ---- */
 
 /* P = 2^(S·c - off) and dS = ds_scale·P·(dP - D), 16 queries per vector.
@@ -579,4 +597,5 @@ void attn__ukernel_init_avx512(attn__ukernel *ctx) {
     ctx->softmax_f = softmax_f;
     ctx->pv_f = pv_f;
     ctx->softmax_bwd_t_f = softmax_bwd_t_f;
+    ctx->store_half_f = store_half_f;
 }

@@ -25,11 +25,12 @@
  * bfloat16 attention (PyTorch's CPU kernel rounds P alike).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "../ukernel.h"
-#include "transpose16.h"
+#include "simd512.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define ROWS 6  /* pv tile rows                             */
@@ -193,13 +194,19 @@ static void pack_v_bf(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, ui
     }
 }
 
+/* vpermw's index that interleaves the two halves of a vector: words i and
+ * 16 + i become words 2i and 2i + 1. */
+ALWAYS_INLINE __m512i zip_pairs(void) {
+    uint16_t idx[32];
+    for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(16 + i);
+    return _mm512_loadu_si512(idx);
+}
+
 /* Two rows of weights rounded (vcvtne2ps2bf16: row a in the low half) and
  * interleaved (vpermw). */
 static void pack_p_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, uint32_t *pp,
                       int64_t ldpp) {
-    uint16_t idx[32];
-    for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(16 + i);
-    const __m512i zip = _mm512_loadu_si512(idx);
+    const __m512i zip = zip_pairs();
     for (int64_t p = 0; 2 * p < nk; p++) {
         const float *a = st + 2 * p * ldst, *b = a + ldst;
         const bool has_b = 2 * p + 1 < nk;
@@ -208,6 +215,78 @@ static void pack_p_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, 
             const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(y, _mm512_loadu_ps(a + r));
             _mm512_storeu_si512(pp + p * ldpp + r, _mm512_permutexvar_epi16(zip, x));
         }
+    }
+}
+
+/* softmax_t_f's column walk (flash_avx512.c: softmax_cols) with the
+ * weights of keys 2p and 2p+1 rounded and interleaved into pair row p as
+ * pack_p_bf does, never stored as float32. The sums add each key's weight
+ * in key order, as softmax_t_f's do, so m, l and alpha are its bits. */
+ALWAYS_INLINE void softmax_cols_bf(const float *st, int64_t ldst, int64_t nk, float c, float *m,
+                                   float *l, float *alpha, uint32_t *pp, int64_t ldpp,
+                                   __m512i zip, const int NV) {
+    const float none = c >= 0 ? -INFINITY : INFINITY;
+    const __m512 nonev = _mm512_set1_ps(none), zero = _mm512_setzero_ps();
+    const __m512 cv = _mm512_set1_ps(c);
+    __m512 mx[QVECS], ref[QVECS], sum[QVECS];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) mx[v] = _mm512_loadu_ps(m + 16 * v);
+    if (c >= 0) {
+        for (int64_t j = 0; j < nk; j++)
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++)
+                mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+    } else {
+        for (int64_t j = 0; j < nk; j++)
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++)
+                mx[v] = _mm512_min_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+    }
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) {
+        /* a column that has seen nothing visible measures from 0 */
+        const __mmask16 empty = _mm512_cmp_ps_mask(mx[v], nonev, _CMP_EQ_OQ);
+        ref[v] = _mm512_mask_blend_ps(empty, mx[v], zero);
+        sum[v] = zero;
+    }
+    for (int64_t p = 0; 2 * p < nk; p++) {
+        const bool has_b = 2 * p + 1 < nk;
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) {
+            const float *at = st + 2 * p * ldst + 16 * v;
+            const __m512 a = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(at), ref[v]), cv));
+            sum[v] = _mm512_add_ps(sum[v], a);
+            __m512 b = zero;
+            if (has_b) {
+                b = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(at + ldst), ref[v]), cv));
+                sum[v] = _mm512_add_ps(sum[v], b);
+            }
+            const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            _mm512_storeu_si512(pp + p * ldpp + 16 * v, _mm512_permutexvar_epi16(zip, x));
+        }
+    }
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) {
+        const __m512 a = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(m + 16 * v), ref[v]), cv));
+        _mm512_storeu_ps(alpha + 16 * v, a);
+        _mm512_storeu_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * v), a, sum[v]));
+        _mm512_storeu_ps(m + 16 * v, mx[v]);
+    }
+}
+
+static void softmax_t_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, float c,
+                         float *m, float *l, float *alpha, uint32_t *pp, int64_t ldpp) {
+    const __m512i zip = zip_pairs();
+    for (int64_t col = 0; col < lanes; col += 16 * QVECS) {
+        const int64_t nv = (lanes - col) / 16 < QVECS ? (lanes - col) / 16 : QVECS;
+        const float *s = st + col;
+        uint32_t *q = pp + col;
+        if (nv == 3)
+            softmax_cols_bf(s, ldst, nk, c, m + col, l + col, alpha + col, q, ldpp, zip, 3);
+        else if (nv == 2)
+            softmax_cols_bf(s, ldst, nk, c, m + col, l + col, alpha + col, q, ldpp, zip, 2);
+        else
+            softmax_cols_bf(s, ldst, nk, c, m + col, l + col, alpha + col, q, ldpp, zip, 1);
     }
 }
 
@@ -304,5 +383,6 @@ void attn__ukernel_init_avx512_bf16(attn__ukernel *ctx) {
     ctx->qkt_bf = qkt_bf;
     ctx->pack_v_bf = pack_v_bf;
     ctx->pack_p_bf = pack_p_bf;
+    ctx->softmax_t_bf = softmax_t_bf;
     ctx->pv_bf = pv_bf;
 }
