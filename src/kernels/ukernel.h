@@ -70,6 +70,10 @@ typedef struct attn__ukernel {
         int64_t max_width;
         int keys;
     } key_block[ATTN__KEY_BLOCK_CLASSES];
+    /* bfloat16 products (below): rows and keys per block of the
+     * queries-in-lanes layout for heads up to 128 wide (wider: key_block) */
+    int pairs_lanes;
+    int pairs_keys;
     int direct_keys; /* keys in columns: keys per block                       */
     int direct_rows; /* keys in columns for head groups of at most this many
                         query rows (decoding)                                 */

@@ -185,6 +185,8 @@ static int64_t lanes_for(const flash_work *w, const attn__ukernel *kern, int thr
     return best;
 }
 
+static bool bf16_pairs(const attn__problem *p, const flash_work *w, const attn__ukernel *kern);
+
 /* The split for `threads` threads. Only the width of query blocks in the
  * queries-in-lanes layout depends on it, and a row's result does not
  * depend on the rows it shares a block with: lanes are independent and key
@@ -210,13 +212,14 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
     /* A group of fewer rows than the context's lanes (small heads: MHA with
      * L = 32) gets as few lane steps as it needs, not 48 lanes of which a
      * third idle. */
-    const int64_t step = kern->lane_step;
-    w.lanes = w.nrows < kern->lanes ? (w.nrows + step - 1) / step * step : kern->lanes;
+    const int64_t step = kern->lane_step, width = p->E > p->Ev ? p->E : p->Ev;
+    const bool pairs = bf16_pairs(p, &w, kern) && width <= 128; /* its own blocks */
+    const int64_t lanes = pairs ? kern->pairs_lanes : kern->lanes;
+    w.lanes = w.nrows < lanes ? (w.nrows + step - 1) / step * step : lanes;
     if (!w.direct) w.lanes = lanes_for(&w, kern, threads); /* many threads, few blocks */
     w.BR = w.direct ? w.nrows : w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
-    const int64_t width = p->E > p->Ev ? p->E : p->Ev;
-    w.BC = w.direct ? kern->direct_keys : lanes_keys(kern, width);
+    w.BC = w.direct ? kern->direct_keys : pairs ? kern->pairs_keys : lanes_keys(kern, width);
     w.gang = gang_size(p, &w);
     w.kv_rows = w.nrows;
     if (w.gang > 1) { /* the gang's heads are one group of rows */
