@@ -99,8 +99,12 @@ typedef struct attn__ukernel {
      * uniformly strided, q already in the compute type. */
     void (*pack_qt_f)(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
                       float *qt, int64_t lanes);
+    /* St = K · Qt (keys x lanes). keys (or NULL: all nk): for each group of
+     * lane_step lanes, the keys it needs; St entries of a group past its
+     * count may be left as they are (rows past the causal diagonal, hidden
+     * by the driver's masks afterwards). */
     void (*qkt_f)(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E,
-                  int64_t nk, int64_t lanes, float *st, int64_t ldst);
+                  int64_t nk, int64_t lanes, float *st, int64_t ldst, const int64_t *keys);
     void (*softmax_t_f)(float *st, int64_t ldst, int64_t nk, int64_t lanes, float c, float *m,
                         float *l, float *alpha);
     void (*qk_direct_f)(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
@@ -157,7 +161,7 @@ typedef struct attn__ukernel {
     /* St = K · Qt as qkt_f, from qtp (ceil(E/2) x lanes pairs, leading
      * dimension ldqt) and bfloat16 K rows with unit column stride, in place */
     void (*qkt_bf)(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
-                   int64_t nk, int64_t lanes, float *st, int64_t ldst);
+                   int64_t nk, int64_t lanes, float *st, int64_t ldst, const int64_t *keys);
     /* vp[p·ldvp + e] = (v[2p·ldv + e], v[(2p+1)·ldv + e]) for p < ceil(nk/2),
      * e < Ev: V rows in key pairs */
     void (*pack_v_bf)(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, uint32_t *vp,
@@ -181,7 +185,7 @@ typedef struct attn__ukernel {
     void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
                       double scale, double *qt, int64_t lanes);
     void (*qkt_d)(const double *qt, int64_t ldqt, const double *k, int64_t ldk, int64_t E,
-                  int64_t nk, int64_t lanes, double *st, int64_t ldst);
+                  int64_t nk, int64_t lanes, double *st, int64_t ldst, const int64_t *keys);
     void (*softmax_t_d)(double *st, int64_t ldst, int64_t nk, int64_t lanes, double c,
                         double *m, double *l, double *alpha);
     void (*qk_direct_d)(const double *q, int64_t ldq, const double *k, int64_t ldk, int64_t E,

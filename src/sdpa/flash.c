@@ -354,6 +354,31 @@ static void visible_span(const flash_row *rows, int64_t nr, int64_t S, int64_t *
     }
 }
 
+/* The keys each group of lane_step lanes of a block needs (qkt's `keys`,
+ * ukernel.h) for keys j0 .. j0+nk-1: up to its rows' last visible key, so
+ * that the scores past the causal diagonal (or a window's right edge) are
+ * not computed, only hidden; lanes past the block's rows take the whole
+ * block. NULL when every group needs every key. */
+enum { MAX_LANE_GROUPS = 64 };
+
+static const int64_t *lane_group_keys(const attn__ukernel *kern, const flash_row *rows,
+                                      int64_t nr, int64_t lanes, int64_t j0, int64_t nk,
+                                      int64_t *keys) {
+    const int64_t step = kern->lane_step, groups = lanes / step;
+    if (groups > MAX_LANE_GROUPS) return NULL;
+    bool all = true;
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t need = (g + 1) * step > nr ? nk : 0;
+        for (int64_t r = g * step; r < (g + 1) * step && r < nr; r++) {
+            const int64_t n = rows[r].limit - j0 + 1;
+            if (n > need) need = n;
+        }
+        keys[g] = need < nk ? need : nk;
+        all &= keys[g] == nk;
+    }
+    return all ? NULL : keys;
+}
+
 /* Rows of query block qb of group g (dense index h·L + i in the group). */
 static void setup_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t qb,
                        flash_row *rows, int64_t *nr) {

@@ -141,12 +141,22 @@ ALWAYS_INLINE void qkt_tile(const uint32_t *qtp, int64_t ldqt, const uint16_t *k
             qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 1);     \
         break;
 
+/* The keys a tile of nv 16-lane groups from lane c needs (ukernel.h). */
+static int64_t tile_keys(const int64_t *keys, int64_t c, int nv, int64_t nk) {
+    if (keys == NULL) return nk;
+    int64_t n = 0;
+    for (int v = 0; v < nv; v++)
+        if (keys[c / 16 + v] > n) n = keys[c / 16 + v];
+    return n < nk ? n : nk;
+}
+
 static void qkt_bf(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
-                   int64_t nk, int64_t lanes, float *st, int64_t ldst) {
+                   int64_t nk, int64_t lanes, float *st, int64_t ldst, const int64_t *keys) {
     for (int64_t c = 0; c < lanes; c += 16 * QVECS) {
         const int nv = (int)((lanes - c) / 16 < QVECS ? (lanes - c) / 16 : QVECS);
-        for (int64_t j = 0; j < nk; j += KEYS) {
-            switch (nk - j < KEYS ? nk - j : KEYS) {
+        const int64_t nt = tile_keys(keys, c, nv, nk);
+        for (int64_t j = 0; j < nt; j += KEYS) {
+            switch (nt - j < KEYS ? nt - j : KEYS) {
                 QKT_NV(8)
                 QKT_NV(7)
                 QKT_NV(6)

@@ -36,7 +36,9 @@
     }                                                                                            \
     /* St[j][r] = sum_e K[j][e] Qt[e][r]: keys down, queries across. */                          \
     static void generic_qkt_##SFX(const REAL *qt, int64_t ldqt, const REAL *k, int64_t ldk,      \
-                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst) { \
+                                  int64_t E, int64_t nk, int64_t lanes, REAL *st, int64_t ldst,  \
+                                  const int64_t *keys) {                                         \
+        (void)keys; /* every key of every lane (allowed) */                                      \
         for (int64_t j = 0; j < nk; j++) {                                                       \
             REAL *sj = st + j * ldst;                                                            \
             for (int64_t r = 0; r < lanes; r++) sj[r] = 0;                                       \
