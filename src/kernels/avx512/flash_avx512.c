@@ -280,14 +280,21 @@ ALWAYS_INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int64_t ldk,
                                 int64_t E, const int R, float *s, int64_t lds, const bool SEQ,
                                 const int HK) {
+    /* (the loops over rows and keys unrolled, so the accumulators stay in
+     * registers: left rolled, GCC kept them on the stack, a store and a
+     * load per multiply-add that bounded decoding from a bfloat16 cache) */
     __m512 acc[ROWS][4];
+#pragma GCC unroll 6
     for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     if (SEQ)
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++)
             for (int64_t e = 0; e < E; e += 16) {
                 const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
                 const __m512 kv = load16(k, c * ldk + e, mk, HK);
+#pragma GCC unroll 6
                 for (int r = 0; r < R; r++)
                     acc[r][c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + r * ldq + e), kv,
                                                 acc[r][c]);
@@ -296,12 +303,16 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int6
         for (int64_t e = 0; e < E; e += 16) {
             const __mmask16 mk = E - e >= 16 ? 0xffff : (__mmask16)((1u << (E - e)) - 1);
             __m512 kv[4];
+#pragma GCC unroll 4
             for (int c = 0; c < 4; c++) kv[c] = load16(k, c * ldk + e, mk, HK);
+#pragma GCC unroll 6
             for (int r = 0; r < R; r++) {
                 const __m512 qv = _mm512_maskz_loadu_ps(mk, q + r * ldq + e);
+#pragma GCC unroll 4
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(qv, kv[c], acc[r][c]);
             }
         }
+#pragma GCC unroll 6
     for (int r = 0; r < R; r++)
         _mm_storeu_ps(s + r * lds, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
