@@ -212,25 +212,35 @@ ALWAYS_INLINE float element(const void *base, int64_t at, const int HK) {
 ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int64_t ldk,
                                 int64_t E, const int R, float *s, int64_t lds, const bool SEQ,
                                 const int HK) {
+    /* (loops unrolled so the accumulators stay in registers, as in the
+     * AVX-512 file: rolled, GCC kept them on the stack) */
     __m256 acc[3][4];
+#pragma GCC unroll 3
     for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
     if (SEQ)
+#pragma GCC unroll 4
         for (int c = 0; c < 4; c++)
             for (int64_t e = 0; e < E; e += 8) {
                 const __m256 kv = load8(k, c * ldk + e, HK);
+#pragma GCC unroll 3
                 for (int r = 0; r < R; r++)
                     acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
             }
     else
         for (int64_t e = 0; e < E; e += 8) {
             __m256 kv[4];
+#pragma GCC unroll 4
             for (int c = 0; c < 4; c++) kv[c] = load8(k, c * ldk + e, HK);
+#pragma GCC unroll 3
             for (int r = 0; r < R; r++) {
                 const __m256 qv = _mm256_loadu_ps(q + r * ldq + e);
+#pragma GCC unroll 4
                 for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
             }
         }
+#pragma GCC unroll 3
     for (int r = 0; r < R; r++)
         _mm_storeu_ps(s + r * lds, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
@@ -382,9 +392,9 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
         break;
 
 /* Feature chunks outside, row tiles inside, so a V chunk stays in L1. */
-ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
-                      int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
-                      const float *alpha_all, const int HK) {
+ALWAYS_INLINE void pv_chunks(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v,
+                             int64_t ldv, int rows_all, int64_t nk, int64_t Ev, float *o_all,
+                             int64_t ldo, const float *alpha_all, const int HK) {
     const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 8 * VECS) {
         const void *ve = (const char *)v + (size_t)e * es;
@@ -409,6 +419,32 @@ ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void
             }
         }
     }
+}
+
+/* Keys per sub-block of pv for one row tile (decoding). */
+enum { PV_KEYS = 32 };
+
+/* O = alpha·O + P·V. One row tile over several feature chunks (decoding:
+ * a few query rows over a long V block): keys in sub-blocks of PV_KEYS
+ * outside the chunks, so each sub-block's V rows are read whole, front to
+ * back, and every chunk then finds them in L1. Chunk after chunk over the
+ * whole block read each V row 64 bytes at a time, 8 strided walks per
+ * block (E = 128), and left the AVX2 decode's P·V three times slower than
+ * its scores (Zen 4, (1,32,1,32768,128), 8 KV heads). The same multiply-adds
+ * in the same order: O is stored and reloaded between sub-blocks (times 1). */
+ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
+                      int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
+                      const float *alpha_all, const int HK) {
+    if (rows_all > ROWS || Ev <= 8 * VECS || nk <= PV_KEYS) {
+        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK);
+        return;
+    }
+    static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
+    const size_t es = HK == HK_F32 ? 4 : 2;
+    for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
+        pv_chunks(p_all + j0 * p_cs, p_rs, p_cs, (const char *)v + (size_t)(j0 * ldv) * es, ldv,
+                  rows_all, nk - j0 < PV_KEYS ? nk - j0 : PV_KEYS, Ev, o_all, ldo,
+                  j0 == 0 ? alpha_all : ones, HK);
 }
 
 static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
