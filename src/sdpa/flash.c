@@ -407,8 +407,20 @@ static void dropout_keep(const attn__problem *p, uint64_t index, int64_t n, unsi
 /* Scratch per thread, in elements of the compute type. */
 typedef struct flash_scratch_size {
     int64_t q, kp, vp, s, o, stat, keep;
-    int64_t pairs; /* bf16_pairs: P and V of a block in key pairs (uint32_t) */
+    int64_t pairs;  /* bf16_pairs: P of a block and V_SLOTS blocks of V in key
+                       pairs (uint32_t) */
+    int64_t vslots; /* ... V_SLOTS: key blocks of V kept packed (v_pairs)   */
 } flash_scratch_size;
+
+/* Bytes per thread of V blocks kept in key pairs (bfloat16 products,
+ * v_pairs): a group's whole V up to S·Ev = 1M (a head of 8,192 x 128). */
+#define V_PAIRS_BUDGET ((int64_t)4 << 20)
+
+/* Which V block a slot of the V pairs cache holds (v_pairs): the batch
+ * index and first key of the block, and its key count; nk 0: empty. */
+typedef struct v_pairs_tag {
+    int64_t b, j0, nk;
+} v_pairs_tag;
 
 static flash_scratch_size scratch_size(const attn__problem *p, const flash_work *w,
                                        const attn__ukernel *kern) {
@@ -422,8 +434,15 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
     z.keep = cols;
-    const int64_t key_pairs = (w->BC + 1) / 2;
-    z.pairs = bf16_pairs(p, w, kern) ? key_pairs * (w->lanes + p->Ev) : 0;
+    const int64_t key_pairs = (w->BC + 1) / 2, block_bytes = key_pairs * p->Ev * 4;
+    z.vslots = 0;
+    if (bf16_pairs(p, w, kern)) {
+        /* one slot per key block when the budget holds them; a split into
+         * key chunks (few query blocks) has little to reuse: one slot */
+        const int64_t blocks = (p->S + w->BC - 1) / w->BC, fit = V_PAIRS_BUDGET / block_bytes;
+        z.vslots = w->nchunks > 1 ? 1 : blocks < fit ? blocks : fit > 1 ? fit : 1;
+    }
+    z.pairs = z.vslots > 0 ? key_pairs * (w->lanes + z.vslots * p->Ev) : 0;
     return z;
 }
 
