@@ -141,15 +141,6 @@ ALWAYS_INLINE void qkt_tile(const uint32_t *qtp, int64_t ldqt, const uint16_t *k
             qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 1);     \
         break;
 
-/* The keys a tile of nv 16-lane groups from lane c needs (ukernel.h). */
-static int64_t tile_keys(const int64_t *keys, int64_t c, int nv, int64_t nk) {
-    if (keys == NULL) return nk;
-    int64_t n = 0;
-    for (int v = 0; v < nv; v++)
-        if (keys[c / 16 + v] > n) n = keys[c / 16 + v];
-    return n < nk ? n : nk;
-}
-
 static void qkt_bf(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
                    int64_t nk, int64_t lanes, float *st, int64_t ldst, const int64_t *keys) {
     for (int64_t c = 0; c < lanes; c += 16 * QVECS) {
@@ -235,30 +226,11 @@ static void pack_p_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, 
 ALWAYS_INLINE void softmax_cols_bf(const float *st, int64_t ldst, int64_t nk, float c, float *m,
                                    float *l, float *alpha, uint32_t *pp, int64_t ldpp,
                                    __m512i zip, const int NV) {
-    const float none = c >= 0 ? -INFINITY : INFINITY;
-    const __m512 nonev = _mm512_set1_ps(none), zero = _mm512_setzero_ps();
-    const __m512 cv = _mm512_set1_ps(c);
+    const __m512 zero = _mm512_setzero_ps(), cv = _mm512_set1_ps(c);
     __m512 mx[QVECS], ref[QVECS], sum[QVECS];
+    column_best(st, ldst, nk, c, m, mx, ref, NV);
 #pragma GCC unroll 3
-    for (int v = 0; v < NV; v++) mx[v] = _mm512_loadu_ps(m + 16 * v);
-    if (c >= 0) {
-        for (int64_t j = 0; j < nk; j++)
-#pragma GCC unroll 3
-            for (int v = 0; v < NV; v++)
-                mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
-    } else {
-        for (int64_t j = 0; j < nk; j++)
-#pragma GCC unroll 3
-            for (int v = 0; v < NV; v++)
-                mx[v] = _mm512_min_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
-    }
-#pragma GCC unroll 3
-    for (int v = 0; v < NV; v++) {
-        /* a column that has seen nothing visible measures from 0 */
-        const __mmask16 empty = _mm512_cmp_ps_mask(mx[v], nonev, _CMP_EQ_OQ);
-        ref[v] = _mm512_mask_blend_ps(empty, mx[v], zero);
-        sum[v] = zero;
-    }
+    for (int v = 0; v < NV; v++) sum[v] = zero;
     for (int64_t p = 0; 2 * p < nk; p++) {
         const bool has_b = 2 * p + 1 < nk;
 #pragma GCC unroll 3
@@ -275,13 +247,7 @@ ALWAYS_INLINE void softmax_cols_bf(const float *st, int64_t ldst, int64_t nk, fl
             _mm512_storeu_si512(pp + p * ldpp + 16 * v, _mm512_permutexvar_epi16(zip, x));
         }
     }
-#pragma GCC unroll 3
-    for (int v = 0; v < NV; v++) {
-        const __m512 a = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(m + 16 * v), ref[v]), cv));
-        _mm512_storeu_ps(alpha + 16 * v, a);
-        _mm512_storeu_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * v), a, sum[v]));
-        _mm512_storeu_ps(m + 16 * v, mx[v]);
-    }
+    column_update(m, l, alpha, mx, ref, sum, c, NV);
 }
 
 static void softmax_t_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, float c,

@@ -9,6 +9,8 @@
 #define ATTN_KERNELS_AVX512_SIMD512_H
 
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
 
 #include "../exp2.h"
 
@@ -32,6 +34,65 @@ static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C0));
     return _mm512_maskz_scalef_ps(keep, p, n); /* p * 2^n, exact */
+}
+
+/* ---- the online softmax down columns (queries in lanes) ---- */
+
+/* Each column's best raw score so far over a tile of nk keys (16 queries
+ * per vector, NV vectors), from m: the largest when c >= 0, the smallest
+ * when c < 0; and the reference its weights measure from, x = (s - ref)·c
+ * (0 for a column that has seen nothing visible). */
+static inline __attribute__((always_inline)) void column_best(const float *st, int64_t ldst,
+                                                              int64_t nk, float c, const float *m,
+                                                              __m512 *mx, __m512 *ref,
+                                                              const int NV) {
+    const __m512 none = _mm512_set1_ps(c >= 0 ? -INFINITY : INFINITY);
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) mx[v] = _mm512_loadu_ps(m + 16 * v);
+    if (c >= 0) {
+        for (int64_t j = 0; j < nk; j++)
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++)
+                mx[v] = _mm512_max_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+    } else {
+        for (int64_t j = 0; j < nk; j++)
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++)
+                mx[v] = _mm512_min_ps(mx[v], _mm512_loadu_ps(st + j * ldst + 16 * v));
+    }
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) {
+        const __mmask16 empty = _mm512_cmp_ps_mask(mx[v], none, _CMP_EQ_OQ);
+        ref[v] = _mm512_mask_blend_ps(empty, mx[v], _mm512_setzero_ps());
+    }
+}
+
+/* The columns' running state after a tile whose weights summed to `sum`:
+ * alpha = 2^((m - ref)·c) rescales what came before, l = l·alpha + sum,
+ * m = the new best. */
+static inline __attribute__((always_inline)) void column_update(float *m, float *l, float *alpha,
+                                                                const __m512 *mx,
+                                                                const __m512 *ref,
+                                                                const __m512 *sum, float c,
+                                                                const int NV) {
+    const __m512 cv = _mm512_set1_ps(c);
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) {
+        const __m512 a = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(m + 16 * v), ref[v]), cv));
+        _mm512_storeu_ps(alpha + 16 * v, a);
+        _mm512_storeu_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * v), a, sum[v]));
+        _mm512_storeu_ps(m + 16 * v, mx[v]);
+    }
+}
+
+/* The keys a qkt tile of nv 16-lane groups from lane c needs (ukernel.h:
+ * qkt's `keys`, NULL for all nk). */
+static inline int64_t tile_keys(const int64_t *keys, int64_t c, int nv, int64_t nk) {
+    if (keys == NULL) return nk;
+    int64_t n = 0;
+    for (int v = 0; v < nv; v++)
+        if (keys[c / 16 + v] > n) n = keys[c / 16 + v];
+    return n < nk ? n : nk;
 }
 
 /* ---- a 16 x 16 transpose ---- */
