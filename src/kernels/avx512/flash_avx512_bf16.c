@@ -58,7 +58,6 @@ ALWAYS_INLINE __mmask16 first_n16(int64_t n) {
 static void pack_qt_rows(const uint16_t *q, int64_t rs, int64_t nr, int64_t E, uint32_t *qtp,
                          int64_t lanes) {
     const int64_t pairs = (E + 1) / 2;
-    (void)lanes;
     for (int64_t c = 0; c < nr; c += 16) {
         const int64_t live = nr - c < 16 ? nr - c : 16;
         const __mmask16 store = first_n16(live);
@@ -179,8 +178,8 @@ static void pack_v_bf(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, ui
         hi_idx = _mm512_loadu_si512(hi);
     }
     for (int64_t p = 0; 2 * p < nk; p++) {
-        const uint16_t *a = v + 2 * p * ldv, *b = a + ldv;
         const bool has_b = 2 * p + 1 < nk;
+        const uint16_t *a = v + 2 * p * ldv, *b = has_b ? a + ldv : a;
         uint32_t *dst = vp + p * ldvp;
         for (int64_t e = 0; e < Ev; e += 32) {
             const __mmask32 mk = first_n32(Ev - e);
@@ -209,8 +208,8 @@ static void pack_p_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, 
                       int64_t ldpp) {
     const __m512i zip = zip_pairs();
     for (int64_t p = 0; 2 * p < nk; p++) {
-        const float *a = st + 2 * p * ldst, *b = a + ldst;
         const bool has_b = 2 * p + 1 < nk;
+        const float *a = st + 2 * p * ldst, *b = has_b ? a + ldst : a;
         for (int64_t r = 0; r < lanes; r += 16) {
             const __m512 y = has_b ? _mm512_loadu_ps(b + r) : _mm512_setzero_ps();
             const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(y, _mm512_loadu_ps(a + r));
