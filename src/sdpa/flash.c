@@ -407,9 +407,9 @@ static void dropout_keep(const attn__problem *p, uint64_t index, int64_t n, unsi
 /* Scratch per thread, in elements of the compute type. */
 typedef struct flash_scratch_size {
     int64_t q, kp, vp, s, o, stat, keep;
-    int64_t pairs;  /* bf16_pairs: P of a block and V_SLOTS blocks of V in key
-                       pairs (uint32_t) */
-    int64_t vslots; /* ... V_SLOTS: key blocks of V kept packed (v_pairs)   */
+    int64_t pairs;  /* bf16_pairs: P of a block and vslots blocks of V in key
+                       pairs (uint32_t, a float's size) */
+    int64_t vslots; /* key blocks of V kept packed (v_pairs)                */
 } flash_scratch_size;
 
 /* Bytes per thread of V blocks kept in key pairs (bfloat16 products,
