@@ -757,6 +757,7 @@ typedef uint64_t bits_d;
 #define EXP2 attn__exp2f
 #define NEXTAFTER nextafterf
 #define EPSILON FLT_EPSILON
+#define REAL_MAX FLT_MAX
 #define TANH_f softcap_tanhf
 #include "flash_driver.inc"
 #include "flash_backward.inc"
@@ -765,12 +766,14 @@ typedef uint64_t bits_d;
 #undef EXP2
 #undef NEXTAFTER
 #undef EPSILON
+#undef REAL_MAX
 
 #define REAL double
 #define SFX(name) name##_d
 #define EXP2 attn__exp2d
 #define NEXTAFTER nextafter
 #define EPSILON DBL_EPSILON
+#define REAL_MAX DBL_MAX
 #define TANH_d tanh
 #include "flash_driver.inc"
 #include "flash_backward.inc"
@@ -779,6 +782,7 @@ typedef uint64_t bits_d;
 #undef EXP2
 #undef NEXTAFTER
 #undef EPSILON
+#undef REAL_MAX
 
 attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *ukernel) {
     attn__problem tiny;

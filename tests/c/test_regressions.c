@@ -157,5 +157,78 @@ static void mha_huge_stride_on_unit_length(void) {
     attn_mha_destroy(m);
 }
 
-HARNESS_MAIN(T(span_of_int64_max_elements), T(mha_3d_mask_stride_times_heads),
+/* Review (issue 13's MHA tests): a float mask of the dtype's most negative
+ * finite value, torch.finfo(float32).min as Hugging Face models pad with,
+ * was folded into raw scores as b / scale, which overflows float32 to -inf
+ * for any scale below 1: a row whose every key carries it came out as an
+ * empty row (0), where torch weighs those keys alike (the mean of V). Row 0
+ * masks every key so, row 1 every key but one; the other rows have random
+ * masks and must match the float64 reference path. */
+static void mask_of_dtype_min_weighs_keys_alike(void) {
+    rng r = {harness_seed() ^ 0x3e38};
+    const double scales[] = {0.125, 0.01, 3.0, -0.5};
+    const int64_t Es[] = {4, 64}, Ls[] = {3, 40, 200};
+    for (int di = 0; di < 2; di++) {
+        const attn_dtype dt = di ? ATTN_DTYPE_BF16 : ATTN_DTYPE_F32;
+        const double lowest = di ? -0x1.fep127 : -0x1.fffffep127; /* each dtype's min */
+        for (int ei = 0; ei < 2; ei++)
+            for (int li = 0; li < 3; li++)
+                for (int si = 0; si < 4; si++) {
+                    const int64_t E = Es[ei], L = Ls[li], S = L + 2;
+                    const int64_t qs[2] = {L, E}, ks[2] = {S, E}, ms[2] = {L, S};
+                    test_tensor q, k, v, mask, out;
+                    tt_make(&q, &r, dt, 2, qs, LAYOUT_CONTIGUOUS, 1, 0);
+                    tt_make(&k, &r, dt, 2, ks, LAYOUT_CONTIGUOUS, 1, 0);
+                    tt_make(&v, &r, dt, 2, ks, LAYOUT_CONTIGUOUS, 1, 0);
+                    tt_make(&mask, &r, dt, 2, ms, LAYOUT_CONTIGUOUS, 1, 0);
+                    for (int64_t j = 0; j < S; j++) {
+                        tt_set(&mask.t, (int64_t[]){0, j}, lowest);
+                        tt_set(&mask.t, (int64_t[]){1, j}, j == 1 ? 0.0 : lowest);
+                    }
+                    tt_make_output(&out, &r, dt, 2, qs, LAYOUT_CONTIGUOUS);
+                    attn_sdpa_params prm;
+                    attn_sdpa_params_init(&prm);
+                    prm.attn_mask = &mask.t;
+                    prm.has_scale = 1;
+                    prm.scale = scales[si];
+                    double *ref = NULL;
+                    for (int isa = ATTN_ISA_REF; isa <= ATTN_ISA_LAST; isa++) {
+                        if (!attn_isa_supported((attn_isa)isa)) continue;
+                        CHECK_OK(attn_set_isa((attn_isa)isa));
+                        CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, &prm, &out.t, NULL, NULL));
+                        double *o = tt_dense(&out.t);
+                        if (ref == NULL) ref = tt_dense(&out.t); /* the float64 reference */
+                        const double u = di ? 0x1p-8 : 0x1p-20;
+                        for (int64_t e = 0; e < E; e++) {
+                            double mean = 0;
+                            for (int64_t j = 0; j < S; j++) mean += tt_get(&v.t, (int64_t[]){j, e});
+                            mean /= (double)S;
+                            CHECK(fabs(o[e] - mean) <= 4 * u * (1 + fabs(mean)),
+                                  "%s %s E=%lld L=%lld scale %g: row 0 [%lld] is %g, the mean of "
+                                  "V is %g", attn_isa_name((attn_isa)isa), attn_dtype_name(dt),
+                                  (long long)E, (long long)L, scales[si], (long long)e, o[e], mean);
+                            CHECK(o[E + e] == tt_get(&v.t, (int64_t[]){1, e}),
+                                  "%s %s E=%lld L=%lld scale %g: row 1 is not V's row 1",
+                                  attn_isa_name((attn_isa)isa), attn_dtype_name(dt), (long long)E,
+                                  (long long)L, scales[si]);
+                        }
+                        double mag = 0, err = 0;
+                        for (int64_t i = 2 * E; i < L * E; i++) {
+                            mag = fmax(mag, fabs(ref[i]));
+                            err = fmax(err, fabs(o[i] - ref[i]));
+                        }
+                        CHECK(err <= 64 * u * (1 + mag), "%s %s E=%lld L=%lld scale %g: other rows "
+                              "%.3g from the reference", attn_isa_name((attn_isa)isa),
+                              attn_dtype_name(dt), (long long)E, (long long)L, scales[si], err);
+                        free(o);
+                    }
+                    attn_set_isa(ATTN_ISA_AUTO);
+                    free(ref);
+                    test_tensor *all[] = {&q, &k, &v, &mask, &out};
+                    for (int i = 0; i < 5; i++) tt_free(all[i]);
+                }
+    }
+}
+
+HARNESS_MAIN(T(span_of_int64_max_elements), T(mask_of_dtype_min_weighs_keys_alike), T(mha_3d_mask_stride_times_heads),
              T(mha_failed_workspace_no_null_offset), T(mha_huge_stride_on_unit_length))
