@@ -88,7 +88,7 @@ python:
 # The whole suite on the best path, then the conformance tests again on every
 # other kernel path this machine supports (ATTN_ISA forces a path).
 CONFORMANCE = tests/python/test_sdpa_conformance.py tests/python/test_mha_conformance.py \
-	tests/python/test_half_conformance.py
+	tests/python/test_half_conformance.py tests/python/test_mha_half_conformance.py
 test-python: python build # build: tests/python/test_cli_mha.py runs build/tools/attn
 	@$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
 	@for isa in $$($(PYTHON) -c 'import attn; i = attn.kernel_info(); \

@@ -544,6 +544,15 @@ ATTN_API attn_status attn_sdpa_kvcache(const attn_tensor *q, attn_tensor *k_cach
  * Rows with every key masked give 0 (PyTorch gives NaN there). Dropout
  * (config.dropout, or params.dropout with params.has_dropout) applies only
  * when params.training is set.
+ *
+ * Dtypes: config.dtype is that of the parameters, query, key, value, out,
+ * weights and (backward) dout and every gradient: float32, float64, or
+ * float16 / bfloat16, which compute as PyTorch's module does in that dtype:
+ * each projection (and each gradient GEMM) widens its 16-bit operands
+ * exactly, sums in float32 and rounds each element once to the dtype; the
+ * heads' attention is attn_sdpa's in that dtype (see "Dtypes" there), its
+ * output rounded once; head-averaged weights are the mean of the rounded
+ * per-head weights, rounded once. Float masks may be any float dtype.
  */
 
 typedef struct attn_mha attn_mha;
@@ -559,7 +568,8 @@ typedef struct attn_mha_config {
     int add_zero_attn;
     int batch_first;
     double dropout;        /* in [0, 1]                                      */
-    attn_dtype dtype;      /* F32 or F64: parameters, inputs and outputs     */
+    attn_dtype dtype;      /* F32, F64, F16 or BF16: parameters, inputs and
+                              outputs (see "Dtypes" above)                   */
     uint64_t init_seed;    /* parameters start as PyTorch's initialisation
                               schemes would draw them, from this seed        */
 } attn_mha_config;

@@ -40,8 +40,9 @@ const char cli_mha_options[] =
     "  --threads N             threads, 1 to attn_max_threads()\n"
     "  -h, --help              this text\n"
     "\n"
-    "The weights are converted exactly to the query's dtype (float32 or float64);\n"
-    "float16 and bfloat16 checkpoints work. Outputs are all written or none.\n"
+    "The module computes in the query's dtype (float32, float64 or float16: as\n"
+    "torch's module does in it); the weights are converted to it, exactly from\n"
+    "float16 and bfloat16 checkpoints. Outputs are all written or none.\n"
     "Exit status: 0 success, 1 runtime error, 2 usage error.\n";
 
 enum { PARSED_HELP = -1 };
@@ -410,7 +411,23 @@ static int make_module(const mha_args *a, mha_run *r) {
     c.batch_first = a->batch_first;
     c.dtype = r->q.dtype;
     if ((st = attn_mha_create(&c, &r->m)) != ATTN_OK) return cli_fail("mha", st);
-    return load_params(w, r->m);
+    if (c.dtype == ATTN_DTYPE_F32 || c.dtype == ATTN_DTYPE_F64) return load_params(w, r->m);
+    /* A 16-bit module: the checkpoint (any float dtype) read into a float64
+     * module, which holds each value exactly, then every parameter rounded
+     * once to the query's dtype. */
+    attn_mha *wide = NULL;
+    c.dtype = ATTN_DTYPE_F64;
+    if ((st = attn_mha_create(&c, &wide)) != ATTN_OK) return cli_fail("mha", st);
+    rc = load_params(w, wide);
+    for (int i = 0; rc == CLI_OK && i < attn_mha_param_count(wide); i++) {
+        const char *name;
+        attn_tensor view;
+        if ((st = attn_mha_param_at(wide, i, &name, &view)) != ATTN_OK ||
+            (st = attn_mha_set_param(r->m, name, &view)) != ATTN_OK)
+            rc = cli_fail("mha", st);
+    }
+    attn_mha_destroy(wide);
+    return rc;
 }
 
 static int compute(const mha_args *a, mha_run *r) {
@@ -455,8 +472,8 @@ static int run(const mha_args *a, mha_run *r) {
     if (rc == CLI_OK && a->v) rc = load_npy("-v", a->v, &r->v);
     if (rc == CLI_OK && a->kpm) rc = load_npy("--key-padding-mask", a->kpm, &r->kpm);
     if (rc == CLI_OK && a->mask) rc = load_npy("--attn-mask", a->mask, &r->mask);
-    if (rc == CLI_OK && r->q.dtype != ATTN_DTYPE_F32 && r->q.dtype != ATTN_DTYPE_F64) {
-        fprintf(stderr, "attn: -q: '%s' is %s; mha needs float32 or float64\n", a->q,
+    if (rc == CLI_OK && r->q.dtype == ATTN_DTYPE_BOOL) {
+        fprintf(stderr, "attn: -q: '%s' is %s; mha needs float32, float64 or float16\n", a->q,
                 attn_dtype_name(r->q.dtype));
         rc = CLI_RUNTIME;
     }

@@ -103,6 +103,8 @@ def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
     t = x.detach().resolve_conj().resolve_neg()
     if bfloat16_bits and t.dtype == torch.bfloat16:
         t = t.view(torch.int16)  # the same memory, reinterpreted
+    elif kind == PARAM and t.dtype == torch.bfloat16:
+        t = t.float()  # exact: values to copy into a module of any dtype
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as e:
@@ -328,9 +330,10 @@ def random_seed():
     return int.from_bytes(os.urandom(8), "little")
 
 
-def check_dtype(dtype):
+def check_dtype(dtype, halves=False):
     """The NumPy dtype for a module's `dtype=`: a NumPy dtype, its name, or a
-    torch dtype (torch.float32, torch.float64)."""
+    torch dtype (torch.float32, torch.float64). `halves`: float16 and
+    bfloat16 too (bfloat16 as ml_dtypes', which must then be installed)."""
     if dtype is None:
         return np.dtype(np.float32)
     if not isinstance(dtype, str) and str(dtype).startswith("torch."):
@@ -339,8 +342,17 @@ def check_dtype(dtype):
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    if dt is None or dt.type not in (np.float32, np.float64):
-        raise TypeError(f"dtype is {dtype}; expected float32 or float64")
+    if halves and (dtype == "bfloat16" or (dt is not None and dt.name == "bfloat16")):
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("dtype bfloat16 needs ml_dtypes (pip install ml_dtypes): NumPy has "
+                            "no bfloat16 of its own") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    allowed = (np.float32, np.float64, np.float16) if halves else (np.float32, np.float64)
+    if dt is None or dt.type not in allowed:
+        expected = "float32, float64, float16 or bfloat16" if halves else "float32 or float64"
+        raise TypeError(f"dtype is {dtype}; expected {expected}")
     return dt.newbyteorder("=")
 
 

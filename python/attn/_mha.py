@@ -10,10 +10,11 @@ import numpy as np
 
 from . import _attn
 from ._arrays import (
-    FLOAT,
     MASK,
     PARAM,
+    TENSOR,
     as_array,
+    empty,
     _is_torch_tensor,
     check_bool,
     check_device,
@@ -74,7 +75,11 @@ class MultiheadAttention:
     ``torch.nn.MultiheadAttention`` (PyTorch 2.13), computed by libattn.
 
     The arguments are torch's. ``dtype`` (float32 by default; NumPy or torch
-    dtypes) sets the dtype of the parameters, inputs and outputs; ``device``
+    dtypes) sets the dtype of the parameters, inputs and outputs: float32,
+    float64, float16 or bfloat16 (ml_dtypes' in NumPy; torch bfloat16
+    tensors are inputs too). A 16-bit module computes as torch's does in that
+    dtype: each projection summed in float32 and rounded once to the dtype,
+    attention as scaled_dot_product_attention computes in it; ``device``
     may only be None or the CPU ("cpu", "cpu:N", a torch CPU device). Beyond
     torch:
 
@@ -145,7 +150,7 @@ class MultiheadAttention:
         vdim = check_int(vdim, "vdim", optional=True)
         batch_first = check_bool(batch_first, "batch_first")
         check_device(device)
-        dt = check_dtype(dtype)
+        dt = check_dtype(dtype, halves=True)
         head_dim = check_int(head_dim, "head_dim", optional=True)
         seed = check_seed(seed)
 
@@ -170,6 +175,8 @@ class MultiheadAttention:
             raise library_error(e) from None
         cfg = self._handle.config()
         storage = np.asarray(memoryview(self._handle))
+        if dt.name == "bfloat16":  # the storage's bits, as ml_dtypes' bfloat16
+            storage = storage.view(dt)
         self._params = {}
         for name, shape, offset in self._handle.param_layout():
             n = math.prod(shape)
@@ -354,9 +361,9 @@ class MultiheadAttention:
         attn_mask). Rows whose keys are all masked give an attention output
         of 0 and weights 0, where torch gives NaN.
         """
-        q = as_array(query, "query", FLOAT)
-        k = as_array(key, "key", FLOAT)
-        v = as_array(value, "value", FLOAT)
+        q = as_array(query, "query", TENSOR)
+        k = as_array(key, "key", TENSOR)
+        v = as_array(value, "value", TENSOR)
         kpm = None if key_padding_mask is None else as_array(key_padding_mask, "key_padding_mask", MASK)
         mask = None if attn_mask is None else as_array(attn_mask, "attn_mask", MASK)
         need_w = check_bool(need_weights, "need_weights")
@@ -372,7 +379,7 @@ class MultiheadAttention:
                 seed, offset = self._seed, self._calls
         try:
             out, w = self._handle.forward(
-                q, k, v, empty=np.empty, key_padding_mask=kpm, attn_mask=mask,
+                q, k, v, empty=empty, key_padding_mask=kpm, attn_mask=mask,
                 need_weights=need_w, average_attn_weights=average, is_causal=causal,
                 training=dropping, dropout=self.dropout, seed=seed, rng_offset=offset,
                 batch_first=self.batch_first,
@@ -381,6 +388,8 @@ class MultiheadAttention:
             raise library_error(e) from None
         if dropping:
             self._calls += 1  # only calls that ran count
+        if self.dtype.name == "bfloat16":  # bfloat16's bits, as ml_dtypes' bfloat16
+            out, w = out.view(self.dtype), None if w is None else w.view(self.dtype)
         return out, w
 
     def _check_grad(self, inputs):

@@ -28,11 +28,16 @@ except ImportError as e:  # pragma: no cover - exercised without torch only
     ) from e
 
 from . import _attn
-from ._arrays import library_error
+from ._arrays import empty, library_error
 
 __all__ = ["MultiheadAttention", "TransformerEncoder", "TransformerEncoderLayer"]
 
-_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+           torch.bfloat16: "bfloat16"}
+# How NumPy holds each: bfloat16 as 16-bit integers with its bits (NumPy has
+# no bfloat16; _attn reads a 16-bit integer buffer as bfloat16).
+_NUMPY = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
+          "bfloat16": np.int16}
 
 
 # ---- the C modules behind a torch module ----
@@ -62,9 +67,9 @@ class _CModules:
             self.run = _attn.MHA(**spec)
             self.grads, self.key = None, spec
             self.layout = self.run.param_layout()
-        flat = np.frombuffer(self.run, dtype=spec["dtype"])
+        flat = np.frombuffer(self.run, dtype=_NUMPY[spec["dtype"]])
         for (name, shape, offset), p in zip(self.layout, params):
-            flat[offset:offset + p.numel()] = p.detach().reshape(-1).numpy()
+            flat[offset:offset + p.numel()] = _np(p.reshape(-1))
         return self.run
 
     def grad_module(self):
@@ -110,7 +115,17 @@ def _param(m, name):
 
 
 def _np(x):
-    return None if x is None else x.detach().numpy()
+    """A NumPy view of tensor x (bfloat16: its bits as int16), or None."""
+    if x is None:
+        return None
+    x = x.detach()
+    return x.view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def _tensor(a, dtype):
+    """An _attn output (NumPy; bfloat16 as int16 bits) as a torch tensor."""
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
 # ---- the autograd Function ----
@@ -128,17 +143,16 @@ class _MHAFunction(torch.autograd.Function):
             run = cm.get(spec, params)
             try:
                 out, w, saved = run.forward_train(
-                    _np(query), _np(key), _np(value), empty=np.empty, **kw)
+                    _np(query), _np(key), _np(value), empty=empty, **kw)
             except (ValueError, TypeError, MemoryError, RuntimeError) as e:
                 raise library_error(e) from None
         ctx.call, ctx.saved = call, saved
         ctx.save_for_backward(query, key, value, *params)
         ctx.set_materialize_grads(False)
-        out_t = torch.from_numpy(out)
+        out_t = _tensor(out, query.dtype)
         if w is None:
             return out_t, None
-        w_t = torch.from_numpy(w)
-        return out_t, w_t
+        return out_t, _tensor(w, query.dtype)
 
     @staticmethod
     def backward(ctx, dout, dweights):
@@ -160,19 +174,19 @@ class _MHAFunction(torch.autograd.Function):
             grads = cm.grad_module() if want_params else None
             try:
                 dq, dk, dv = run.backward(
-                    ctx.saved, _np(query), _np(key), _np(value), _np(dout), empty=np.empty,
+                    ctx.saved, _np(query), _np(key), _np(value), _np(dout), empty=empty,
                     need_dquery=need[1], need_dkey=need[2], need_dvalue=need[3], grads=grads)
             except (ValueError, TypeError, MemoryError, RuntimeError) as e:
                 raise library_error(e) from None
             dparams = [None] * len(params)
             if want_params:
-                flat = np.frombuffer(grads, dtype=ctx.call["spec"]["dtype"])
+                flat = np.frombuffer(grads, dtype=_NUMPY[ctx.call["spec"]["dtype"]])
                 for i, ((name, shape, offset), p) in enumerate(zip(cm.layout, params)):
                     if need[4 + i]:
                         n = int(np.prod(shape))
-                        dparams[i] = torch.from_numpy(flat[offset:offset + n].copy()).view(
+                        dparams[i] = _tensor(flat[offset:offset + n].copy(), p.dtype).view(
                             p.shape)
-        t = [None if x is None else torch.from_numpy(x) for x in (dq, dk, dv)]
+        t = [None if x is None else _tensor(x, query.dtype) for x in (dq, dk, dv)]
         return (None, *t, *dparams)
 
 
@@ -188,7 +202,7 @@ def _unsupported(m, query, key, value, key_padding_mask, attn_mask):
             return "a CPU tensor"
     dtype = query.dtype
     if dtype not in _DTYPES:
-        return f"float32 or float64 (not {dtype})"
+        return f"float32, float64, float16 or bfloat16 (not {dtype})"
     if any(x.dtype != dtype for x in [key, value] + params):
         return "inputs and parameters of one dtype"
     if any(x.is_sparse or x.layout != torch.strided for x in tensors + params):
@@ -245,7 +259,9 @@ class MultiheadAttention(torch.nn.Module):
     attn_mask=None, average_attn_weights=True, is_causal=False) returns
     (attn_output, attn_output_weights or None) as torch tensors, reading
     self.batch_first, self.dropout and self.training at every call. Inputs
-    are CPU float32/float64 tensors of the parameters' dtype. Gradients flow
+    are CPU float32/float64/float16/bfloat16 tensors of the parameters' dtype
+    (16-bit: computed as torch's module computes in that dtype, gradients
+    too). Gradients flow
     to query, key, value and every parameter; not through the returned
     weights. Dropout draws its seed from torch's default generator, so
     torch.manual_seed makes a run reproducible. Rows whose keys are all
@@ -326,7 +342,7 @@ def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_we
                          attn_mask=None, average_attn_weights=True, is_causal=False):
     """torch.nn.MultiheadAttention.forward's signature, for patching torch: runs
     the torch module `self` on attn (its parameters used directly, gradients
-    flowing to them) for CPU float32/float64 inputs; anything else goes to
+    flowing to them) for CPU float32/float64/float16/bfloat16 inputs; anything else goes to
     torch.nn.MultiheadAttention._attn_original_forward when present, else to
     torch's own forward."""
     if _unsupported(self, query, key, value, key_padding_mask, attn_mask) is None:
@@ -440,6 +456,8 @@ class TransformerEncoderLayer(torch.nn.Module):
             return None
         if _unsupported(self.self_attn, src, src, src, None, None) is not None:
             return None
+        if src.dtype not in (torch.float32, torch.float64):
+            return None  # 16-bit: torch's norms and feed-forward around attn's attention
         if any(p.dtype != src.dtype or p.device.type != "cpu" for p in params):
             return None
         if self.linear1.bias is None or self.norm1.bias is None:

@@ -404,8 +404,13 @@ static int mha_init(MHAObject *self, PyObject *args, PyObject *kwds) {
         c.dtype = ATTN_DTYPE_F32;
     } else if (strcmp(dtype, "float64") == 0) {
         c.dtype = ATTN_DTYPE_F64;
+    } else if (strcmp(dtype, "float16") == 0) {
+        c.dtype = ATTN_DTYPE_F16;
+    } else if (strcmp(dtype, "bfloat16") == 0) {
+        c.dtype = ATTN_DTYPE_BF16;
     } else {
-        PyErr_Format(PyExc_TypeError, "dtype is %s; expected float32 or float64", dtype);
+        PyErr_Format(PyExc_TypeError,
+                     "dtype is %s; expected float32, float64, float16 or bfloat16", dtype);
         return -1;
     }
     attn_mha *m = NULL;
@@ -445,7 +450,10 @@ static int mha_getbuffer(MHAObject *self, Py_buffer *view, int flags) {
     const Py_ssize_t item = (Py_ssize_t)attn_dtype_size(self->cfg.dtype);
     if (PyBuffer_FillInfo(view, (PyObject *)self, self->base, self->numel * item, 0, flags) < 0)
         return -1;
-    if (flags & PyBUF_FORMAT) view->format = self->cfg.dtype == ATTN_DTYPE_F32 ? "f" : "d";
+    /* bfloat16 as 16-bit integers holding its bits (NumPy has no bfloat16) */
+    static char *const formats[] = {[ATTN_DTYPE_F32] = "f", [ATTN_DTYPE_F64] = "d",
+                                    [ATTN_DTYPE_F16] = "e", [ATTN_DTYPE_BF16] = "h"};
+    if (flags & PyBUF_FORMAT) view->format = formats[self->cfg.dtype];
     view->itemsize = item;
     if (flags & PyBUF_ND) view->shape = &self->numel;
     if ((flags & PyBUF_STRIDES) == PyBUF_STRIDES) view->strides = &view->itemsize;

@@ -133,7 +133,8 @@ static bool blas_buffer_possible(void) {
 }
 
 typedef struct gemm_call {
-    attn_dtype dtype;
+    attn_dtype dtype;      /* what the BLAS computes in: F32 or F64            */
+    attn_dtype stored;     /* C's dtype: dtype, or F16/BF16 (see run_half)     */
     bool trans_a, trans_b; /* A stored k x m / B stored n x k */
     int64_t m, n, k, lda, ldb, ldc;
     const char *a, *b;
@@ -142,55 +143,131 @@ typedef struct gemm_call {
     double beta;      /* C = op(A)·op(B) + beta·C (with a bias: onto the bias) */
 } gemm_call;
 
+/* ---- 16-bit operands ----
+ * float16 / bfloat16 A, B, bias and C compute as torch's CPU linear layers
+ * do in those dtypes: the operands widened exactly to float32, products
+ * summed in float32 by the same BLAS calls as a float32 GEMM, and each
+ * element of C rounded once (to nearest even). */
+
+static void widen_row(const uint16_t *src, attn_dtype dt, int64_t n, float *dst) {
+    if (dt == ATTN_DTYPE_BF16)
+        for (int64_t i = 0; i < n; i++) dst[i] = attn__bf16_to_float(src[i]);
+    else
+        for (int64_t i = 0; i < n; i++) dst[i] = attn__f16_to_float(src[i]);
+}
+
+static void narrow_row(const float *src, int64_t n, attn_dtype dt, uint16_t *dst) {
+    if (dt == ATTN_DTYPE_BF16)
+        for (int64_t i = 0; i < n; i++) dst[i] = attn__float_to_bf16(src[i]);
+    else
+        for (int64_t i = 0; i < n; i++) dst[i] = attn__float_to_f16(src[i]);
+}
+
+/* A float32 copy (rows x cols, row stride cols) of a 16-bit matrix with row
+ * stride ld, on attn's threads (exact, so any split gives the same bits). */
+static float *widen_matrix(const void *src, attn_dtype dt, int64_t rows, int64_t cols,
+                           int64_t ld) {
+    float *dst = attn__alloc_array((size_t)rows, (size_t)cols * sizeof(float));
+    if (dst == NULL) return NULL;
+    const int threads = (double)rows * (double)cols >= ATTN_PARALLEL_MIN_WORK ? attn__threads() : 1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        widen_row((const uint16_t *)src + r * ld, dt, cols, dst + r * cols);
+    return dst;
+}
+
 /* One tile: a single-threaded BLAS call on rows [r0, r0+mr), columns
  * [c0, c0+nc) of C. The caller's OpenMP thread count is 1 here, which is
  * what an OpenMP OpenBLAS reads as "do not start threads". */
-static attn_status run_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t c0, int64_t nc) {
+static attn_status run_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t c0, int64_t nc,
+                           float *scratch) {
     if (!blas_buffer_possible()) return ATTN_ERR_NOMEM;
-    const size_t es = attn_dtype_size(g->dtype);
+    const size_t es = attn_dtype_size(g->dtype), cs = attn_dtype_size(g->stored);
+    const bool half = g->stored != g->dtype;
     /* Row r0 of op(A) is column r0 of a transposed A; column c0 of op(B) is
      * row c0 of a transposed B. */
     const void *a = g->a + (size_t)(g->trans_a ? r0 : r0 * g->lda) * es;
     const void *b = g->b + (size_t)(g->trans_b ? c0 * g->ldb : c0) * es;
-    void *c = g->c + (size_t)(r0 * g->ldc + c0) * es;
+    char *c = g->c + (size_t)(r0 * g->ldc + c0) * cs;
+    /* What the BLAS writes: the tile of C, or for a 16-bit C a float32
+     * scratch tile (mr x nc) rounded into C afterwards. */
+    char *t = half ? (char *)scratch : c;
+    const int64_t ldt = half ? nc : g->ldc;
     /* BLAS checks lda >= k and ldc >= n even for one row, whose stride is
      * never used (and may not even fit an int). */
     const bool one_row = mr == 1 && !g->trans_a;
-    const int lda = (int)(one_row ? g->k : g->lda), ldc = (int)(mr == 1 ? nc : g->ldc);
+    const int lda = (int)(one_row ? g->k : g->lda), ldc = (int)(mr == 1 ? nc : ldt);
     /* The bias is written into the tile, then the product accumulated onto
      * it: first touch of C happens here, in parallel and between cancel
      * checks, rather than in one long serial pass before the GEMM. */
     if (g->bias != NULL)
         for (int64_t r = 0; r < mr; r++)
-            memcpy((char *)c + (size_t)(r * g->ldc) * es, g->bias + (size_t)c0 * es,
-                   (size_t)nc * es);
+            memcpy(t + (size_t)(r * ldt) * es, g->bias + (size_t)c0 * es, (size_t)nc * es);
+    else if (half && g->beta != 0.0)
+        for (int64_t r = 0; r < mr; r++)
+            widen_row((const uint16_t *)(c + (size_t)(r * g->ldc) * cs), g->stored, nc,
+                      (float *)t + r * ldt);
     const double beta = g->bias != NULL ? 1.0 : g->beta;
     const enum CBLAS_TRANSPOSE ta = g->trans_a ? CblasTrans : CblasNoTrans,
                                tb = g->trans_b ? CblasTrans : CblasNoTrans;
     if (g->dtype == ATTN_DTYPE_F32)
         cblas_sgemm(CblasRowMajor, ta, tb, (int)mr, (int)nc, (int)g->k, 1.0f, a, lda, b,
-                    (int)g->ldb, (float)beta, c, ldc);
+                    (int)g->ldb, (float)beta, (float *)t, ldc);
     else
         cblas_dgemm(CblasRowMajor, ta, tb, (int)mr, (int)nc, (int)g->k, 1.0, a, lda, b,
-                    (int)g->ldb, beta, c, ldc);
+                    (int)g->ldb, beta, (double *)t, ldc);
     blas_buffer_mapped = true;
+    if (half)
+        for (int64_t r = 0; r < mr; r++)
+            narrow_row((const float *)t + r * ldt, nc, g->stored,
+                       (uint16_t *)(c + (size_t)(r * g->ldc) * cs));
     return ATTN_OK;
 }
 
 static attn_status run_tiles(const gemm_call *g, const volatile int *cancel);
+static attn_status run_half(const gemm_call *g, const volatile int *cancel);
 
 attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
                            int64_t lda, const void *b, int64_t ldb, const void *bias, void *c,
                            int64_t ldc, const volatile int *cancel) {
-    const gemm_call g = {dtype, false, true, m, n, k, lda, ldb, ldc, a, b, c, bias, 0.0};
-    return run_tiles(&g, cancel);
+    const gemm_call g = {dtype, dtype, false, true, m, n, k, lda, ldb, ldc, a, b, c, bias, 0.0};
+    return attn__is_half(dtype) ? run_half(&g, cancel) : run_tiles(&g, cancel);
 }
 
 attn_status attn__gemm(attn_dtype dtype, bool trans_a, bool trans_b, int64_t m, int64_t n,
                        int64_t k, const void *a, int64_t lda, const void *b, int64_t ldb,
                        double beta, void *c, int64_t ldc, const volatile int *cancel) {
-    const gemm_call g = {dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, a, b, c, NULL, beta};
-    return run_tiles(&g, cancel);
+    const gemm_call g = {dtype, dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, a, b, c, NULL,
+                         beta};
+    return attn__is_half(dtype) ? run_half(&g, cancel) : run_tiles(&g, cancel);
+}
+
+/* A 16-bit GEMM: A, B and the bias widened to float32 once (dense copies),
+ * then float32 tiles as any other call, each rounded into C. */
+static attn_status run_half(const gemm_call *g, const volatile int *cancel) {
+    const attn_dtype dt = g->stored;
+    gemm_call f = *g;
+    f.dtype = ATTN_DTYPE_F32;
+    /* stored shapes: A is m x k (k x m transposed), B is n x k (k x n) */
+    const int64_t a_rows = g->trans_a ? g->k : g->m, a_cols = g->trans_a ? g->m : g->k;
+    const int64_t b_rows = g->trans_b ? g->n : g->k, b_cols = g->trans_b ? g->k : g->n;
+    float *a = widen_matrix(g->a, dt, a_rows, a_cols, g->lda);
+    float *b = a != NULL ? widen_matrix(g->b, dt, b_rows, b_cols, g->ldb) : NULL;
+    float *bias = b != NULL && g->bias != NULL ? widen_matrix(g->bias, dt, 1, g->n, g->n) : NULL;
+    attn_status st = ATTN_ERR_NOMEM;
+    if (b != NULL && (g->bias == NULL || bias != NULL)) {
+        f.a = (const char *)a;
+        f.b = (const char *)b;
+        f.bias = (const char *)bias;
+        f.lda = a_cols;
+        f.ldb = b_cols;
+        st = run_tiles(&f, cancel);
+    }
+    attn__free(bias);
+    attn__free(b);
+    attn__free(a);
+    return st;
 }
 
 /* Every tile of C on attn's threads, one single-threaded BLAS call each. */
@@ -200,10 +277,18 @@ static attn_status run_tiles(const gemm_call *gp, const volatile int *cancel) {
     const gemm_tiles t = plan_tiles(m, n, g.k);
     const int64_t ntiles = t.nrow * t.ncol;
     const int threads = ntiles > 1 ? attn__threads() : 1;
+    /* a 16-bit C: one float32 tile per thread (rows x cols) */
+    const bool half = g.stored != g.dtype;
+    float *scratch = half ? attn__alloc_array((size_t)threads, (size_t)(t.rows * t.cols) * sizeof(float))
+                          : NULL;
+    if (half && scratch == NULL) return ATTN_ERR_NOMEM;
     int status = ATTN_OK; /* the first failure of any tile */
-    (void)threads; /* only read by the OpenMP pragma */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        float *mine = scratch;
+#ifdef _OPENMP
+        if (half) mine += (size_t)omp_get_thread_num() * (size_t)(t.rows * t.cols);
+#endif
 #ifdef _OPENMP
         const int saved = omp_get_max_threads();
         omp_set_num_threads(1); /* this thread's BLAS calls stay single-threaded */
@@ -218,7 +303,7 @@ static attn_status run_tiles(const gemm_call *gp, const volatile int *cancel) {
             const int64_t mr = m - r0 < t.rows ? m - r0 : t.rows;
             const int64_t nc = n - c0 < t.cols ? n - c0 : t.cols;
             attn_status st = attn__cancelled(cancel) ? ATTN_ERR_CANCELLED
-                                                     : run_tile(&g, r0, mr, c0, nc);
+                                                     : run_tile(&g, r0, mr, c0, nc, mine);
             if (st != ATTN_OK) {
 #pragma omp atomic write
                 status = (int)st;
@@ -228,6 +313,7 @@ static attn_status run_tiles(const gemm_call *gp, const volatile int *cancel) {
         omp_set_num_threads(saved);
 #endif
     }
+    attn__free(scratch);
     if (status == ATTN_ERR_CANCELLED) return attn__fail_cancelled();
     if (status == ATTN_ERR_NOMEM)
         return attn__fail(ATTN_ERR_NOMEM,

@@ -62,8 +62,21 @@ static char *block_of(const rowmat *m, int64_t n, size_t es) {
     return m->data + (size_t)(n * m->sN) * es;
 }
 
+/* A dense batch-major (N*T, width) copy of m's rows, or NULL (NOMEM). */
+static char *dense_rows(const rowmat *m, int64_t N, int64_t T, size_t es) {
+    char *d = attn__alloc_array((size_t)(N * T), (size_t)m->width * es);
+    if (d != NULL)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t t = 0; t < T; t++)
+                memcpy(d + (size_t)((n * T + t) * m->width) * es,
+                       m->data + (size_t)(n * m->sN + t * m->sT) * es, (size_t)m->width * es);
+    return d;
+}
+
 /* dW (g.width x x.width) = Σ_(n,t) g[n,t]ᵀ · x[n,t]: one GEMM over all rows
- * when their orders agree, else one per batch added in order n = 0, 1, ... */
+ * when their orders agree, else one per batch added in order n = 0, 1, ...
+ * 16-bit rows in other orders are packed into one instead: each dW element
+ * is then rounded once, not once per batch. */
 static attn_status weight_grad(attn_dtype dt, int64_t N, int64_t T, const rowmat *g,
                                const rowmat *x, void *dw, const volatile int *cancel) {
     const size_t es = attn_dtype_size(dt);
@@ -71,6 +84,16 @@ static attn_status weight_grad(attn_dtype dt, int64_t N, int64_t T, const rowmat
     if (one_block(N, T, g, x, &lg, &lx))
         return attn__gemm(dt, true, false, g->width, x->width, N * T, g->data, lg, x->data, lx,
                           0.0, dw, x->width, cancel);
+    if (attn__is_half(dt)) {
+        char *gd = dense_rows(g, N, T, es), *xd = gd ? dense_rows(x, N, T, es) : NULL;
+        attn_status st = ATTN_ERR_NOMEM;
+        if (xd != NULL)
+            st = attn__gemm(dt, true, false, g->width, x->width, N * T, gd, g->width, xd,
+                            x->width, 0.0, dw, x->width, cancel);
+        attn__free(xd);
+        attn__free(gd);
+        return st;
+    }
     attn_status st = ATTN_OK;
     for (int64_t n = 0; st == ATTN_OK && n < N; n++)
         st = attn__gemm(dt, true, false, g->width, x->width, T, block_of(g, n, es),

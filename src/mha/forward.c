@@ -291,8 +291,10 @@ static attn_status kpm_view(const mha_shapes *s, const attn_tensor *t, attn_tens
 }
 
 static attn_status check_mask_dtype(const attn_tensor *t, const char *name) {
-    if (t != NULL && t->dtype != ATTN_DTYPE_BOOL && !attn__is_float(t->dtype))
-        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected bool, float32 or float64",
+    if (t != NULL && t->dtype != ATTN_DTYPE_BOOL && !attn__is_floating(t->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, name,
+                              "%s is %s; expected bool or a float dtype (float32, float64, "
+                              "float16, bfloat16)",
                               name, attn_dtype_name(t->dtype));
     return ATTN_OK;
 }

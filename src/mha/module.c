@@ -71,9 +71,9 @@ static attn_status resolve_config(const attn_mha_config *in, attn_mha_config *c)
     if (!(c->dropout >= 0.0 && c->dropout <= 1.0))
         return attn__fail_arg(ATTN_ERR_INVALID, "config.dropout",
                               "dropout is %g; expected a probability in [0, 1]", c->dropout);
-    if (!attn__is_float(c->dtype))
+    if (!attn__is_floating(c->dtype))
         return attn__fail_arg(ATTN_ERR_DTYPE, "config.dtype",
-                              "dtype is %s; expected float32 or float64",
+                              "dtype is %s; expected float32, float64, float16 or bfloat16",
                               attn_dtype_name(c->dtype));
     int64_t D, w;
     if (attn__mul_overflows(c->num_heads, c->head_dim, &D) || !attn__blas_fits(D) ||

@@ -173,15 +173,17 @@ static attn_status mha_run(void *state, bool compare) {
  *         a non-contiguous output, 3-D bool attn_mask, per-head weights,
  *         float64, dropout in training;
  * kind 2: unbatched, float key_padding_mask, add_zero_attn, causal, this
- *         call's own dropout (params.has_dropout) on a module without. */
-static void mha_setup(mha_state *s, rng *r, int kind) {
+ *         call's own dropout (params.has_dropout) on a module without.
+ * `half` (0: none) runs kind 0 or 2 as a float16 / bfloat16 module, whose
+ * GEMMs allocate widened copies and float32 tiles. */
+static void mha_setup(mha_state *s, rng *r, int kind, attn_dtype half) {
     memset(s, 0, sizeof *s);
     const int64_t N = 2, L = 4, S = 5, E = 8, H = 2;
     attn_mha_config_init(&s->cfg, E, H);
     s->cfg.init_seed = 11 + (uint64_t)kind;
     attn_mha_forward_params_init(&s->fp);
     s->need_weights = true;
-    attn_dtype dt = kind == 1 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    attn_dtype dt = half ? half : kind == 1 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
     s->cfg.dtype = dt;
     int64_t Sx = S;
     if (kind == 0) {
@@ -665,12 +667,15 @@ static void serving_failures(void) {
 
 static void mha_failures(void) {
     rng r = {harness_seed() ^ 0x3a};
-    const char *names[3] = {"attn_mha_create+forward (padded masks)",
+    const char *names[5] = {"attn_mha_create+forward (padded masks)",
                             "attn_mha_create+forward (kdim/vdim, 3-D)",
-                            "attn_mha_create+forward (unbatched)"};
-    for (int kind = 0; kind < 3; kind++) {
+                            "attn_mha_create+forward (unbatched)",
+                            "attn_mha_create+forward (padded masks, float16)",
+                            "attn_mha_create+forward (unbatched, bfloat16)"};
+    for (int kind = 0; kind < 5; kind++) {
         mha_state st;
-        mha_setup(&st, &r, kind);
+        mha_setup(&st, &r, kind == 3 ? 0 : kind == 4 ? 2 : kind,
+                  kind == 3 ? ATTN_DTYPE_F16 : kind == 4 ? ATTN_DTYPE_BF16 : (attn_dtype)0);
         scenario s = {names[kind], mha_run, &st};
         run_scenario(&s);
         mha_teardown(&st);

@@ -450,9 +450,12 @@ static void storage_dtypes_mha(void) {
     attn_mha_config c;
     attn_mha *m = NULL;
     attn_mha_config_init(&c, 8, 2);
-    c.dtype = ATTN_DTYPE_BF16;
+    c.dtype = ATTN_DTYPE_BOOL;
     CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_DTYPE);
     CHECK_ARG("config.dtype");
+    c.dtype = ATTN_DTYPE_BF16; /* a bfloat16 module takes bfloat16 operands only */
+    CHECK_OK(attn_mha_create(&c, &m));
+    attn_mha_destroy(m);
     attn_mha_config_init(&c, 8, 2);
     CHECK_OK(attn_mha_create(&c, &m));
     static float x[5 * 3 * 8], y[5 * 3 * 8], w[3 * 5 * 5];
@@ -478,17 +481,19 @@ static void storage_dtypes_mha(void) {
     half.dtype = ATTN_DTYPE_F16;
     CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, &half), ATTN_ERR_DTYPE);
     CHECK_ARG("weights");
+    /* Masks: bool or any float dtype (a 16-bit float mask is added exactly). */
+    static uint16_t half_zeros[5 * 5];
     attn_mha_forward_params fp;
     attn_mha_forward_params_init(&fp);
     tm.dtype = ATTN_DTYPE_BF16;
+    tm.data = half_zeros;
     fp.attn_mask = &tm;
-    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_DTYPE);
-    CHECK_ARG("attn_mask");
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL));
     attn_mha_forward_params_init(&fp);
     tk.dtype = ATTN_DTYPE_F16;
+    tk.data = half_zeros;
     fp.key_padding_mask = &tk;
-    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL), ATTN_ERR_DTYPE);
-    CHECK_ARG("key_padding_mask");
+    CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, &fp, &ty, NULL));
     /* The backward's dout. */
     attn_mha_saved *saved = NULL;
     CHECK_OK(attn_mha_forward_train(m, &tx, &tx, &tx, NULL, &ty, NULL, &saved));

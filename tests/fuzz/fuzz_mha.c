@@ -29,8 +29,9 @@ enum {
 static attn_dtype pick_dtype(fz *f, attn_dtype usual) {
     if (!fz_one_in(f, 32)) return usual;
     static const attn_dtype odd[] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_BOOL,
-                                     (attn_dtype)0, (attn_dtype)9};
-    return odd[fz_u8(f) % 5];
+                                     ATTN_DTYPE_F16, ATTN_DTYPE_BF16, (attn_dtype)0,
+                                     (attn_dtype)9};
+    return odd[fz_u8(f) % 7];
 }
 
 static int64_t pick_opt_dim(fz *f, int64_t max) { /* 0 = derived */
@@ -185,7 +186,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     cfg.add_zero_attn = pick_flag(&f);
     cfg.batch_first = pick_flag(&f);
     cfg.dropout = pick_dropout(&f);
-    cfg.dtype = pick_dtype(&f, fz_bool(&f) ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32);
+    static const attn_dtype module_dtypes[] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_F16,
+                                               ATTN_DTYPE_BF16};
+    cfg.dtype = pick_dtype(&f, module_dtypes[fz_u8(&f) % 4]);
     cfg.init_seed = fz_u64(&f);
     attn_mha *m = (attn_mha *)&cfg; /* must become NULL on failure */
     attn_status st = attn_mha_create(fz_one_in(&f, 64) ? NULL : &cfg, &m);
@@ -241,7 +244,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     attn_mha_forward_params fp;
     attn_mha_forward_params_init(&fp);
     uint8_t mk = fz_u8(&f);
-    static const attn_dtype mask_dtypes[] = {ATTN_DTYPE_BOOL, ATTN_DTYPE_F32, ATTN_DTYPE_F64};
+    const attn_dtype mask_dtypes[] = {ATTN_DTYPE_BOOL, ATTN_DTYPE_F32, dt}; /* float: any */
     if (mk % 4 != 0) { /* key_padding_mask (N, S) or unbatched (S) */
         int kr = batched ? 2 : 1;
         shape[0] = batched ? N : S;

@@ -54,7 +54,7 @@ STATS = {
         "floor_used": 0,  # float64 checks that needed the rounding floor
         "allowance_used": 0,  # float64 checks that needed PyTorch's own error
     }
-    for kind in ("sdpa", "mha", "encoder", "half")
+    for kind in ("sdpa", "mha", "encoder", "half", "mha_half")
 }
 
 

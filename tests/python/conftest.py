@@ -51,6 +51,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"{conformance.median(half['ratios']):.3g}, worst {half['worst_ratio']:.3g}; at most "
             f"{100 * half['worst_usage']:.0f}% of the bar used"
         )
+    mh = stats["mha_half"]
+    if mh["cases"]:
+        rms = ", ".join(f"{k} {v:.3g}" for k, v in mh.get("rms_ratio", {}).items())
+        tr.write_line(
+            f"  float16/bfloat16 mha: {mh['cases']} cases checked (bar: ours <= 2 x torch in the "
+            f"same dtype + u·max|ref|): error ratio ours/torch median "
+            f"{conformance.median(mh['ratios']):.3g}; at most {100 * mh['worst_usage']:.0f}% of "
+            f"the bar used; RMS over all cases, ours/torch: {rms}"
+        )
     for kind in ("sdpa", "mha", "encoder"):
         s = stats[kind]
         if s["cases"] == 0:

@@ -120,6 +120,46 @@ def bert_attention(x, sd, prefix, heads, kpm=None):
     return lin("output.dense", ctx)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16], ids=str)
+def test_float16_inputs_run_a_float16_module(tmp_path, weight_dtype):
+    """A float16 query makes a float16 module (issue 13), from a checkpoint
+    of any float dtype: bit for bit attn.MultiheadAttention(dtype=float16)
+    holding the same weights (each rounded once), and as close to torch's
+    float64 module as torch's own float16 module is, within 2x."""
+    import copy
+
+    import attn
+
+    g = torch.Generator().manual_seed(11)
+    E, H, L, N = 16, 4, 6, 2
+    m = torch.nn.MultiheadAttention(E, H, dtype=torch.float64).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+            p.copy_(p.to(weight_dtype).double())
+    save_file({k: v.to(weight_dtype).contiguous() for k, v in m.state_dict().items()},
+              str(tmp_path / "m.safetensors"))
+    q = torch.randn(L, N, E, generator=g, dtype=torch.float64).half()
+    am = torch.randn(L, L, generator=g, dtype=torch.float64).half()
+    np.save(tmp_path / "q.npy", q.numpy())
+    np.save(tmp_path / "am.npy", am.numpy())
+    ok("--weights", tmp_path / "m.safetensors", "--num-heads", H, "-q", tmp_path / "q.npy",
+       "--attn-mask", tmp_path / "am.npy", "-o", tmp_path / "out.npy")
+    out = np.load(tmp_path / "out.npy")
+    assert out.dtype == np.float16 and out.shape == (L, N, E)
+    a = attn.MultiheadAttention(E, H, dtype="float16").eval()
+    a.load_state_dict(m.state_dict())
+    want, _ = a(q.numpy(), q.numpy(), q.numpy(), attn_mask=am.numpy(), need_weights=False)
+    assert np.array_equal(out, want)
+    m16 = copy.deepcopy(m).half()
+    with torch.no_grad():
+        exact, _ = m(q.double(), q.double(), q.double(), attn_mask=am.double())
+        t16, _ = m16(q, q, q, attn_mask=am)
+    err = np.abs(out.astype(np.float64) - exact.numpy()).max()
+    terr = (t16.double() - exact).abs().max().item()
+    assert err <= 2 * terr + 2.0**-11 * exact.abs().max().item(), (err, terr)
+
+
 def test_bert_names(tmp_path):
     g = torch.Generator().manual_seed(3)
     E, D, H, P = 24, 24, 6, "encoder.layer.3.attention."

@@ -207,7 +207,8 @@ def torch_reference(c, module):
                     w = w.mean(dim=-3)
             module.train(was)
     assert not out.isnan().any(), "torch's SDPA path gave NaN too (test bug)"
-    return out.numpy(), (None if w is None else w.numpy()), nan
+    as_np = lambda t: t.double().numpy() if t.dtype == torch.bfloat16 else t.numpy()  # noqa: E731
+    return as_np(out), (None if w is None else as_np(w)), nan
 
 
 @functools.lru_cache(maxsize=None)
