@@ -141,6 +141,9 @@ typedef struct gemm_call {
     char *c;
     const char *bias; /* n values, or NULL */
     double beta;      /* C = op(A)·op(B) + beta·C (with a bias: onto the bias) */
+    const attn__gemm_bf16 *bf; /* bfloat16 products (run_bf16), else NULL   */
+    const uint32_t *bp;        /* B packed for them: k/2 x ldbp pairs       */
+    int64_t ldbp;
 } gemm_call;
 
 /* ---- 16-bit operands ----
@@ -177,11 +180,31 @@ static float *widen_matrix(const void *src, attn_dtype dt, int64_t rows, int64_t
     return dst;
 }
 
+/* A tile in bfloat16 dot products: float32 sums into the scratch tile
+ * (lanes rounded up to 16), the float32 bias added, each element rounded
+ * once into C. */
+static attn_status bf16_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t c0, int64_t nc,
+                             float *t) {
+    const int64_t ldt = round_up(nc, 16);
+    g->bf->tile(g->bp + c0, g->ldbp, (const uint16_t *)g->a + r0 * g->lda, g->lda, g->k, mr, ldt,
+                t, ldt, NULL);
+    const float *bias = (const float *)g->bias;
+    for (int64_t r = 0; r < mr; r++) {
+        float *row = t + r * ldt;
+        if (bias != NULL)
+            for (int64_t j = 0; j < nc; j++) row[j] += bias[c0 + j];
+        narrow_row(row, nc, ATTN_DTYPE_BF16, (uint16_t *)g->c + (r0 + r) * g->ldc + c0);
+    }
+    return ATTN_OK;
+}
+
 /* One tile: a single-threaded BLAS call on rows [r0, r0+mr), columns
  * [c0, c0+nc) of C. The caller's OpenMP thread count is 1 here, which is
- * what an OpenMP OpenBLAS reads as "do not start threads". */
+ * what an OpenMP OpenBLAS reads as "do not start threads". A call in
+ * bfloat16 products (g->bf) takes bf16_tile instead. */
 static attn_status run_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t c0, int64_t nc,
                            float *scratch) {
+    if (g->bf != NULL) return bf16_tile(g, r0, mr, c0, nc, scratch);
     if (!blas_buffer_possible()) return ATTN_ERR_NOMEM;
     const size_t es = attn_dtype_size(g->dtype), cs = attn_dtype_size(g->stored);
     const bool half = g->stored != g->dtype;
@@ -231,7 +254,8 @@ static attn_status run_half(const gemm_call *g, const volatile int *cancel);
 attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, const void *a,
                            int64_t lda, const void *b, int64_t ldb, const void *bias, void *c,
                            int64_t ldc, const volatile int *cancel) {
-    const gemm_call g = {dtype, dtype, false, true, m, n, k, lda, ldb, ldc, a, b, c, bias, 0.0};
+    const gemm_call g = {dtype, dtype, false, true, m, n, k, lda, ldb, ldc, a, b, c, bias, 0.0,
+                         NULL, NULL, 0};
     return attn__is_half(dtype) ? run_half(&g, cancel) : run_tiles(&g, cancel);
 }
 
@@ -239,8 +263,40 @@ attn_status attn__gemm(attn_dtype dtype, bool trans_a, bool trans_b, int64_t m, 
                        int64_t k, const void *a, int64_t lda, const void *b, int64_t ldb,
                        double beta, void *c, int64_t ldc, const volatile int *cancel) {
     const gemm_call g = {dtype, dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, a, b, c, NULL,
-                         beta};
+                         beta, NULL, NULL, 0};
     return attn__is_half(dtype) ? run_half(&g, cancel) : run_tiles(&g, cancel);
+}
+
+attn_status attn__gemm_abt_bf16(const attn__gemm_bf16 *kern, int64_t m, int64_t n, int64_t k,
+                                const void *a, int64_t lda, const void *b, int64_t ldb,
+                                const void *bias, void *c, int64_t ldc,
+                                const volatile int *cancel) {
+    if (kern == NULL || kern->tile == NULL || kern->pack == NULL)
+        return attn__gemm_abt(ATTN_DTYPE_BF16, m, n, k, a, lda, b, ldb, bias, c, ldc, cancel);
+    /* B's rows as pairs along k, for every column of C at once (ldbp lanes,
+     * zero past n), packed in slices of rows on attn's threads */
+    const int64_t ldbp = round_up(n, 16), pairs = (k + 1) / 2;
+    uint32_t *bp = attn__alloc_array((size_t)pairs, (size_t)ldbp * sizeof(uint32_t));
+    float *b32 = bp != NULL && bias != NULL ? widen_matrix(bias, ATTN_DTYPE_BF16, 1, n, n) : NULL;
+    if (bp == NULL || (bias != NULL && b32 == NULL)) {
+        attn__free(bp);
+        return ATTN_ERR_NOMEM;
+    }
+    enum { SLICE = 256 };
+    const int64_t slices = (n + SLICE - 1) / SLICE;
+    const int threads = (double)n * (double)k >= ATTN_PARALLEL_MIN_WORK ? attn__threads() : 1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t s = 0; s < slices; s++) {
+        const int64_t r0 = s * SLICE, nr = n - r0 < SLICE ? n - r0 : SLICE;
+        kern->pack((const uint16_t *)b + r0 * ldb, ldb, 1, nr, k, bp + r0, ldbp);
+    }
+    const gemm_call g = {ATTN_DTYPE_F32, ATTN_DTYPE_BF16, false, true, m, n, k, lda, ldb, ldc,
+                         a, b, c, (const char *)b32, 0.0, kern, bp, ldbp};
+    attn_status st = run_tiles(&g, cancel);
+    attn__free(b32);
+    attn__free(bp);
+    return st;
 }
 
 /* A 16-bit GEMM: A, B and the bias widened to float32 once (dense copies),
@@ -279,7 +335,8 @@ static attn_status run_tiles(const gemm_call *gp, const volatile int *cancel) {
     const int threads = ntiles > 1 ? attn__threads() : 1;
     /* a 16-bit C: one float32 tile per thread (rows x cols) */
     const bool half = g.stored != g.dtype;
-    float *scratch = half ? attn__alloc_array((size_t)threads, (size_t)(t.rows * t.cols) * sizeof(float))
+    const int64_t tile_floats = t.rows * round_up(t.cols, 16);
+    float *scratch = half ? attn__alloc_array((size_t)threads, (size_t)tile_floats * sizeof(float))
                           : NULL;
     if (half && scratch == NULL) return ATTN_ERR_NOMEM;
     int status = ATTN_OK; /* the first failure of any tile */
@@ -287,7 +344,7 @@ static attn_status run_tiles(const gemm_call *gp, const volatile int *cancel) {
     {
         float *mine = scratch;
 #ifdef _OPENMP
-        if (half) mine += (size_t)omp_get_thread_num() * (size_t)(t.rows * t.cols);
+        if (half) mine += (size_t)omp_get_thread_num() * (size_t)tile_floats;
 #endif
 #ifdef _OPENMP
         const int saved = omp_get_max_threads();

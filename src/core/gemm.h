@@ -27,6 +27,27 @@ attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, co
                            int64_t lda, const void *b, int64_t ldb, const void *bias, void *c,
                            int64_t ldc, const volatile int *cancel);
 
+/* bfloat16 dot-product kernels for attn__gemm_abt_bf16: the kernel
+ * layer's pack_qt_bf and qkt_bf (kernels/ukernel.h has their contract),
+ * here B's rows (n x k) packed as Qt pairs (k/2 x n) and A's rows read in
+ * place as the keys. */
+typedef struct attn__gemm_bf16 {
+    void (*pack)(const uint16_t *b, int64_t rs, int64_t cs, int64_t n, int64_t k, uint32_t *bp,
+                 int64_t ldbp);
+    void (*tile)(const uint32_t *bp, int64_t ldbp, const uint16_t *a, int64_t lda, int64_t k,
+                 int64_t m, int64_t lanes, float *c, int64_t ldc, const int64_t *keys);
+} attn__gemm_bf16;
+
+/* attn__gemm_abt for bfloat16 A, B, bias and C with the products in
+ * bfloat16 dot products (vdpbf16ps: each product exact, summed in float32;
+ * bfloat16 subnormals read as 0), each element of C rounded once. Tiled
+ * like attn__gemm_abt, so the bits do not depend on the thread count.
+ * kern NULL (or without tile): attn__gemm_abt's widened float32 path. */
+attn_status attn__gemm_abt_bf16(const attn__gemm_bf16 *kern, int64_t m, int64_t n, int64_t k,
+                                const void *a, int64_t lda, const void *b, int64_t ldb,
+                                const void *bias, void *c, int64_t ldc,
+                                const volatile int *cancel);
+
 /* C = op(A) · op(B) + beta · C, tiled like attn__gemm_abt (by the shape of
  * C alone, so the bits do not depend on the thread count). op(A) is m x k:
  * A itself (m x k, row stride lda) or, with trans_a, the transpose of a

@@ -4,6 +4,8 @@
  * configurations of every option; parameter names, shapes and order; and
  * the initialisation schemes.
  */
+#include "core/gemm.h"
+#include "kernels/ukernel.h"
 #include "testutil.h"
 
 typedef struct mha_case {
@@ -593,5 +595,74 @@ static void per_call_dropout(void) {
     attn_mha_destroy(m);
 }
 
-HARNESS_MAIN(T(random_modules), T(parameter_names_and_order), T(initialisation),
+/* The bfloat16 projections (attn__gemm_abt_bf16): on every path with
+ * bfloat16 dot products, and on the widened float32 fallback (kern NULL),
+ * each element of C within its own rounding (2^-8 relative) plus float32
+ * sums' (k + 2)·2^-24·(Σ|a·b| + |bias|) of the float64 result of the same
+ * bfloat16 values; edges of every kind: k odd and 1, n not a multiple of
+ * 16, one row, many row tiles, lda > k, with and without a bias; and the
+ * same bits for 1-4 threads. */
+static void bf16_projection_gemm(void) {
+    static const int64_t shapes[][4] = {/* m, n, k, lda - k */
+                                        {1, 1, 1, 0}, {3, 17, 5, 2}, {8, 16, 2, 0},
+                                        {33, 48, 7, 1}, {515, 260, 33, 3}, {600, 300, 129, 0}};
+    rng r = {harness_seed() ^ 0xbf16};
+    int paths = 0;
+    for (int isa = ATTN_ISA_REF; isa <= ATTN_ISA_LAST + 1; isa++) {
+        const bool fallback = isa == ATTN_ISA_LAST + 1;
+        const attn__ukernel *u = fallback ? NULL : attn__ukernel_for((attn_isa)isa);
+        if (!fallback && (!attn_isa_supported((attn_isa)isa) || u->qkt_bf == NULL)) continue;
+        const attn__gemm_bf16 kern = {u ? u->pack_qt_bf : NULL, u ? u->qkt_bf : NULL};
+        paths++;
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+            for (int with_bias = 0; with_bias < 2; with_bias++) {
+                const int64_t m = shapes[si][0], n = shapes[si][1], k = shapes[si][2],
+                              lda = k + shapes[si][3];
+                uint16_t *a = malloc((size_t)(m * lda) * 2), *b = malloc((size_t)(n * k) * 2),
+                         *bias = malloc((size_t)n * 2), *c = malloc((size_t)(m * n) * 2),
+                         *c1 = malloc((size_t)(m * n) * 2);
+                for (int64_t i = 0; i < m * lda; i++) a[i] = tt_half_bits(rng_normal(&r), ATTN_DTYPE_BF16);
+                for (int64_t i = 0; i < n * k; i++) b[i] = tt_half_bits(rng_normal(&r), ATTN_DTYPE_BF16);
+                for (int64_t i = 0; i < n; i++) bias[i] = tt_half_bits(rng_normal(&r), ATTN_DTYPE_BF16);
+                double worst = 0;
+                for (int threads = 1; threads <= 4; threads++) {
+                    attn_set_num_threads(threads);
+                    CHECK_OK(attn__gemm_abt_bf16(fallback ? NULL : &kern, m, n, k, a, lda, b, k,
+                                                 with_bias ? bias : NULL, c, n, NULL));
+                    if (threads == 1) {
+                        memcpy(c1, c, (size_t)(m * n) * 2);
+                        continue;
+                    }
+                    CHECK(memcmp(c, c1, (size_t)(m * n) * 2) == 0,
+                          "%s, shape %zu: %d threads differ from 1", u ? u->name : "fallback", si,
+                          threads);
+                }
+                attn_set_num_threads(0);
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t j = 0; j < n; j++) {
+                        double exact = with_bias ? tt_half_value(bias[j], ATTN_DTYPE_BF16) : 0;
+                        double mag = fabs(exact);
+                        for (int64_t e = 0; e < k; e++) {
+                            const double p = tt_half_value(a[i * lda + e], ATTN_DTYPE_BF16) *
+                                             tt_half_value(b[j * k + e], ATTN_DTYPE_BF16);
+                            exact += p;
+                            mag += fabs(p);
+                        }
+                        const double got = tt_half_value(c1[i * n + j], ATTN_DTYPE_BF16);
+                        const double bound = 0x1p-8 * fabs(exact) + (double)(k + 2) * 0x1p-24 * mag;
+                        worst = fmax(worst, fabs(got - exact) / bound);
+                    }
+                CHECK(worst <= 1, "%s, shape %zu, bias %d: error %.3g of the bound",
+                      u ? u->name : "fallback", si, with_bias, worst);
+                free(a);
+                free(b);
+                free(bias);
+                free(c);
+                free(c1);
+            }
+    }
+    printf("  %d paths with bfloat16 products, and the float32 fallback\n", paths - 1);
+}
+
+HARNESS_MAIN(T(random_modules), T(bf16_projection_gemm), T(parameter_names_and_order), T(initialisation),
              T(thread_count_independence), T(per_call_dropout))
