@@ -249,6 +249,40 @@ def bench_half(args, B, H, L, S, E, causal, dtype=torch.bfloat16):
                 max_diff=float((out_a.double() - out_t.double()).abs().max()))
 
 
+def bench_mha_half(args, N, L, E, H, dtype=torch.bfloat16):
+    """bfloat16 MHA (issue 13): attn.MultiheadAttention in bfloat16 on torch
+    bfloat16 tensors against torch's module in bfloat16, then against attn's
+    own float32 module on the same values, each pair alternating."""
+    ref, ours32, x = mha_modules(N, L, E, H)
+    ref16, x16 = ref.to(dtype), x.to(dtype)
+    ours = attn.MultiheadAttention(E, H, batch_first=True, dtype=dtype)
+    ours.load_state_dict(ref16.state_dict())
+    ours.eval()
+    ours32.load_state_dict({k: v.float() for k, v in ref16.state_dict().items()})
+    x32 = x16.float().numpy()
+
+    def run_attn():
+        return ours(x16, x16, x16, need_weights=False)[0]
+
+    def run_torch():
+        with torch.inference_mode():
+            return ref16(x16, x16, x16, need_weights=False)[0]
+
+    def run_f32():
+        return ours32(x32, x32, x32, need_weights=False)[0]
+
+    out_a, out_t = run_attn(), run_torch()
+    run_f32()
+    vs_torch = alternate(run_attn, run_torch, args.reps)
+    vs_f32 = alternate(run_attn, run_f32, args.reps)
+    D = E
+    flops = 2.0 * N * L * E * 3 * D + 2.0 * N * L * D * E + 4.0 * N * H * L * L * (D // H)
+    return dict(vs_torch, ms_f32=vs_f32["ms_torch"], spread_f32=vs_f32["spread_torch"],
+                ms_attn_2=vs_f32["ms_attn"], flops=flops, kv_bytes=0, dtype=str(dtype)[6:],
+                mha=True, max_diff=float(np.max(np.abs(np.asarray(out_a, np.float64) -
+                                                       out_t.double().numpy()))))
+
+
 def half_table(cases, peak_bf16):
     """The bfloat16 rows: attn against PyTorch's bfloat16 and its own float32."""
     half = [c for c in cases if c["group"] == "half"]
@@ -256,10 +290,11 @@ def half_table(cases, peak_bf16):
         return []
     peak_note = (f"the AVX512-BF16 dot-product peak measured in the same run, "
                  f"{peak_bf16:.0f} GFLOP/s" if peak_bf16 else "no AVX512-BF16 on this CPU")
-    lines = ["", f"bfloat16 prefill (issue 13): attn on torch bfloat16 tensors (float32 "
-             f"accumulation and softmax, outputs rounded once) against PyTorch's bfloat16 SDPA and "
-             f"against attn's own float32 on the same values, each pair alternating; % of "
-             f"peak: of {peak_note}.", "",
+    lines = ["", f"bfloat16 (issue 13): prefill, attn on torch bfloat16 tensors (float32 "
+             f"accumulation and softmax, outputs rounded once) against PyTorch's bfloat16 SDPA, "
+             f"and MHA, attn.MultiheadAttention in bfloat16 against torch's module in bfloat16 "
+             f"(need_weights=False), each also against attn's own float32 on the same values, "
+             f"each pair alternating; % of peak: of {peak_note}.", "",
              "| case | attn bf16 ms | attn f32 ms | PyTorch bf16 ms | vs attn f32 | "
              "vs PyTorch bf16 | attn bf16 GFLOP/s | % of bf16 peak | max \\|diff\\| vs PyTorch |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -634,12 +669,15 @@ def main():
     for shp in (HALF if not args.quick else [(1, 8, 512, 512, 64)]):
         for causal in (False, True):
             plan.append(("half", shp + (causal, None)))
+    for name, N, L, E, H in (MHA if not args.quick else MHA[:1]):
+        plan.append(("half_mha", (name, N, L, E, H)))
 
     cases, backward = [], []
     for i, (group, p) in enumerate(plan):
-        if group == "mha":
+        if group in ("mha", "half_mha"):
             name, N, L, E, H = p
-            label = f"MHA {name} ({N},{L},{E}) {H} heads"
+            label = (("bfloat16 " if group == "half_mha" else "") +
+                     f"MHA {name} ({N},{L},{E}) {H} heads")
         else:
             B, H, L, S, E, causal, kvh = p
             label = (("backward " if group == "backward" else "short " if group == "short"
@@ -667,6 +705,10 @@ def main():
             c = bench_half(args, B, H, L, S, E, causal)
             c.update(L=L, causal=causal)
             c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
+        elif group == "half_mha":  # reported among the bfloat16 rows
+            c = bench_mha_half(args, N, L, E, H)
+            c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
+            group = "half"
         else:
             c = bench_sdpa(args, B, H, L, S, E, causal, kvh)
             c.update(L=L, causal=causal)
@@ -742,7 +784,7 @@ def main():
             if "BERT" in c["label"]:
                 verdict.append((c["label"], f"≥ {TARGET_BERT_PEAK_PCT:.0f}% of FMA peak",
                                 c["peak_pct"] >= TARGET_BERT_PEAK_PCT, f"{c['peak_pct']:.0f}%"))
-    for c in (c for c in cases if c["group"] == "half"):
+    for c in (c for c in cases if c["group"] == "half" and not c.get("mha")):
         if peak_bf16:  # the float32 target is for CPUs with bf16 dot products
             verdict.append((c["label"], f"≥ {TARGET_HALF_VS_F32}× attn float32 (AVX512-BF16)",
                             c["vs_f32"] >= TARGET_HALF_VS_F32, f"{c['vs_f32']:.2f}×"))
