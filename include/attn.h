@@ -169,6 +169,15 @@ ATTN_API attn_status attn_tensor_transpose(attn_tensor *t, int dim0, int dim1);
 /* Element count (product of the shape), or -1 if the view is invalid. */
 ATTN_API int64_t attn_tensor_numel(const attn_tensor *t);
 
+/* dst = src element by element, any strides, converted to dst's dtype: a
+ * float dtype to any float dtype (float32, float64, float16, bfloat16;
+ * each value rounded once, to nearest even: float16 overflows to infinity
+ * past 65504), bool to bool. Same rank and shape, or ATTN_ERR_SHAPE;
+ * ATTN_ERR_DTYPE between bool and a float (or for int32); dst is checked as
+ * every output is (no two elements at one address), and ATTN_ERR_OVERLAP
+ * when it shares memory with src. */
+ATTN_API attn_status attn_tensor_convert(const attn_tensor *src, attn_tensor *dst);
+
 /* ------------------------------------------------------------------------ */
 /* Scaled dot-product attention                                              */
 /* ------------------------------------------------------------------------ */

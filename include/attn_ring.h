@@ -18,7 +18,11 @@
  * by log-sum-exp. Attention is exact: the result on each rank is its shard
  * of attn_sdpa on the whole tensors, within float32 rounding, and bitwise
  * the same from run to run for a fixed number of ranks (the parts merge in
- * a fixed order, in float64).
+ * a fixed order, in float64). Every dtype attn_sdpa takes works, under its
+ * rules: float16 / bfloat16 operands travel as they are, the steps compute
+ * in float32 on their values (never rounding a part to 16 bits: the ring
+ * keeps float32 products even on the avx512_bf16 path) and each 16-bit
+ * result is rounded once, at the end.
  *
  * Shards. The sequence dimension is dim -2 of q, k and v (L and S); every
  * other dimension (batch, heads, E, Ev) is the same on every rank. A rank's
@@ -113,7 +117,8 @@ ATTN_API void attn_ring_params_init(attn_ring_params *params);
 /* Ring attention forward. q, k, v are this rank's shards:
  *   q (..., Hq, L_shard, E), k (..., H, S_shard, E), v (..., H, S_shard, Ev)
  *   out (B..., Hq, L_shard, Ev)   required, q's dtype
- *   lse (B..., Hq, L_shard)       optional: q's dtype or float64; the whole
+ *   lse (B..., Hq, L_shard)       optional: float32 (float64 queries:
+ *                                 float64) or float64; the whole
  *                                 row's log-sum-exp (for the backward)
  * Collective over comm: every rank must call it. */
 ATTN_API attn_status attn_ring_sdpa(MPI_Comm comm, const attn_tensor *q, const attn_tensor *k,

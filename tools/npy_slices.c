@@ -26,10 +26,8 @@ static bool host_big_endian(void) { return *(const unsigned char *)&(uint16_t){1
 
 /* Refuses what cannot be read by offset into a tensor of this machine. */
 static const char *unreadable(const attn__npy_header *h) {
-    if (h->dtype != ATTN_DTYPE_F32 && h->dtype != ATTN_DTYPE_F64)
-        return h->dtype == ATTN_DTYPE_BOOL ? "holds bool; sdpa needs float32 or float64"
-                                           : "holds float16; --ring computes in float32 or "
-                                             "float64 (convert the file first)";
+    if (h->dtype != ATTN_DTYPE_F32 && h->dtype != ATTN_DTYPE_F64 && h->dtype != ATTN_DTYPE_F16)
+        return "holds bool; sdpa needs float32, float64 or float16";
     if (h->fortran)
         return "is in Fortran order; --ring reads C-order files by offset (save the array "
                "with np.ascontiguousarray)";

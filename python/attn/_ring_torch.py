@@ -13,8 +13,17 @@ from ._torch import _tensor  # one rule for non-tensor inputs
 
 
 def _array(t):
-    """A NumPy view of a plain CPU tensor (checked by ring_attention)."""
-    return t.detach().resolve_conj().resolve_neg().numpy()
+    """A NumPy view of a plain CPU tensor (checked by ring_attention);
+    bfloat16 as its bits (int16)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _out(a, like):
+    """A result of the ring as a tensor of `like`'s dtype (bfloat16 from its
+    bits)."""
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t
 
 
 class _Ring(torch.autograd.Function):
@@ -24,7 +33,7 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, query, key, value, opts):
         out, lse = _forward(_array(query), _array(key), _array(value), opts,
                                         want_lse=True, for_backward=True)
-        out, lse = torch.from_numpy(out), torch.from_numpy(lse)
+        out, lse = _out(out, query), torch.from_numpy(lse)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
@@ -36,7 +45,8 @@ class _Ring(torch.autograd.Function):
         want = [bool(n) for n in ctx.needs_input_grad[:3]]
         grads = _backward(_array(dout), _array(query), _array(key), _array(value),
                                       _array(out), _array(lse), ctx.opts, want)
-        return tuple(None if g is None else torch.from_numpy(g) for g in grads) + (None,)
+        return tuple(None if g is None else _out(g, x)
+                     for g, x in zip(grads, (query, key, value))) + (None,)
 
 
 def run(a, query, key, value, opts):
@@ -47,4 +57,4 @@ def run(a, query, key, value, opts):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Ring.apply(q, k, v, opts)
     out, lse = _forward(a.q, a.k, a.v, opts, want_lse=True, for_backward=True)
-    return torch.from_numpy(out), torch.from_numpy(lse)
+    return _out(out, q), torch.from_numpy(lse)

@@ -19,12 +19,14 @@ collective: every rank of the communicator calls it. See docs/python.md.
 
 import math
 import numbers
+import sys
 import time
 
 import numpy as np
 
 from . import _attn
-from ._arrays import MASK, _is_torch_tensor, as_array, check_int, library_error, random_seed
+from ._arrays import (MASK, _is_torch_tensor, as_array, as_bfloat16, check_int, library_error,
+                      random_seed)
 from ._arrays import tracks_grad
 from ._ring_calls import _forward
 from ._sdpa import _arguments
@@ -220,6 +222,7 @@ def ring_attention(query, key, value, comm=None, *, key_padding_mask=None, dropo
         out, lse = _ring_torch.run(a, query, key, value, opts)
     else:
         out, lse = _forward(a.q, a.k, a.v, opts, a.want_lse, for_backward=False)
+        out = as_bfloat16(out, query if isinstance(query, np.ndarray) else a.q)
     return (out, lse) if a.want_lse else out
 
 
@@ -317,7 +320,12 @@ def gather(x, comm=None, *, dim=-2, layout="zigzag", root=None):
     MPI = _mpi()
     comm, _ = _communicator(comm, MPI)
     torch_in = _is_torch_tensor(x)
-    a = x.detach().cpu().numpy() if torch_in else np.asarray(_array_like(x, "x"))
+    bf16 = torch_in and str(x.dtype) == "torch.bfloat16"  # travels as its bits
+    if torch_in:
+        t = x.detach().cpu()
+        a = (t.view(sys.modules["torch"].int16) if bf16 else t).numpy()
+    else:
+        a = np.asarray(_array_like(x, "x"))
     if root is None:
         shards = comm.allgather(a)
     else:
@@ -329,5 +337,6 @@ def gather(x, comm=None, *, dim=-2, layout="zigzag", root=None):
     if torch_in:
         import torch
 
-        return torch.from_numpy(whole)
+        whole = torch.from_numpy(whole)
+        return whole.view(torch.bfloat16) if bf16 else whole
     return whole

@@ -221,3 +221,45 @@ bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b) {
     byte_span(b, &blo, &bhi);
     return alo < bhi && blo < ahi;
 }
+
+/* ---- conversion ---- */
+
+attn_status attn_tensor_convert(const attn_tensor *src, attn_tensor *dst) {
+    attn__clear_error();
+    attn_status st = attn__check_tensor(src, "src", 1, ATTN__INPUT);
+    if (st == ATTN_OK) st = attn__check_tensor(dst, "dst", 1, ATTN__OUTPUT);
+    if (st != ATTN_OK) return st;
+    bool same = src->rank == dst->rank;
+    for (int d = 0; same && d < src->rank; d++) same = src->shape[d] == dst->shape[d];
+    if (!same) {
+        char a[160], b[160];
+        return attn__fail_arg(ATTN_ERR_SHAPE, "dst", "dst has shape %s; src has %s",
+                              attn__shape_str(a, sizeof a, dst->rank, dst->shape),
+                              attn__shape_str(b, sizeof b, src->rank, src->shape));
+    }
+    const bool bools = src->dtype == ATTN_DTYPE_BOOL && dst->dtype == ATTN_DTYPE_BOOL;
+    if (!bools && !(attn__is_floating(src->dtype) && attn__is_floating(dst->dtype)))
+        return attn__fail_arg(ATTN_ERR_DTYPE, attn__is_floating(src->dtype) ? "dst" : "src",
+                              "src is %s and dst %s: a float dtype converts to a float dtype, "
+                              "bool to bool", attn_dtype_name(src->dtype),
+                              attn_dtype_name(dst->dtype));
+    if ((st = attn__check_output_layout(dst, "dst")) != ATTN_OK) return st;
+    if (attn__views_overlap(src, dst))
+        return attn__fail_arg(ATTN_ERR_OVERLAP, "dst", "dst overlaps src in memory");
+    /* element by element in C order; attn__store rounds the double once */
+    int64_t idx[ATTN_MAX_RANK] = {0};
+    const int64_t n = attn_tensor_numel(src);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t so = 0, dof = 0;
+        for (int d = 0; d < src->rank; d++) {
+            so += idx[d] * src->strides[d];
+            dof += idx[d] * dst->strides[d];
+        }
+        attn__store(dst->data, dst->dtype, dof, attn__load(src->data, src->dtype, so));
+        for (int d = src->rank - 1; d >= 0; d--) {
+            if (++idx[d] < src->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+    return ATTN_OK;
+}

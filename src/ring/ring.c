@@ -12,6 +12,12 @@
  * The backward sends each shard's dK/dV sums (float64) along with it: step t
  * adds rank r's terms to the sums of shard o and passes them on; after step
  * N - 1 they are one hop from home, and take it.
+ *
+ * 16-bit operands travel as they are, but no part is ever rounded to 16
+ * bits: the pieces run on float32 copies of q (and, backward, of out, dout
+ * and each step's K/V), their parts merge in float64, and each 16-bit
+ * result is rounded once at the end, the float32 computation's rounding as
+ * attn_sdpa's 16-bit calls promise.
  */
 #include <math.h>
 #include <stdio.h>
@@ -77,6 +83,24 @@ static kv_layout kv_layout_of(const ring_call *c, int o, char *base) {
 
 static bool is_16bit(attn_dtype d) { return d == ATTN_DTYPE_F16 || d == ATTN_DTYPE_BF16; }
 
+/* What the pieces compute in (and their parts' dtype): float64 for float64
+ * queries, float32 for the rest. */
+static attn_dtype compute_dtype(const ring_call *c) {
+    return c->q->dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+}
+
+/* `t` itself, or for a 16-bit t a float32 copy in *own (exact; NULL: none
+ * made, or out of memory when *copy is NULL). */
+static const attn_tensor *widened(const attn_tensor *t, attn_tensor *copy, void **own) {
+    *own = NULL;
+    if (!is_16bit(t->dtype)) return t;
+    *own = attn_alloc(ring_bytes(t, ATTN_DTYPE_F32));
+    if (*own == NULL) return NULL;
+    *copy = ring_dense_like(t, *own, ATTN_DTYPE_F32);
+    ring_copy(t, copy);
+    return copy;
+}
+
 static attn_status read_params(ring_call *c, const attn_ring_params *user) {
     attn_ring_params_init(&c->prm);
     if (user != NULL) {
@@ -136,12 +160,6 @@ static attn_status check_local(ring_call *c, const attn_tensor *out, const attn_
     attn_sdpa_params sp = c->sdpa;
     sp.attn_mask = c->mask;
     attn_status st = attn_sdpa_out_shape(c->q, c->k, c->v, &sp, &c->orank, c->oshape);
-    const attn_tensor *narrow = is_16bit(c->q->dtype) ? c->q : is_16bit(c->k->dtype) ? c->k : NULL;
-    if (st == ATTN_OK && narrow != NULL) /* each step's part would be rounded to 16 bits */
-        return attn_set_error(ATTN_ERR_DTYPE, narrow == c->q ? "q" : "k",
-                              "attn_ring: %s is %s; ring attention takes float32 or float64 "
-                              "(convert 16-bit operands first)",
-                              narrow == c->q ? "q" : "k", attn_dtype_name(narrow->dtype));
     if (st != ATTN_OK) {
         if (strcmp(attn_last_error_arg(), "attn_mask") == 0)
             return attn_set_error(st, "params.key_mask", "params.key_mask: %s", attn_last_error());
@@ -166,11 +184,14 @@ static attn_status check_local(ring_call *c, const attn_tensor *out, const attn_
             return attn_set_error(ATTN_ERR_SHAPE, which[i], "attn_ring: %s has the wrong shape "
                                   "or no data: expected (B..., Hq, L_shard%s) of rank %d",
                                   which[i], i == 0 ? ", Ev" : "", want);
-        const bool dt_ok = t[i]->dtype == c->q->dtype || (i == 1 && t[i]->dtype == ATTN_DTYPE_F64);
+        /* out: q's dtype; lse: float32 (float64 queries: float64) or float64 */
+        const attn_dtype want_dt = i == 0 ? c->q->dtype : compute_dtype(c);
+        const bool dt_ok = t[i]->dtype == want_dt || (i == 1 && t[i]->dtype == ATTN_DTYPE_F64);
         if (!dt_ok)
             return attn_set_error(ATTN_ERR_DTYPE, which[i], "attn_ring: %s is %s; expected %s%s",
                                   which[i], attn_dtype_name(t[i]->dtype),
-                                  attn_dtype_name(c->q->dtype), i == 1 ? " or float64" : "");
+                                  attn_dtype_name(want_dt),
+                                  i == 1 && want_dt != ATTN_DTYPE_F64 ? " or float64" : "");
     }
     return ATTN_OK;
 }
@@ -335,6 +356,9 @@ static void piece_keys_of(const ring_call *c, const kv_layout *m, const ring_run
  * rank on key run b of origin o, merged into the sums. */
 typedef struct fwd_bufs {
     const attn_tensor *out;     /* the caller's, for the shapes            */
+    const attn_tensor *q;       /* c->q, or its float32 copy (q32)         */
+    attn_tensor q32;
+    void *q32_data;
     attn_tensor acc, acc_lse;   /* (B..., Hq, L_shard, Ev) and (..., L_shard), float64 */
     void *part, *part_lse;      /* room for L_shard rows */
 } fwd_bufs;
@@ -343,12 +367,12 @@ static attn_status forward_piece(ring_call *c, const kv_layout *m, const ring_ru
                                  int a, int64_t p0, int64_t np, void *ctx) {
     fwd_bufs *f = ctx;
     const int ld = c->q->rank - 2, od = c->orank - 2;
-    const attn_tensor q = ring_rows(c->q, ld, c->qruns.row[a] + p0, np);
+    const attn_tensor q = ring_rows(f->q, ld, c->qruns.row[a] + p0, np);
     piece_keys pk;
     piece_keys_of(c, m, kr, b, a, p0, &pk);
     attn_tensor acc = ring_rows(&f->acc, od, c->qruns.row[a] + p0, np);
     attn_tensor acc_lse = ring_rows(&f->acc_lse, od, c->qruns.row[a] + p0, np);
-    attn_tensor part = ring_dense_like(&acc, f->part, c->q->dtype);
+    attn_tensor part = ring_dense_like(&acc, f->part, compute_dtype(c));
     attn_tensor part_lse = ring_dense_like(&acc_lse, f->part_lse, ATTN_DTYPE_F64);
     attn_status st = attn_sdpa(&q, &pk.k, &pk.v, &pk.sp, &part, NULL, &part_lse);
     if (st == ATTN_OK) st = attn_sdpa_merge(&acc, &acc_lse, &part, &part_lse);
@@ -510,8 +534,9 @@ static attn_status forward_steps(ring_call *c, void *ctx) {
 
 /* The forward's float64 sums and part buffers, shaped like out. */
 static attn_status forward_alloc(ring_call *c, void *ctx) {
-    (void)c;
     fwd_bufs *f = ctx;
+    f->q = widened(c->q, &f->q32, &f->q32_data);
+    if (f->q == NULL) return attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (q)");
     const attn_tensor *out = f->out;
     const size_t obytes = ring_bytes(out, ATTN_DTYPE_F64);
     const size_t lbytes = obytes / (size_t)out->shape[out->rank - 1];
@@ -531,6 +556,7 @@ static attn_status forward_alloc(ring_call *c, void *ctx) {
 }
 
 static void forward_free(fwd_bufs *f) {
+    attn_free(f->q32_data);
     attn_free(f->acc.data);
     attn_free(f->acc_lse.data);
     attn_free(f->part);
@@ -566,6 +592,11 @@ attn_status attn_ring_sdpa(MPI_Comm comm, const attn_tensor *q, const attn_tenso
 
 typedef struct bwd_bufs {
     const attn_tensor *dout, *out, *lse;
+    /* what the pieces read: the caller's, or float32 copies of 16-bit ones */
+    const attn_tensor *q_c, *out_c, *dout_c;
+    attn_tensor wide[3];         /* the copies: q, out, dout                    */
+    void *wide_data[3];
+    void *k32, *v32;             /* a 16-bit K/V step widened (room for Smax)   */
     attn_tensor acc_dq;          /* float64, q's shape                          */
     void *part_dq, *part_dk, *part_dv; /* one piece's gradients, compute dtype   */
     void *step;                  /* this step's dK, dV terms (float64)         */
@@ -596,14 +627,16 @@ static attn_status backward_piece(ring_call *c, const kv_layout *m, const ring_r
     bwd_bufs *w = ctx;
     const int ld = c->q->rank - 2, od = c->orank - 2;
     const int64_t row = c->qruns.row[a] + p0;
-    const attn_tensor q = ring_rows(c->q, ld, row, np);
-    const attn_tensor dout = ring_rows(w->dout, od, row, np), out = ring_rows(w->out, od, row, np);
+    const attn_tensor q = ring_rows(w->q_c, ld, row, np);
+    const attn_tensor dout = ring_rows(w->dout_c, od, row, np);
+    const attn_tensor out = ring_rows(w->out_c, od, row, np);
     const attn_tensor lse = ring_rows(w->lse, od, row, np);
     piece_keys pk;
     piece_keys_of(c, m, kr, b, a, p0, &pk);
-    attn_tensor gq = ring_dense_like(&q, w->part_dq, c->q->dtype);
-    attn_tensor gk = ring_dense_like(&pk.k, w->part_dk, c->q->dtype);
-    attn_tensor gv = ring_dense_like(&pk.v, w->part_dv, c->q->dtype);
+    const attn_dtype cd = compute_dtype(c);
+    attn_tensor gq = ring_dense_like(&q, w->part_dq, cd);
+    attn_tensor gk = ring_dense_like(&pk.k, w->part_dk, cd);
+    attn_tensor gv = ring_dense_like(&pk.v, w->part_dv, cd);
     attn_status st = attn_sdpa_backward(&dout, &q, &pk.k, &pk.v, &out, &lse, &pk.sp,
                                         w->want_dq ? &gq : NULL, w->want_dkv ? &gk : NULL,
                                         w->want_dkv ? &gv : NULL, NULL);
@@ -673,7 +706,15 @@ static attn_status backward_steps(ring_call *c, void *ctx) {
         if (st == ATTN_OK) st = post_dkv_recv(c, w, t, &msgs[1]);
         if (st != ATTN_OK) return st;
         if (w->want_dkv) memset(w->step, 0, dkv_bytes_of(c, o));
-        const kv_layout m = kv_layout_of(c, o, c->kv[t % 2]);
+        kv_layout m = kv_layout_of(c, o, c->kv[t % 2]);
+        if (w->k32 != NULL) { /* 16-bit K/V: the pieces' gradients need float32 ones */
+            attn_tensor k32 = ring_dense_like(&m.k, w->k32, ATTN_DTYPE_F32);
+            attn_tensor v32 = ring_dense_like(&m.v, w->v32, ATTN_DTYPE_F32);
+            ring_copy(&m.k, &k32);
+            ring_copy(&m.v, &v32);
+            m.k = k32;
+            m.v = v32;
+        }
         compute_step(c, o, &m, backward_piece, w, msgs, 2);
         memset(&msgs[2], 0, sizeof msgs[2]);
         if (w->want_dkv && (st = pass_dkv(c, w, t, &dkv_in, &msgs[2])) != ATTN_OK) return st;
@@ -685,7 +726,7 @@ static attn_status backward_steps(ring_call *c, void *ctx) {
     return wait_step(c, &dkv_in, 1); /* our own sums, home */
 }
 
-/* dout like out; dq, dk, dv like q, k, v in q's dtype; lse required. */
+/* dout like out; dq, dk, dv like q, k, v in their dtypes; lse required. */
 static attn_status check_backward(ring_call *c, const attn_tensor *dout, const attn_tensor *out,
                                   const attn_tensor *lse, const attn_tensor *const g[3]) {
     if (lse == NULL)
@@ -706,10 +747,10 @@ static attn_status check_backward(ring_call *c, const attn_tensor *dout, const a
             return attn_set_error(ATTN_ERR_SHAPE, names[i],
                                   "attn_ring: %s must have the shape of %s (and data)", names[i],
                                   i == 0 ? "out" : i == 1 ? "q" : i == 2 ? "k" : "v");
-        if (mine[i]->dtype != c->q->dtype)
+        if (mine[i]->dtype != like[i]->dtype)
             return attn_set_error(ATTN_ERR_DTYPE, names[i], "attn_ring: %s is %s; expected %s",
                                   names[i], attn_dtype_name(mine[i]->dtype),
-                                  attn_dtype_name(c->q->dtype));
+                                  attn_dtype_name(like[i]->dtype));
     }
     return ATTN_OK;
 }
@@ -720,11 +761,23 @@ static attn_status backward_alloc(ring_call *c, void *ctx) {
     for (int r = 0; r < c->rc.n; r++) dkv = dkv_bytes_of(c, r) > dkv ? dkv_bytes_of(c, r) : dkv;
     const attn_tensor kmax = resized(c->k, c->k->rank - 2, c->Smax);
     const attn_tensor vmax = resized(c->v, c->v->rank - 2, c->Smax);
+    const attn_dtype cd = compute_dtype(c);
+    const attn_tensor *const from[3] = {c->q, w->out, w->dout};
+    const attn_tensor **to[3] = {&w->q_c, &w->out_c, &w->dout_c};
+    for (int i = 0; i < 3; i++)
+        if ((*to[i] = widened(from[i], &w->wide[i], &w->wide_data[i])) == NULL)
+            return attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (copies)");
+    if (is_16bit(c->k->dtype)) {
+        w->k32 = attn_alloc(ring_bytes(&kmax, ATTN_DTYPE_F32));
+        w->v32 = attn_alloc(ring_bytes(&vmax, ATTN_DTYPE_F32));
+        if (w->k32 == NULL || w->v32 == NULL)
+            return attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (K/V copies)");
+    }
     void *acc = attn_alloc(ring_bytes(c->q, ATTN_DTYPE_F64));
     w->acc_dq = ring_dense_like(c->q, acc, ATTN_DTYPE_F64);
-    w->part_dq = attn_alloc(ring_bytes(c->q, c->q->dtype));
-    w->part_dk = attn_alloc(ring_bytes(&kmax, c->q->dtype));
-    w->part_dv = attn_alloc(ring_bytes(&vmax, c->q->dtype));
+    w->part_dq = attn_alloc(ring_bytes(c->q, cd));
+    w->part_dk = attn_alloc(ring_bytes(&kmax, cd));
+    w->part_dv = attn_alloc(ring_bytes(&vmax, cd));
     w->step = attn_alloc(dkv);
     w->dkv[0] = attn_alloc(dkv);
     w->dkv[1] = attn_alloc(dkv);
@@ -736,6 +789,9 @@ static attn_status backward_alloc(ring_call *c, void *ctx) {
 }
 
 static void backward_free(bwd_bufs *w) {
+    for (int i = 0; i < 3; i++) attn_free(w->wide_data[i]);
+    attn_free(w->k32);
+    attn_free(w->v32);
     attn_free(w->acc_dq.data);
     attn_free(w->part_dq);
     attn_free(w->part_dk);

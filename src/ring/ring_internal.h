@@ -26,7 +26,8 @@ void ring_runs_of(attn_ring_layout layout, int64_t total, int nranks, int rank,
                   const int64_t *lens, ring_runs *out);
 
 /* dst = src element by element (same shape): bytes when the dtypes agree, a
- * conversion between float32 and float64 otherwise. */
+ * conversion otherwise (to float16/bfloat16: rounded once, by
+ * attn_tensor_convert). */
 void ring_copy(const attn_tensor *src, const attn_tensor *dst);
 
 /* dst += src element by element (same shape); dst is float64. */

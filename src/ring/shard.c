@@ -126,7 +126,17 @@ static void copy_rows(const attn_tensor *src, const attn_tensor *dst, bool add) 
     }
 }
 
-void ring_copy(const attn_tensor *src, const attn_tensor *dst) { copy_rows(src, dst, false); }
+void ring_copy(const attn_tensor *src, const attn_tensor *dst) {
+    const bool half = src->dtype != dst->dtype &&
+                      (src->dtype == ATTN_DTYPE_F16 || src->dtype == ATTN_DTYPE_BF16 ||
+                       dst->dtype == ATTN_DTYPE_F16 || dst->dtype == ATTN_DTYPE_BF16);
+    if (half) { /* rounded once (or widened exactly) by the library */
+        attn_tensor d = *dst;
+        attn_tensor_convert(src, &d);
+        return;
+    }
+    copy_rows(src, dst, false);
+}
 
 void ring_add(const attn_tensor *src, const attn_tensor *dst) { copy_rows(src, dst, true); }
 

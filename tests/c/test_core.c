@@ -205,5 +205,61 @@ static void rounding_to_16_bits(void) {
     CHECK(bad == 0, "%ld values rounded wrongly", bad);
 }
 
+/* attn_tensor_convert: each value rounded once (2.7099609374975 in float64
+ * is -2.708984375... in float16 only without a float32 step in between),
+ * ties to even, overflow to infinity, any strides, and the refusals. */
+static void tensor_convert(void) {
+    /* per dtype: ties at its last bit (to even: down, then up), overflow,
+     * -0, and a value below its range (float16) or exact (bfloat16) */
+    const double vals[2][6] = {{2.7099609374975, 1.0 + 0x1p-11, 1.0 + 3 * 0x1p-11, 70000.0,
+                                -0.0, 0x1p-30},
+                               {2.7099609374975, 1.0 + 0x1p-8, 1.0 + 3 * 0x1p-8, 0x1p128,
+                                -0.0, 0x1p-30}};
+    const uint16_t wants[2][6] = {{0x416b, 0x3c00, 0x3c02, 0x7c00, 0x8000, 0x0000},
+                                  {0x402d, 0x3f80, 0x3f82, 0x7f80, 0x8000, 0x3080}};
+    double src[6];
+    uint16_t dst[12];
+    int64_t shape[1] = {6};
+    attn_tensor ts, td;
+    attn_tensor_init(&ts, src, ATTN_DTYPE_F64, 1, shape);
+    for (int half = 0; half < 2; half++) {
+        const attn_dtype dt = half ? ATTN_DTYPE_BF16 : ATTN_DTYPE_F16;
+        const uint16_t *want = wants[half];
+        memcpy(src, vals[half], sizeof src);
+        attn_tensor_init(&td, dst + 11, dt, 1, shape);
+        td.strides[0] = -2; /* every other element, backwards */
+        CHECK_OK(attn_tensor_convert(&ts, &td));
+        for (int i = 0; i < 6; i++)
+            CHECK(dst[11 - 2 * i] == want[i], "%s[%d] = 0x%04x; expected 0x%04x",
+                  attn_dtype_name(dt), i, dst[11 - 2 * i], want[i]);
+        /* and back to float32: exact */
+        float back[6];
+        attn_tensor tb;
+        attn_tensor_init(&tb, back, ATTN_DTYPE_F32, 1, shape);
+        CHECK_OK(attn_tensor_convert(&td, &tb));
+        for (int i = 0; i < 6; i++)
+            CHECK(back[i] == (half ? attn__bf16_to_float(want[i]) : attn__f16_to_float(want[i])),
+                  "%s -> float32 [%d] not exact", attn_dtype_name(dt), i);
+    }
+    unsigned char b[6] = {0, 1, 2, 0, 0, 1}, b2[6];
+    attn_tensor tbool, tbool2;
+    attn_tensor_init(&tbool, b, ATTN_DTYPE_BOOL, 1, shape);
+    attn_tensor_init(&tbool2, b2, ATTN_DTYPE_BOOL, 1, shape);
+    CHECK_OK(attn_tensor_convert(&tbool, &tbool2));
+    CHECK(b2[1] == 1 && b2[2] == 1 && b2[3] == 0, "bool copied as 0/1");
+    CHECK_STATUS(attn_tensor_convert(&tbool, &ts), ATTN_ERR_DTYPE);
+    CHECK_STATUS(attn_tensor_convert(&ts, &tbool), ATTN_ERR_DTYPE);
+    int64_t other[1] = {5};
+    attn_tensor_init(&td, dst, ATTN_DTYPE_F16, 1, other);
+    CHECK_STATUS(attn_tensor_convert(&ts, &td), ATTN_ERR_SHAPE);
+    attn_tensor_init(&td, src, ATTN_DTYPE_F32, 1, shape); /* inside src */
+    CHECK_STATUS(attn_tensor_convert(&ts, &td), ATTN_ERR_OVERLAP);
+    attn_tensor_init(&td, dst, ATTN_DTYPE_F16, 1, shape);
+    td.strides[0] = 0; /* six elements onto one */
+    CHECK_STATUS(attn_tensor_convert(&ts, &td), ATTN_ERR_INVALID);
+    CHECK_STATUS(attn_tensor_convert(NULL, &td), ATTN_ERR_NULL);
+}
+
 HARNESS_MAIN(T(philox_known_answers), T(cpu_feature_decoding), T(isa_switch), T(allocator_hook),
-             T(threads_setting), T(views), T(rounding_to_16_bits))
+             T(threads_setting), T(views), T(rounding_to_16_bits),
+             T(tensor_convert))

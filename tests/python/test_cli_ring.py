@@ -94,6 +94,7 @@ CASES = {
                 ["--dropout", "0.25", "--seed", "1234"], np.float32),
     "scale_rank3": ((3, 23, 8), (3, 41, 8), (3, 41, 5), ["--scale", "0.3"], np.float32),
     "rank2_float64": ((50, 8), (31, 8), (31, 6), ["--causal"], np.float64),
+    "float16_causal": ((1, 2, 41, 16), (1, 2, 41, 16), (1, 2, 41, 8), ["--causal"], np.float16),
 }
 
 def make_inputs(tmp_path, case, seed=0):
