@@ -732,6 +732,12 @@ ATTN_API attn_status attn_mha_out_shapes(const attn_mha *mha, const attn_tensor 
  * eps = layer_norm_eps. activation: ReLU, GELU with erf, or GELU's tanh
  * approximation (torch's F.gelu(approximate="tanh")).
  *
+ * A float16 / bfloat16 layer rounds where torch's layer in that dtype does:
+ * its attention is a 16-bit attn_mha, each Linear a 16-bit GEMM (float32
+ * sums, each element rounded once), and each LayerNorm, residual sum,
+ * activation and dropout reads 16-bit values, computes in float64 and
+ * rounds once.
+ *
  * Dropout (config.dropout; only with params.training): the attention
  * weights' dropout is attn_mha's, on the stream (seed, rng_offset); dropout1,
  * the feed-forward's dropout and dropout2 use (seed, rng_offset + 1), (+ 2)
@@ -759,7 +765,7 @@ typedef struct attn_encoder_layer_config {
     int batch_first;         /* default 0                                      */
     int norm_first;          /* default 0                                      */
     int bias;                /* Linear, LayerNorm and MHA biases; default 1    */
-    attn_dtype dtype;        /* F32 (default) or F64                           */
+    attn_dtype dtype;        /* F32 (default), F64, F16 or BF16 (see above)   */
     uint64_t init_seed;
 } attn_encoder_layer_config;
 

@@ -407,7 +407,7 @@ class _CEncoder:
     def get(self, spec, params):
         if self.key != spec:
             self.layer, self.key = _attn.EncoderLayer(**spec), spec
-        self.layer.load([p.detach().contiguous().numpy() for p in params])
+        self.layer.load([_np(p.contiguous()) for p in params])
         return self.layer
 
 
@@ -456,8 +456,6 @@ class TransformerEncoderLayer(torch.nn.Module):
             return None
         if _unsupported(self.self_attn, src, src, src, None, None) is not None:
             return None
-        if src.dtype not in (torch.float32, torch.float64):
-            return None  # 16-bit: torch's norms and feed-forward around attn's attention
         if any(p.dtype != src.dtype or p.device.type != "cpu" for p in params):
             return None
         if self.linear1.bias is None or self.norm1.bias is None:
@@ -488,10 +486,10 @@ class TransformerEncoderLayer(torch.nn.Module):
         with c.lock:
             layer = c.get(spec, [p for _, p in self.state_dict(keep_vars=True).items()])
             out = layer.forward(
-                src.detach().numpy(), empty=np.empty, src_mask=_np(mask),
+                _np(src), empty=empty, src_mask=_np(mask),
                 src_key_padding_mask=_np(src_key_padding_mask), is_causal=causal,
                 training=training, seed=seed, batch_first=int(bool(self.self_attn.batch_first)))
-        return torch.from_numpy(out)
+        return _tensor(out, src.dtype)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
         for x, name in ((src_key_padding_mask, "src_key_padding_mask"), (src_mask, "src_mask")):

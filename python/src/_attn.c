@@ -808,8 +808,13 @@ static int encoder_init(EncoderObject *self, PyObject *args, PyObject *kwds) {
         c.dtype = ATTN_DTYPE_F32;
     } else if (strcmp(dtype, "float64") == 0) {
         c.dtype = ATTN_DTYPE_F64;
+    } else if (strcmp(dtype, "float16") == 0) {
+        c.dtype = ATTN_DTYPE_F16;
+    } else if (strcmp(dtype, "bfloat16") == 0) {
+        c.dtype = ATTN_DTYPE_BF16;
     } else {
-        PyErr_Format(PyExc_TypeError, "dtype is %s; expected float32 or float64", dtype);
+        PyErr_Format(PyExc_TypeError,
+                     "dtype is %s; expected float32, float64, float16 or bfloat16", dtype);
         return -1;
     }
     attn_status st;
@@ -879,8 +884,11 @@ static PyObject *encoder_load(EncoderObject *self, PyObject *seq) {
         }
         const char *f = views[got].format ? views[got].format : "B";
         if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+        /* the struct format of each dtype: bfloat16 as 16-bit integers (its bits) */
+        static const char formats[] = {[ATTN_DTYPE_F32] = 'f', [ATTN_DTYPE_F64] = 'd',
+                                       [ATTN_DTYPE_F16] = 'e', [ATTN_DTYPE_BF16] = 'h'};
         const bool right = views[got].itemsize == (Py_ssize_t)item &&
-                           f[0] == (self->dtype == ATTN_DTYPE_F32 ? 'f' : 'd') && f[1] == '\0' &&
+                           f[0] == formats[self->dtype] && f[1] == '\0' &&
                            views[got].len == (Py_ssize_t)(attn_tensor_numel(&t) * (int64_t)item);
         if (!right) {
             PyErr_Format(PyExc_ValueError, "load(): %s must be a contiguous %s array of %lld "

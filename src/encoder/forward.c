@@ -24,6 +24,64 @@
 #undef REAL
 #undef SFX
 
+/* ---- the row steps on 16-bit rows ----
+ * Each reads its 16-bit inputs exactly, computes as the float64 steps do,
+ * and rounds its result once to the dtype (nearest even): torch's float16 /
+ * bfloat16 layer norm, residual add, activation and dropout also compute in
+ * float32 and round once. */
+
+static void layer_norm_h(attn_dtype dt, const void *x, const void *w, const void *b, double eps,
+                         int64_t R, int64_t E, void *y) {
+#pragma omp parallel for num_threads(attn__threads()) schedule(static) if (R * E > 65536)
+    for (int64_t r = 0; r < R; r++) {
+        double mean = 0, var = 0;
+        for (int64_t e = 0; e < E; e++) mean += attn__load(x, dt, r * E + e);
+        mean /= (double)E;
+        for (int64_t e = 0; e < E; e++) {
+            const double d = attn__load(x, dt, r * E + e) - mean;
+            var += d * d;
+        }
+        const double inv = 1.0 / sqrt(var / (double)E + eps);
+        for (int64_t e = 0; e < E; e++) /* y may be x: each element read before written */
+            attn__store(y, dt, r * E + e,
+                        (attn__load(x, dt, r * E + e) - mean) * inv * attn__load(w, dt, e) +
+                            (b ? attn__load(b, dt, e) : 0.0));
+    }
+}
+
+static void add_h(attn_dtype dt, void *x, const void *a, int64_t n) {
+#pragma omp parallel for num_threads(attn__threads()) schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++)
+        attn__store(x, dt, i, attn__load(x, dt, i) + attn__load(a, dt, i));
+}
+
+static void activate_h(attn_dtype dt, void *h, int64_t n, attn_activation act) {
+#pragma omp parallel for num_threads(attn__threads()) schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; i++) {
+        const double x = attn__load(h, dt, i);
+        double y;
+        if (act == ATTN_ACTIVATION_RELU)
+            y = x > 0 ? x : (x == x ? 0.0 : x);
+        else if (act == ATTN_ACTIVATION_GELU)
+            y = 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));
+        else
+            y = 0.5 * x * (1.0 + tanh(0.79788456080286535588 * (x + 0.044715 * x * x * x)));
+        attn__store(h, dt, i, y);
+    }
+}
+
+static void dropout_h(attn_dtype dt, void *x, int64_t n, double p, uint64_t seed,
+                      uint64_t stream) {
+    const uint64_t threshold = attn__dropout_threshold(p);
+    const double scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
+#pragma omp parallel for num_threads(attn__threads()) schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; i++)
+        attn__store(x, dt, i,
+                    (uint64_t)attn__dropout_word(seed, stream, (uint64_t)i) >= threshold
+                        ? attn__load(x, dt, i) * scale
+                        : 0.0);
+}
+
 void attn_encoder_forward_params_init(attn_encoder_forward_params *p) {
     if (p == NULL) return;
     memset(p, 0, sizeof *p);
@@ -119,17 +177,22 @@ static attn_status work_alloc(const attn_encoder_layer *l, const attn_tensor *sr
 static void norm(const attn_encoder_layer *l, int which, const void *x, void *y, const enc_work *w) {
     const void *g = attn__enc_param_data(l, which == 1 ? "norm1.weight" : "norm2.weight");
     const void *b = attn__enc_param_data(l, which == 1 ? "norm1.bias" : "norm2.bias");
-    if (l->cfg.dtype == ATTN_DTYPE_F32)
+    const attn_dtype dt = l->cfg.dtype;
+    if (dt == ATTN_DTYPE_F32)
         layer_norm_f(x, g, b, l->cfg.layer_norm_eps, w->R, w->E, y);
-    else
+    else if (dt == ATTN_DTYPE_F64)
         layer_norm_d(x, g, b, l->cfg.layer_norm_eps, w->R, w->E, y);
+    else
+        layer_norm_h(dt, x, g, b, l->cfg.layer_norm_eps, w->R, w->E, y);
 }
 
 static void add_to(const attn_encoder_layer *l, void *x, const void *a, int64_t n) {
     if (l->cfg.dtype == ATTN_DTYPE_F32)
         add_f(x, a, n);
-    else
+    else if (l->cfg.dtype == ATTN_DTYPE_F64)
         add_d(x, a, n);
+    else
+        add_h(l->cfg.dtype, x, a, n);
 }
 
 /* Dropout of one of the layer's streams (1: dropout1, 2: the feed-forward's,
@@ -141,8 +204,10 @@ static void drop(const attn_encoder_layer *l, const attn_encoder_forward_params 
     const uint64_t s = p->rng_offset + (uint64_t)stream;
     if (l->cfg.dtype == ATTN_DTYPE_F32)
         dropout_f(x, n, q, p->seed, s);
-    else
+    else if (l->cfg.dtype == ATTN_DTYPE_F64)
         dropout_d(x, n, q, p->seed, s);
+    else
+        dropout_h(l->cfg.dtype, x, n, q, p->seed, s);
 }
 
 /* a = self_attn(in, in, in) on src's shape. */
@@ -172,18 +237,21 @@ static attn_status feed_forward(const attn_encoder_layer *l, const attn_encoder_
                                 const void *in, const enc_work *w, void *a) {
     const attn_dtype dt = l->cfg.dtype;
     const volatile int *cancel = attn__cancel_flag();
-    attn_status st = attn__gemm_abt(dt, w->R, w->F, w->E, in, w->E,
-                                    attn__enc_param_data(l, "linear1.weight"), w->E,
-                                    attn__enc_param_data(l, "linear1.bias"), w->h, w->F, cancel);
+    attn_status st = attn__mha_gemm_abt(dt, w->R, w->F, w->E, in, w->E,
+                                        attn__enc_param_data(l, "linear1.weight"),
+                                        attn__enc_param_data(l, "linear1.bias"), w->h, w->F,
+                                        cancel);
     if (st != ATTN_OK) return st;
     if (dt == ATTN_DTYPE_F32)
         activate_f(w->h, w->R * w->F, l->cfg.activation);
-    else
+    else if (dt == ATTN_DTYPE_F64)
         activate_d(w->h, w->R * w->F, l->cfg.activation);
+    else
+        activate_h(dt, w->h, w->R * w->F, l->cfg.activation);
     drop(l, p, 2, w->h, w->R * w->F);
-    return attn__gemm_abt(dt, w->R, w->E, w->F, w->h, w->F,
-                          attn__enc_param_data(l, "linear2.weight"), w->F,
-                          attn__enc_param_data(l, "linear2.bias"), a, w->E, cancel);
+    return attn__mha_gemm_abt(dt, w->R, w->E, w->F, w->h, w->F,
+                              attn__enc_param_data(l, "linear2.weight"),
+                              attn__enc_param_data(l, "linear2.bias"), a, w->E, cancel);
 }
 
 /* The two sublayers, post-norm or pre-norm, on w->x in place. */

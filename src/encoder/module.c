@@ -65,9 +65,9 @@ static attn_status resolve_config(const attn_encoder_layer_config *in,
                               "activation is %d; expected ATTN_ACTIVATION_RELU, _GELU or "
                               "_GELU_TANH",
                               (int)c->activation);
-    if (!attn__is_float(c->dtype))
+    if (!attn__is_floating(c->dtype))
         return attn__fail_arg(ATTN_ERR_DTYPE, "config.dtype",
-                              "config.dtype must be float32 or float64");
+                              "config.dtype must be float32, float64, float16 or bfloat16");
     c->batch_first = c->batch_first != 0;
     c->norm_first = c->norm_first != 0;
     c->bias = c->bias != 0;

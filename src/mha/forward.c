@@ -402,12 +402,12 @@ void attn__mha_work_free(mha_work *w) {
 
 /* ---- step 1: project ---- */
 
-/* Y = X · Wᵀ + bias in dtype dt: a bfloat16 module's products in bfloat16
- * dot products where the kernel path has them (avx512_bf16), as PyTorch's
- * bfloat16 linear layers run on such CPUs; otherwise on widened float32. */
-static attn_status gemm_abt(attn_dtype dt, int64_t m, int64_t n, int64_t k, const void *a,
-                            int64_t lda, const void *w, const void *bias, void *y, int64_t ldy,
-                            const volatile int *cancel) {
+/* (mha.h) A bfloat16 module's products in bfloat16 dot products where the
+ * kernel path has them, as PyTorch's bfloat16 linear layers run on such
+ * CPUs; otherwise attn__gemm_abt (float16: on widened float32). */
+attn_status attn__mha_gemm_abt(attn_dtype dt, int64_t m, int64_t n, int64_t k, const void *a,
+                               int64_t lda, const void *w, const void *bias, void *y,
+                               int64_t ldy, const volatile int *cancel) {
     if (dt != ATTN_DTYPE_BF16)
         return attn__gemm_abt(dt, m, n, k, a, lda, w, k, bias, y, ldy, cancel);
     const attn__ukernel *u = attn__ukernel_for(attn_get_isa());
@@ -443,14 +443,14 @@ static attn_status project(attn_dtype dt, const attn_tensor *x, const void *w, c
     }
     attn_status st = ATTN_OK;
     if (N == 1 || (xsN * N == xsT && ysN * N == ysT && xsN >= F)) /* time-major rows */
-        st = gemm_abt(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, bias, y,
-                      N == 1 ? ysT : ysN, cancel);
+        st = attn__mha_gemm_abt(dt, N * T, dout, F, xdata, N == 1 ? xsT : xsN, w, bias, y,
+                                 N == 1 ? ysT : ysN, cancel);
     else if (xsT * T == xsN && ysT * T == ysN) /* batch-major rows */
-        st = gemm_abt(dt, N * T, dout, F, xdata, xsT, w, bias, y, ysT, cancel);
+        st = attn__mha_gemm_abt(dt, N * T, dout, F, xdata, xsT, w, bias, y, ysT, cancel);
     else
         for (int64_t n = 0; st == ATTN_OK && n < N; n++)
-            st = gemm_abt(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w, bias,
-                          (char *)y + (size_t)(n * ysN) * es, ysT, cancel);
+            st = attn__mha_gemm_abt(dt, T, dout, F, xdata + (size_t)(n * xsN) * es, xsT, w,
+                                    bias, (char *)y + (size_t)(n * ysN) * es, ysT, cancel);
     attn__free(packed);
     return st;
 }

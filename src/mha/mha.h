@@ -124,6 +124,14 @@ struct attn_mha_saved {
     attn__mha_work work;        /* Q, K, V, O, lse, the masks: all owned          */
 };
 
+/* Y (m x n, row stride ldy) = A (m x k, lda) · Wᵀ + bias for a contiguous W
+ * (n x k) in dtype dt: attn__gemm_abt, with a bfloat16 module's products in
+ * bfloat16 dot products where the kernel path has them (avx512_bf16). The
+ * projections of MHA and of the encoder layer's feed-forward. */
+attn_status attn__mha_gemm_abt(attn_dtype dt, int64_t m, int64_t n, int64_t k, const void *a,
+                               int64_t lda, const void *w, const void *bias, void *y,
+                               int64_t ldy, const volatile int *cancel);
+
 /* Whether two configurations describe modules with the same parameters. */
 bool attn__mha_same_shape(const attn_mha_config *a, const attn_mha_config *b);
 

@@ -176,6 +176,68 @@ def test_encoder_layer_matches_torch(index):
                   context=_context(c))
 
 
+# ---- float16 / bfloat16 (issue 13): the whole layer in libattn ----
+
+HALF = {"float16": (torch.float16, 2.0**-11), "bfloat16": (torch.bfloat16, 2.0**-8)}
+N_HALF = 60  # per dtype: the float32 suite's first cases, in the 16-bit dtype
+_HALF_SQUARES = {name: [0.0, 0.0] for name in HALF}
+
+
+@pytest.mark.parametrize("name", list(HALF))
+@pytest.mark.parametrize("index", range(N_HALF))
+def test_half_encoder_layer_matches_torch(index, name):
+    """attn_encoder_layer_forward in float16 / bfloat16 against torch's layer
+    in the same dtype, both judged by torch's float64 layer on the same
+    rounded parameters, input and masks: attn's largest error within 2x
+    torch's plus one rounding of the largest output (as
+    test_mha_half_conformance.py, for the same reason), and its RMS error
+    over all cases within 1.15x torch's (test_half_encoder_overall; measured
+    0.98-1.00 over five seeds: the layer rounds where torch's does)."""
+    dt, u = HALF[name]
+    c = CASES[index]
+    src, masks = _inputs(c)
+    t16 = _torch_layer(c, torch.float32).to(dt)
+    t64 = copy.deepcopy(t16).double()
+    src16 = torch.from_numpy(np.ascontiguousarray(src, np.float32)).to(dt)
+    m = {k: (v if v.dtype == bool else v.astype(np.float32)) for k, v in masks.items()}
+    causal = c["causal"] and "mask" in masks
+
+    def run(layer, x, cast):
+        mm = {k: (torch.from_numpy(v) if v.dtype == bool else cast(torch.from_numpy(v)))
+              for k, v in m.items()}
+        return layer(x, src_mask=mm.get("mask"), src_key_padding_mask=mm.get("kpm"),
+                     is_causal=causal)
+
+    ref = run(t64, src16.double(), lambda t: t.to(dt).double()).detach().double()
+    own = run(t16, src16, lambda t: t.to(dt)).detach().double()
+    layer = attn.nn.TransformerEncoderLayer(
+        c["d_model"], c["nhead"], c["dim_feedforward"], dropout=0.0, activation=c["activation"],
+        layer_norm_eps=c["layer_norm_eps"], batch_first=c["batch_first"],
+        norm_first=c["norm_first"], bias=c["bias"], dtype=dt).eval()
+    layer.load_state_dict(t16.state_dict())
+    with torch.no_grad():
+        assert layer._c_spec(src16) is not None  # the whole layer in libattn
+        ours = run(layer, src16, lambda t: t.to(dt))
+    assert ours.dtype == dt
+    ours = ours.double()
+    assert not ours.isnan().any(), _context(c)
+    err, terr = (ours - ref).abs().max().item(), (own - ref).abs().max().item()
+    bar = 2 * terr + u * ref.abs().max().item()
+    assert err <= bar, f"{name}, {_context(c)}: error {err:.3g}, torch's {terr:.3g}"
+    _HALF_SQUARES[name][0] += ((ours - ref) ** 2).sum().item()
+    _HALF_SQUARES[name][1] += ((own - ref) ** 2).sum().item()
+
+
+@pytest.mark.parametrize("name", list(HALF))
+def test_half_encoder_overall(name):
+    """After the cases above (pytest keeps the file's order)."""
+    ours, torchs = _HALF_SQUARES[name]
+    if torchs == 0:
+        pytest.skip("no 16-bit case ran in this session")
+    ratio = (ours / torchs) ** 0.5
+    assert ratio <= 1.15, f"{name}: attn's RMS error over all cases is {ratio:.3f} of torch's"
+
+
 def test_cases_cover_every_option():
     seen = {k: {str(c[k]) for c in CASES} for k in
             ("activation", "norm_first", "batch_first", "bias", "unbatched", "mask", "kpm",
