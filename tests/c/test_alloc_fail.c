@@ -688,6 +688,7 @@ typedef struct encoder_state {
     test_tensor src, out, kpm;
     attn_encoder_forward_params fp;
     int norm_first;
+    attn_dtype dtype;
     double *expect;
 } encoder_state;
 
@@ -698,6 +699,7 @@ static attn_status encoder_run(void *state, bool compare) {
     c.dim_feedforward = 24;
     c.norm_first = s->norm_first;
     c.activation = ATTN_ACTIVATION_GELU;
+    c.dtype = s->dtype;
     attn_encoder_layer *l = NULL;
     attn_status st = attn_encoder_layer_create(&c, &l);
     if (st != ATTN_OK) return st;
@@ -715,20 +717,24 @@ static attn_status encoder_run(void *state, bool compare) {
 
 static void encoder_failures(void) {
     rng r = {harness_seed() ^ 0xec};
-    for (int norm_first = 0; norm_first < 2; norm_first++) {
+    for (int kind = 0; kind < 3; kind++) { /* post-norm, pre-norm, pre-norm in bfloat16 */
+        const int norm_first = kind > 0;
         encoder_state st;
         memset(&st, 0, sizeof st);
         st.norm_first = norm_first;
+        st.dtype = kind == 2 ? ATTN_DTYPE_BF16 : ATTN_DTYPE_F32;
         int64_t shape[3] = {5, 2, 8}, ks[2] = {2, 5};
-        tt_make(&st.src, &r, ATTN_DTYPE_F32, 3, shape, LAYOUT_RANDOM, 1, 0);
-        tt_make_output(&st.out, &r, ATTN_DTYPE_F32, 3, shape, LAYOUT_RANDOM);
+        tt_make(&st.src, &r, st.dtype, 3, shape, LAYOUT_RANDOM, 1, 0);
+        tt_make_output(&st.out, &r, st.dtype, 3, shape, LAYOUT_RANDOM);
         tt_make(&st.kpm, &r, ATTN_DTYPE_BOOL, 2, ks, LAYOUT_RANDOM, 1, 0.3);
         attn_encoder_forward_params_init(&st.fp);
         st.fp.src_key_padding_mask = &st.kpm.t;
         st.fp.is_causal = 1;
-        scenario s = {norm_first ? "attn_encoder_layer (pre-norm, causal, padding)"
-                                 : "attn_encoder_layer (post-norm, causal, padding)",
-                      encoder_run, &st};
+        static const char *const names[3] = {
+            "attn_encoder_layer (post-norm, causal, padding)",
+            "attn_encoder_layer (pre-norm, causal, padding)",
+            "attn_encoder_layer (pre-norm, causal, padding, bfloat16)"};
+        scenario s = {names[kind], encoder_run, &st};
         run_scenario(&s);
         tt_free(&st.src);
         tt_free(&st.out);
