@@ -58,6 +58,28 @@ STATS = {
 }
 
 
+class ErrorTally:
+    """Sums of squared errors of attn's results and of torch's, against the
+    same reference, per key (a dtype), over the cases a run checks: the RMS
+    ratio the 16-bit suites hold attn to, where one case's largest error is
+    too noisy a statistic on its own."""
+
+    def __init__(self):
+        self.sums = {}
+
+    def add(self, key, ours, ref, theirs):
+        o, r, t = (np.asarray(x, dtype=np.float64) for x in (ours, ref, theirs))
+        fin = np.isfinite(r) & np.isfinite(t)
+        s = self.sums.setdefault(key, [0.0, 0.0])
+        s[0] += float(np.sum((o[fin] - r[fin]) ** 2))
+        s[1] += float(np.sum((t[fin] - r[fin]) ** 2))
+
+    def ratio(self, key):
+        """attn's RMS error / torch's, or None when no case of `key` ran."""
+        ours, theirs = self.sums.get(key, (0.0, 0.0))
+        return (ours / theirs) ** 0.5 if theirs > 0 else None
+
+
 def torch_version():
     import torch
 

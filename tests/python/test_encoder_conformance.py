@@ -180,7 +180,7 @@ def test_encoder_layer_matches_torch(index):
 
 HALF = {"float16": (torch.float16, 2.0**-11), "bfloat16": (torch.bfloat16, 2.0**-8)}
 N_HALF = 60  # per dtype: the float32 suite's first cases, in the 16-bit dtype
-_HALF_SQUARES = {name: [0.0, 0.0] for name in HALF}
+_TALLY = C.ErrorTally()
 
 
 @pytest.mark.parametrize("name", list(HALF))
@@ -224,17 +224,15 @@ def test_half_encoder_layer_matches_torch(index, name):
     err, terr = (ours - ref).abs().max().item(), (own - ref).abs().max().item()
     bar = 2 * terr + u * ref.abs().max().item()
     assert err <= bar, f"{name}, {_context(c)}: error {err:.3g}, torch's {terr:.3g}"
-    _HALF_SQUARES[name][0] += ((ours - ref) ** 2).sum().item()
-    _HALF_SQUARES[name][1] += ((own - ref) ** 2).sum().item()
+    _TALLY.add(name, ours.numpy(), ref.numpy(), own.numpy())
 
 
 @pytest.mark.parametrize("name", list(HALF))
 def test_half_encoder_overall(name):
     """After the cases above (pytest keeps the file's order)."""
-    ours, torchs = _HALF_SQUARES[name]
-    if torchs == 0:
+    ratio = _TALLY.ratio(name)
+    if ratio is None:
         pytest.skip("no 16-bit case ran in this session")
-    ratio = (ours / torchs) ** 0.5
     assert ratio <= 1.15, f"{name}: attn's RMS error over all cases is {ratio:.3f} of torch's"
 
 

@@ -120,7 +120,7 @@ def test_half_mha_matches_torch(name, index):
 
 
 U = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
-_SQUARES = {name: [0.0, 0.0] for name in DTYPES}  # sums of squared errors: attn, torch
+_TALLY = C.ErrorTally()
 
 
 def _check(name, what, ours, ref, t16, ctx):
@@ -139,17 +139,15 @@ def _check(name, what, ours, ref, t16, ctx):
         stats["ratios"].append(err / terr)
     assert err <= bar, (f"{where}: error {err:.3g} vs torch float64; torch's own {name} error "
                         f"is {terr:.3g}, so the bar is {bar:.3g}")
-    _SQUARES[name][0] += float(np.sum((o[fin] - ref[fin]) ** 2))
-    _SQUARES[name][1] += float(np.sum((t[fin] - ref[fin]) ** 2))
+    _TALLY.add(name, o[fin], ref[fin], t[fin])
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_half_mha_overall_error_at_most_torchs(name):
     """Runs after the cases above (pytest keeps the file's order)."""
-    ours, torchs = _SQUARES[name]
-    if torchs == 0:
+    ratio = _TALLY.ratio(name)
+    if ratio is None:
         pytest.skip("no case of this dtype ran in this session")
-    ratio = (ours / torchs) ** 0.5
     C.STATS["mha_half"].setdefault("rms_ratio", {})[name] = ratio
     assert ratio <= 1.0, f"{name}: attn's RMS error over all cases is {ratio:.3f} of torch's"
 
