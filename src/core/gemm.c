@@ -345,8 +345,6 @@ static attn_status run_tiles(const gemm_call *gp, const volatile int *cancel) {
         float *mine = scratch;
 #ifdef _OPENMP
         if (half) mine += (size_t)omp_get_thread_num() * (size_t)tile_floats;
-#endif
-#ifdef _OPENMP
         const int saved = omp_get_max_threads();
         omp_set_num_threads(1); /* this thread's BLAS calls stay single-threaded */
 #endif

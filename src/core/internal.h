@@ -227,6 +227,11 @@ static inline void attn__store(void *base, attn_dtype dtype, int64_t offset, dou
     }
 }
 
+/* dst = src element by element in C order, each value read as a double and
+ * stored rounded once to dst's dtype (attn__store); same rank and shape,
+ * checked by the caller (attn_tensor_convert is the checked door). */
+void attn__tensor_copy(const attn_tensor *src, const attn_tensor *dst);
+
 /* Formats a shape as "(2, 3, 4)" into buf (always terminated). */
 const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *shape);
 

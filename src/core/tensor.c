@@ -246,7 +246,11 @@ attn_status attn_tensor_convert(const attn_tensor *src, attn_tensor *dst) {
     if ((st = attn__check_output_layout(dst, "dst")) != ATTN_OK) return st;
     if (attn__views_overlap(src, dst))
         return attn__fail_arg(ATTN_ERR_OVERLAP, "dst", "dst overlaps src in memory");
-    /* element by element in C order; attn__store rounds the double once */
+    attn__tensor_copy(src, dst);
+    return ATTN_OK;
+}
+
+void attn__tensor_copy(const attn_tensor *src, const attn_tensor *dst) {
     int64_t idx[ATTN_MAX_RANK] = {0};
     const int64_t n = attn_tensor_numel(src);
     for (int64_t i = 0; i < n; i++) {
@@ -261,5 +265,4 @@ attn_status attn_tensor_convert(const attn_tensor *src, attn_tensor *dst) {
             idx[d] = 0;
         }
     }
-    return ATTN_OK;
 }

@@ -13,6 +13,13 @@
 #include "../mha/mha.h"
 #include "encoder.h"
 
+/* The activation of x in float64 (the row steps of every dtype). */
+static double activation_of(double x, attn_activation act) {
+    if (act == ATTN_ACTIVATION_RELU) return x > 0 ? x : (x == x ? 0.0 : x); /* NaN stays NaN */
+    if (act == ATTN_ACTIVATION_GELU) return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));
+    return 0.5 * x * (1.0 + tanh(0.79788456080286535588 * (x + 0.044715 * x * x * x)));
+}
+
 #define REAL float
 #define SFX(name) name##_f
 #include "rows.inc"
@@ -57,17 +64,8 @@ static void add_h(attn_dtype dt, void *x, const void *a, int64_t n) {
 
 static void activate_h(attn_dtype dt, void *h, int64_t n, attn_activation act) {
 #pragma omp parallel for num_threads(attn__threads()) schedule(static) if (n > 16384)
-    for (int64_t i = 0; i < n; i++) {
-        const double x = attn__load(h, dt, i);
-        double y;
-        if (act == ATTN_ACTIVATION_RELU)
-            y = x > 0 ? x : (x == x ? 0.0 : x);
-        else if (act == ATTN_ACTIVATION_GELU)
-            y = 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));
-        else
-            y = 0.5 * x * (1.0 + tanh(0.79788456080286535588 * (x + 0.044715 * x * x * x)));
-        attn__store(h, dt, i, y);
-    }
+    for (int64_t i = 0; i < n; i++)
+        attn__store(h, dt, i, activation_of(attn__load(h, dt, i), act));
 }
 
 static void dropout_h(attn_dtype dt, void *x, int64_t n, double p, uint64_t seed,
@@ -296,16 +294,9 @@ static void store_out(const enc_work *w, attn_dtype dt, attn_tensor *out) {
         memcpy(out->data, w->x, (size_t)n * attn_dtype_size(dt));
         return;
     }
-    int64_t idx[ATTN_MAX_RANK] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        int64_t off = 0;
-        for (int d = 0; d < out->rank; d++) off += idx[d] * out->strides[d];
-        attn__store(out->data, dt, off, attn__load(w->x, dt, i));
-        for (int d = out->rank - 1; d >= 0; d--) {
-            if (++idx[d] < out->shape[d]) break;
-            idx[d] = 0;
-        }
-    }
+    attn_tensor x;
+    attn_tensor_init(&x, w->x, dt, out->rank, out->shape);
+    attn__tensor_copy(&x, out);
 }
 
 attn_status attn_encoder_layer_forward(const attn_encoder_layer *l, const attn_tensor *src,

@@ -267,16 +267,9 @@ attn_status attn_mha_param(attn_mha *m, const char *name, attn_tensor *view) {
 }
 
 void attn__mha_copy_strided(const attn_tensor *src, void *dst, attn_dtype dst_dtype) {
-    int64_t n = attn_tensor_numel(src), idx[ATTN_MAX_RANK] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        int64_t off = 0;
-        for (int d = 0; d < src->rank; d++) off += idx[d] * src->strides[d];
-        attn__store(dst, dst_dtype, i, attn__load(src->data, src->dtype, off));
-        for (int d = src->rank - 1; d >= 0; d--) {
-            if (++idx[d] < src->shape[d]) break;
-            idx[d] = 0;
-        }
-    }
+    attn_tensor d;
+    attn_tensor_init(&d, dst, dst_dtype, src->rank, src->shape); /* src's shape is valid */
+    attn__tensor_copy(src, &d);
 }
 
 attn_status attn_mha_set_param(attn_mha *m, const char *name, const attn_tensor *src) {

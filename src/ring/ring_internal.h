@@ -25,9 +25,8 @@ typedef struct ring_runs {
 void ring_runs_of(attn_ring_layout layout, int64_t total, int nranks, int rank,
                   const int64_t *lens, ring_runs *out);
 
-/* dst = src element by element (same shape): bytes when the dtypes agree, a
- * conversion otherwise (to float16/bfloat16: rounded once, by
- * attn_tensor_convert). */
+/* dst = src element by element (same shape): bytes when the dtypes agree,
+ * else attn_tensor_convert's conversion (each value rounded once). */
 void ring_copy(const attn_tensor *src, const attn_tensor *dst);
 
 /* dst += src element by element (same shape); dst is float64. */

@@ -98,10 +98,9 @@ static void row_start(const attn_tensor *a, const attn_tensor *b, int64_t row, i
     }
 }
 
-/* dst = src, or dst += src (dst float64), row by row. */
+/* dst = src (one dtype), or dst += src (dst float64), row by row. */
 static void copy_rows(const attn_tensor *src, const attn_tensor *dst, bool add) {
     const size_t ss = attn_dtype_size(src->dtype), ds = attn_dtype_size(dst->dtype);
-    const bool same = src->dtype == dst->dtype && !add;
     int64_t n = 1;
     for (int d = 0; d < src->rank; d++) n *= src->shape[d];
     const int last = src->rank - 1;
@@ -111,7 +110,7 @@ static void copy_rows(const attn_tensor *src, const attn_tensor *dst, bool add) 
         row_start(src, dst, row, &so, &dof);
         const char *s = (const char *)src->data + (ptrdiff_t)so * (ptrdiff_t)ss;
         char *t = (char *)dst->data + (ptrdiff_t)dof * (ptrdiff_t)ds;
-        if (same && scs == 1 && dcs == 1) {
+        if (!add && scs == 1 && dcs == 1) {
             memcpy(t, s, (size_t)width * ss);
             continue;
         }
@@ -119,23 +118,18 @@ static void copy_rows(const attn_tensor *src, const attn_tensor *dst, bool add) 
             const char *se = s + (ptrdiff_t)(e * scs) * (ptrdiff_t)ss;
             char *te = t + (ptrdiff_t)(e * dcs) * (ptrdiff_t)ds;
             if (add) *(double *)te += load(se, src->dtype);
-            else if (same) memcpy(te, se, ss);
-            else if (dst->dtype == ATTN_DTYPE_F32) *(float *)te = (float)load(se, src->dtype);
-            else *(double *)te = load(se, src->dtype);
+            else memcpy(te, se, ss);
         }
     }
 }
 
 void ring_copy(const attn_tensor *src, const attn_tensor *dst) {
-    const bool half = src->dtype != dst->dtype &&
-                      (src->dtype == ATTN_DTYPE_F16 || src->dtype == ATTN_DTYPE_BF16 ||
-                       dst->dtype == ATTN_DTYPE_F16 || dst->dtype == ATTN_DTYPE_BF16);
-    if (half) { /* rounded once (or widened exactly) by the library */
-        attn_tensor d = *dst;
-        attn_tensor_convert(src, &d);
+    if (src->dtype == dst->dtype) {
+        copy_rows(src, dst, false);
         return;
     }
-    copy_rows(src, dst, false);
+    attn_tensor d = *dst; /* rounded once (or widened exactly) by the library */
+    attn_tensor_convert(src, &d);
 }
 
 void ring_add(const attn_tensor *src, const attn_tensor *dst) { copy_rows(src, dst, true); }
