@@ -112,6 +112,25 @@ def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
                         f"{_expected(kind)}") from e
 
 
+def torch_array(t):
+    """A NumPy view of a plain CPU torch tensor its caller checked (or torch
+    made), detached; bfloat16 as an int16 view of its bits, which _attn reads
+    as bfloat16. None stays None."""
+    if t is None:
+        return None
+    torch = _torch()
+    t = t.detach().resolve_conj().resolve_neg()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def torch_result(a, dtype):
+    """An _attn output (NumPy) as a torch tensor of `dtype`, the same memory
+    (bfloat16 arrives as its int16 bits)."""
+    torch = _torch()
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
 def is_bfloat16(a):
     """Whether NumPy array `a` holds bfloat16: ml_dtypes' dtype, or the
     16-bit integer view of one (as_array's, for TENSOR and MASK kinds)."""

@@ -8,22 +8,9 @@ then imported already), like attn/_torch.py.
 
 import torch
 
+from ._arrays import torch_array, torch_result
 from ._ring_calls import _backward, _forward
 from ._torch import _tensor  # one rule for non-tensor inputs
-
-
-def _array(t):
-    """A NumPy view of a plain CPU tensor (checked by ring_attention);
-    bfloat16 as its bits (int16)."""
-    t = t.detach().resolve_conj().resolve_neg()
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def _out(a, like):
-    """A result of the ring as a tensor of `like`'s dtype (bfloat16 from its
-    bits)."""
-    t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t
 
 
 class _Ring(torch.autograd.Function):
@@ -31,9 +18,9 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, opts):
-        out, lse = _forward(_array(query), _array(key), _array(value), opts,
+        out, lse = _forward(torch_array(query), torch_array(key), torch_array(value), opts,
                                         want_lse=True, for_backward=True)
-        out, lse = _out(out, query), torch.from_numpy(lse)
+        out, lse = torch_result(out, query.dtype), torch.from_numpy(lse)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
@@ -43,9 +30,9 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         query, key, value, out, lse = ctx.saved_tensors
         want = [bool(n) for n in ctx.needs_input_grad[:3]]
-        grads = _backward(_array(dout), _array(query), _array(key), _array(value),
-                                      _array(out), _array(lse), ctx.opts, want)
-        return tuple(None if g is None else _out(g, x)
+        grads = _backward(*(torch_array(t) for t in (dout, query, key, value, out, lse)),
+                          ctx.opts, want)
+        return tuple(None if g is None else torch_result(g, x.dtype)
                      for g, x in zip(grads, (query, key, value))) + (None,)
 
 
@@ -57,4 +44,4 @@ def run(a, query, key, value, opts):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Ring.apply(q, k, v, opts)
     out, lse = _forward(a.q, a.k, a.v, opts, want_lse=True, for_backward=True)
-    return _out(out, q), torch.from_numpy(lse)
+    return torch_result(out, q.dtype), torch.from_numpy(lse)

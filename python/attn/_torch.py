@@ -15,7 +15,7 @@ import torch
 import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
 
 from . import _attn
-from ._arrays import empty, is_bfloat16, library_error, results
+from ._arrays import empty, is_bfloat16, library_error, results, torch_array, torch_result
 
 Tensor = torch.Tensor
 
@@ -39,35 +39,16 @@ def _seed(seed):
     return int(seed.item()) % _U64
 
 
-def _array(t):
-    """A NumPy view of a plain CPU tensor (an operator's inputs are plain:
-    the public function checked them, or torch made them); bfloat16 as an
-    int16 view of its bits, which _attn reads as bfloat16."""
-    t = t.detach().resolve_conj().resolve_neg()
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-
-
-def _tensor_of(a, like):
-    """An _attn output as a tensor of `like`'s dtype (bfloat16 arrives as
-    its int16 bits)."""
-    t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t
-
-
-def _optional_array(t):
-    return None if t is None else _array(t)
-
-
 def _options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left, window_right,
              alibi_slopes, softcap, sinks=None):
     """_attn's keywords for the operators' options (sinks: only where given)."""
     opts = dict(
-        attn_mask=_optional_array(attn_mask), causal=causal, scale=scale,
+        attn_mask=torch_array(attn_mask), causal=causal, scale=scale,
         enable_gqa=enable_gqa, dropout_p=dropout_p, seed=_seed(seed), window_left=window_left,
-        window_right=window_right, softcap=softcap, alibi_slopes=_optional_array(alibi_slopes),
+        window_right=window_right, softcap=softcap, alibi_slopes=torch_array(alibi_slopes),
     )
     if sinks is not None:
-        opts["sinks"] = _array(sinks)
+        opts["sinks"] = torch_array(sinks)
     return opts
 
 
@@ -86,15 +67,16 @@ def sdpa_op(
     causal: 0 none, 1 top-left, 2 bottom-right."""
     try:
         out, w, lse = _attn.sdpa(
-            _array(query), _array(key), _array(value), empty=empty, want_weights=want_weights,
+            torch_array(query), torch_array(key), torch_array(value), empty=empty,
+            want_weights=want_weights,
             want_lse=True, lse_for_backward=True,  # weights recomputed from it sum to 1
             **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
                        window_right, alibi_slopes, softcap, sinks),
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
-    w = _tensor_of(w, query) if want_weights else query.new_empty(0)
-    return _tensor_of(out, query), w, torch.from_numpy(lse)
+    w = torch_result(w, query.dtype) if want_weights else query.new_empty(0)
+    return torch_result(out, query.dtype), w, torch.from_numpy(lse)
 
 
 def out_batch_shape(query, key, value, enable_gqa):
@@ -130,7 +112,7 @@ def sdpa_backward_op(
     dsinks), each shaped like its input, or empty when not wanted."""
     opts = _options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
                     window_right, alibi_slopes, softcap, sinks)
-    arrays = [_array(x) for x in (dout, query, key, value, out, lse)]
+    arrays = [torch_array(x) for x in (dout, query, key, value, out, lse)]
     grads = [None] * 5
     try:
         if want_dq or want_dk or want_dv or want_dmask:
@@ -146,7 +128,7 @@ def sdpa_backward_op(
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
     likes = (query, key, value, attn_mask, sinks)
-    return tuple(query.new_empty(0) if g is None else _tensor_of(g, like)
+    return tuple(query.new_empty(0) if g is None else torch_result(g, like.dtype)
                  for g, like in zip(grads, likes))
 
 

@@ -28,7 +28,7 @@ except ImportError as e:  # pragma: no cover - exercised without torch only
     ) from e
 
 from . import _attn
-from ._arrays import empty, library_error
+from ._arrays import empty, library_error, torch_array, torch_result
 
 __all__ = ["MultiheadAttention", "TransformerEncoder", "TransformerEncoderLayer"]
 
@@ -69,7 +69,7 @@ class _CModules:
             self.layout = self.run.param_layout()
         flat = np.frombuffer(self.run, dtype=_NUMPY[spec["dtype"]])
         for (name, shape, offset), p in zip(self.layout, params):
-            flat[offset:offset + p.numel()] = _np(p.reshape(-1))
+            flat[offset:offset + p.numel()] = torch_array(p.reshape(-1))
         return self.run
 
     def grad_module(self):
@@ -114,20 +114,6 @@ def _param(m, name):
         m.out_proj.bias if name == "out_proj.bias" else getattr(m, name))
 
 
-def _np(x):
-    """A NumPy view of tensor x (bfloat16: its bits as int16), or None."""
-    if x is None:
-        return None
-    x = x.detach()
-    return x.view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
-
-
-def _tensor(a, dtype):
-    """An _attn output (NumPy; bfloat16 as int16 bits) as a torch tensor."""
-    t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
-
-
 # ---- the autograd Function ----
 
 
@@ -143,16 +129,16 @@ class _MHAFunction(torch.autograd.Function):
             run = cm.get(spec, params)
             try:
                 out, w, saved = run.forward_train(
-                    _np(query), _np(key), _np(value), empty=empty, **kw)
+                    torch_array(query), torch_array(key), torch_array(value), empty=empty, **kw)
             except (ValueError, TypeError, MemoryError, RuntimeError) as e:
                 raise library_error(e) from None
         ctx.call, ctx.saved = call, saved
         ctx.save_for_backward(query, key, value, *params)
         ctx.set_materialize_grads(False)
-        out_t = _tensor(out, query.dtype)
+        out_t = torch_result(out, query.dtype)
         if w is None:
             return out_t, None
-        return out_t, _tensor(w, query.dtype)
+        return out_t, torch_result(w, query.dtype)
 
     @staticmethod
     def backward(ctx, dout, dweights):
@@ -174,7 +160,7 @@ class _MHAFunction(torch.autograd.Function):
             grads = cm.grad_module() if want_params else None
             try:
                 dq, dk, dv = run.backward(
-                    ctx.saved, _np(query), _np(key), _np(value), _np(dout), empty=empty,
+                    ctx.saved, *(torch_array(t) for t in (query, key, value, dout)), empty=empty,
                     need_dquery=need[1], need_dkey=need[2], need_dvalue=need[3], grads=grads)
             except (ValueError, TypeError, MemoryError, RuntimeError) as e:
                 raise library_error(e) from None
@@ -184,9 +170,9 @@ class _MHAFunction(torch.autograd.Function):
                 for i, ((name, shape, offset), p) in enumerate(zip(cm.layout, params)):
                     if need[4 + i]:
                         n = int(np.prod(shape))
-                        dparams[i] = _tensor(flat[offset:offset + n].copy(), p.dtype).view(
+                        dparams[i] = torch_result(flat[offset:offset + n].copy(), p.dtype).view(
                             p.shape)
-        t = [None if x is None else _tensor(x, query.dtype) for x in (dq, dk, dv)]
+        t = [None if x is None else torch_result(x, query.dtype) for x in (dq, dk, dv)]
         return (None, *t, *dparams)
 
 
@@ -239,7 +225,7 @@ def _mha_call(m, query, key, value, key_padding_mask, need_weights, attn_mask,
         "cmodules": _cmodules(m),
         "spec": _spec(m, query.dtype),
         "kwargs": dict(
-            key_padding_mask=_np(key_padding_mask), attn_mask=_np(attn_mask),
+            key_padding_mask=torch_array(key_padding_mask), attn_mask=torch_array(attn_mask),
             need_weights=bool(need_weights), average_attn_weights=bool(average_attn_weights),
             is_causal=causal, training=training, dropout=float(m.dropout), seed=seed,
             rng_offset=0, batch_first=int(bool(m.batch_first))),
@@ -407,7 +393,7 @@ class _CEncoder:
     def get(self, spec, params):
         if self.key != spec:
             self.layer, self.key = _attn.EncoderLayer(**spec), spec
-        self.layer.load([_np(p.contiguous()) for p in params])
+        self.layer.load([torch_array(p.contiguous()) for p in params])
         return self.layer
 
 
@@ -486,10 +472,10 @@ class TransformerEncoderLayer(torch.nn.Module):
         with c.lock:
             layer = c.get(spec, [p for _, p in self.state_dict(keep_vars=True).items()])
             out = layer.forward(
-                _np(src), empty=empty, src_mask=_np(mask),
-                src_key_padding_mask=_np(src_key_padding_mask), is_causal=causal,
+                torch_array(src), empty=empty, src_mask=torch_array(mask),
+                src_key_padding_mask=torch_array(src_key_padding_mask), is_causal=causal,
                 training=training, seed=seed, batch_first=int(bool(self.self_attn.batch_first)))
-        return _tensor(out, src.dtype)
+        return torch_result(out, src.dtype)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
         for x, name in ((src_key_padding_mask, "src_key_padding_mask"), (src_mask, "src_mask")):
