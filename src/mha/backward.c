@@ -134,7 +134,7 @@ static void col_sums(attn_dtype dt, int64_t N, int64_t T, const rowmat *m, doubl
 /* A caller's (N, T, F) view as a rowmat: itself when BLAS can address its
  * rows (unit columns, row strides >= F that fit an int), else a dense
  * batch-major buffer in *own — filled from the view for an input, to be
- * scattered back (scatter) for an output. */
+ * copied back (attn__mha_copy_dense) for an output. */
 static attn_status caller_rows(const attn_tensor *v, bool input, rowmat *r, void **own) {
     const int64_t N = v->shape[0], T = v->shape[1], F = v->shape[2];
     const int64_t sN = v->strides[0], sT = v->strides[1];
@@ -151,17 +151,6 @@ static attn_status caller_rows(const attn_tensor *v, bool input, rowmat *r, void
     if (input) attn__mha_copy_strided(v, *own, v->dtype);
     *r = (rowmat){*own, T * F, F, F};
     return ATTN_OK;
-}
-
-/* Copies a dense batch-major (N, T, F) buffer into the caller's view. */
-static void scatter(const void *dense, const attn_tensor *v) {
-    const int64_t N = v->shape[0], T = v->shape[1], F = v->shape[2];
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t f = 0; f < F; f++)
-                attn__store(v->data, v->dtype,
-                            n * v->strides[0] + t * v->strides[1] + f * v->strides[2],
-                            attn__load(dense, v->dtype, (n * T + t) * F + f));
 }
 
 /* ---- the call: its arguments, checked ---- */
@@ -420,7 +409,7 @@ static attn_status project_in_backward(const bwd_call *c, bwd_work *b, int i,
     if (st != ATTN_OK || !c->want[i]) return st;
     st = caller_rows(&c->dx[i], false, &Y, &own);
     if (st == ATTN_OK) st = input_grad(dt, N, T, &G, proj_weight(m, i), &Y, cancel);
-    if (st == ATTN_OK && own != NULL) scatter(own, &c->dx[i]);
+    if (st == ATTN_OK && own != NULL) attn__mha_copy_dense(own, &c->dx[i]);
     attn__free(own);
     return st;
 }

@@ -691,13 +691,7 @@ static attn_status project_out(const attn_mha *m, const mha_shapes *s, const att
         return project(dt, o, Wo, bo, E, out->data, outv.strides[0], outv.strides[1], cancel);
     void *tmp = attn__alloc_array((size_t)(N * L), (size_t)E * attn_dtype_size(dt));
     attn_status st = tmp ? project(dt, o, Wo, bo, E, tmp, L * E, E, cancel) : ATTN_ERR_NOMEM;
-    if (st == ATTN_OK)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t t = 0; t < L; t++)
-                for (int64_t e = 0; e < E; e++)
-                    attn__store(outv.data, dt,
-                                n * outv.strides[0] + t * outv.strides[1] + e * outv.strides[2],
-                                attn__load(tmp, dt, (n * L + t) * E + e));
+    if (st == ATTN_OK) attn__mha_copy_dense(tmp, &outv);
     attn__free(tmp);
     return st;
 }

@@ -46,6 +46,8 @@ double attn__init_uniform01(attn__init_rng *r);
  * converting float32 <-> float64 and widening float16/bfloat16 (bool stays
  * bool). */
 void attn__mha_copy_strided(const attn_tensor *src, void *dst, attn_dtype dst_dtype);
+/* The reverse: a contiguous buffer of dst's shape and dtype into the view dst. */
+void attn__mha_copy_dense(const void *src, const attn_tensor *dst);
 
 /* ---- one forward call: shapes, workspace, heads (forward.c) ---- */
 

@@ -272,6 +272,12 @@ void attn__mha_copy_strided(const attn_tensor *src, void *dst, attn_dtype dst_dt
     attn__tensor_copy(src, &d);
 }
 
+void attn__mha_copy_dense(const void *src, const attn_tensor *dst) {
+    attn_tensor d;
+    attn_tensor_init(&d, (void *)src, dst->dtype, dst->rank, dst->shape); /* dst's shape is valid */
+    attn__tensor_copy(&d, dst);
+}
+
 attn_status attn_mha_set_param(attn_mha *m, const char *name, const attn_tensor *src) {
     attn__clear_error();
     if (m == NULL || name == NULL)
