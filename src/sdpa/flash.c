@@ -119,6 +119,12 @@ static int64_t gang_size(const attn__problem *p, const flash_work *w) {
     return kv_heads > 1 && interleaved && grouped ? kv_heads : 1;
 }
 
+/* Keys of a step of ganged decoding (gang_block): every head's share of
+ * this many cache rows before the next rows, so the rows are read front to
+ * back and no copy is needed; a multiple of the kernels' four-key score
+ * groups, so each key's score is the same sum as in one call. */
+enum { GANG_STEP = 8 };
+
 /* Keys per block of ganged decoding: the gang's K and V rows of a block in
  * half the L2, at most the context's block, at least one column step. */
 static int64_t gang_keys(const attn__problem *p, const attn__ukernel *kern, int64_t gang,
@@ -430,7 +436,8 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     /* K rows, when loaded (a gang's: every head's) */
     z.kp = w->gang > 1 || key_buffer(p, &p->k) ? w->gang * w->BC * p->E : 0;
     z.vp = w->gang > 1 || key_buffer(p, &p->v) ? w->gang * w->BC * p->Ev : 0; /* likewise */
-    z.s = w->direct ? kern->pv_rows * cols : w->BC * w->lanes;
+    /* scores: a tile's, every row's when ganged (gang_block), or the lanes block's */
+    z.s = w->direct ? (w->gang > 1 ? w->BR : kern->pv_rows) * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
     z.keep = cols;
