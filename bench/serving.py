@@ -16,8 +16,10 @@ case is judged by:
   contiguous cache, and on the contiguous cache in bfloat16 (issue 13: a
   low-precision KV cache under float32 queries, 2 bytes per element);
   K/V bytes streamed = 2 · Σ (len + 1) · Hkv · E · 4 (· 2 for bfloat16),
-  as GB/s and as % of the read bandwidth `attn_bench bandwidth` measures in
-  the same run (the larger of the run's two measurements). For reference,
+  as GB/s and as % of the read bandwidth `attn_bench bandwidth` measures
+  between the decode's rounds (their median: this VM's bandwidth moves by 2x
+  within a run, so a probe taken minutes away grades the decode against
+  another machine), and beside it as % of the run's highest probe. For reference,
   attn_sdpa per sequence (no append) on head-major (1, Hkv, len + 1, E)
   copies and on views of the contiguous cache's own rows. PyTorch does the
   same step on contiguous per-sequence (1, Hkv, len + 1, E) caches: it
@@ -130,11 +132,14 @@ class Child:
         self.proc.wait()
 
 
-def alternate(child, torch_calls, reps):
+def alternate(child, torch_calls, reps, beside=None):
     """Per-call ms lists of every attn variant and every PyTorch call,
-    rounds of one call each, attn first in even rounds and last in odd."""
+    rounds of one call each, attn first in even rounds and last in odd;
+    beside (optional) is called after every round and its values listed
+    under "beside" (the read bandwidth probed between a decode's rounds)."""
     ms = {name: [] for name in child.info["variants"]}
     ms.update({name: [] for name in torch_calls})
+    probes = []
 
     def attn_round():
         for name, t in child.ask("run")["ms"].items():
@@ -146,6 +151,10 @@ def alternate(child, torch_calls, reps):
     for r in range(reps):
         for run in ((attn_round, torch_round) if r % 2 == 0 else (torch_round, attn_round)):
             run()
+        if beside is not None:
+            probes.append(beside())
+    if beside is not None:
+        ms["beside"] = probes
     return ms
 
 
@@ -167,7 +176,7 @@ def saved_outputs(child):
 
 # ---- paged decode ----
 
-def bench_decode(args, cfg, reps):
+def bench_decode(args, cfg, reps, bandwidth_probe=None):
     lens, Hq, Hkv, E = cfg["lens"], cfg["heads"], cfg["kv_heads"], cfg["dim"]
     child = Child(args, "decode", "--lens", ",".join(map(str, lens)), "--heads", Hq,
                   "--kv-heads", Hkv, "--dim", E,
@@ -193,10 +202,11 @@ def bench_decode(args, cfg, reps):
 
     ref = run_torch()
     outs = saved_outputs(child)
-    ms = alternate(child, {"torch": run_torch}, reps)
+    ms = alternate(child, {"torch": run_torch}, reps, beside=bandwidth_probe)
+    probes = ms.pop("beside", [])
     info = child.info
     child.close()
-    return dict(info=info, ms={k: stats(v) for k, v in ms.items()},
+    return dict(info=info, ms={k: stats(v) for k, v in ms.items()}, bandwidth_beside_gbps=probes,
                 max_diff={k: float(np.max(np.abs(o - ref.numpy()))) for k, o in outs.items()})
 
 
@@ -281,7 +291,7 @@ def run(args, bandwidth_probe, log_prefix=""):
         f"E = {cfg['dim']} ...")
     bw = bandwidth_probe()
     # rounds are short (~1 s) and neighbours' bursts longer: twice as many
-    out["decode"] = bench_decode(args, cfg, reps if quick else 2 * reps)
+    out["decode"] = bench_decode(args, cfg, reps if quick else 2 * reps, bandwidth_probe)
     out["decode"]["bandwidth_probe_gbps"] = bw
     log(f"    {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
@@ -306,12 +316,18 @@ def figures(res, bandwidth_gbps, peak_gflops):
     place and returns the verdicts: (case, target, met, value)."""
     verdict = []
     d = res["decode"]
-    bw = max(bandwidth_gbps, d["bandwidth_probe_gbps"])
+    # graded against the median of the bandwidth probed between the decode's
+    # rounds (this VM's moves by 2x through a run); the highest probe of the
+    # run is kept beside it, as the stricter yardstick
+    bw = statistics.median(d["bandwidth_beside_gbps"])
     d["bandwidth_gbps"] = bw
+    d["bandwidth_max_gbps"] = max(bandwidth_gbps, d["bandwidth_probe_gbps"],
+                                  *d["bandwidth_beside_gbps"])
     t = d["ms"]["torch"]["median"]
     for name, s in d["ms"].items():
         s["kv_gbps"] = d["info"]["kv_bytes"] / (2 if name in HALF_CACHE else 1) / s["median"] / 1e6
         s["bw_pct"] = 100 * s["kv_gbps"] / bw
+        s["bw_pct_max"] = 100 * s["kv_gbps"] / d["bandwidth_max_gbps"]
         s["speedup_vs_torch"] = t / s["median"]
         if name.startswith("paged"):
             label = f"paged decode, block size {name[5:]}"
@@ -357,12 +373,15 @@ def table(res, machine):
              f"cached tokens, {di['heads']} query heads, {di['kv_heads']} KV heads, "
              f"E = {di['dim']}, one new token each (appended, then attended to with the cache), "
              f"float32; K/V streamed {di['kv_bytes'] / 1e9:.2f} GB per step; read bandwidth "
-             f"{d['bandwidth_gbps']:.1f} GB/s (same run). PyTorch: per sequence, contiguous "
+             f"{d['bandwidth_gbps']:.1f} GB/s (median of {len(d['bandwidth_beside_gbps'])} "
+             f"probes between the rounds, {min(d['bandwidth_beside_gbps']):.1f}–"
+             f"{max(d['bandwidth_beside_gbps']):.1f}; the run's highest probe "
+             f"{d['bandwidth_max_gbps']:.1f} GB/s). PyTorch: per sequence, contiguous "
              f"(1, Hkv, len + 1, E) caches, F.scaled_dot_product_attention with the 4 query "
              f"heads of a KV head as 4 query rows.", "",
-             "| variant | ms | min–max | K/V GB/s | % of read BW | speed-up vs PyTorch | "
-             "max \\|diff\\| |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| variant | ms | min–max | K/V GB/s | % of read BW | % of highest probe | "
+             "speed-up vs PyTorch | max \\|diff\\| |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     names = {"contiguous": "attn_sdpa_kvcache, contiguous cache",
              "contiguous_bf16": "attn_sdpa_kvcache, contiguous bfloat16 cache (half the bytes; "
                                 "diff: the cache's rounding)",
@@ -374,7 +393,8 @@ def table(res, machine):
                           if name.startswith("paged") else name)
         diff = d["max_diff"].get(name)
         lines.append(f"| {label} | {s['median']:.2f} | {spread(s)} | {s['kv_gbps']:.1f} | "
-                     f"{s['bw_pct']:.0f}% | **{s['speedup_vs_torch']:.2f}×** | "
+                     f"{s['bw_pct']:.0f}% | {s['bw_pct_max']:.0f}% | "
+                     f"**{s['speedup_vs_torch']:.2f}×** | "
                      f"{'' if diff is None else f'{diff:.1e}'} |")
     n = wi["len"] // wi["window"]
     lines += ["", f"Sliding window: window_size = ({wi['window']:,}, 0) on L = S = {wi['len']:,}, "
