@@ -426,9 +426,9 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
 
 /* Feature chunks outside, row tiles inside: one chunk of the V block
  * (keys x 64 features) stays in L1 while every row tile reads it. */
-ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
-                      int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
-                      const float *alpha_all, const int HK) {
+ALWAYS_INLINE void pv_chunks(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v,
+                             int64_t ldv, int rows_all, int64_t nk, int64_t Ev, float *o_all,
+                             int64_t ldo, const float *alpha_all, const int HK) {
     const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 16 * VECS) {
         const void *ve = (const char *)v + (size_t)e * es;
@@ -452,6 +452,31 @@ ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void
             }
         }
     }
+}
+
+/* Keys per sub-block of pv for one row tile (decoding). */
+enum { PV_KEYS = 32 };
+
+/* O = alpha·O + P·V. One row tile over several feature chunks (decoding:
+ * a few query rows over a long V block): keys in sub-blocks of PV_KEYS
+ * outside the chunks, so each sub-block's V rows are read whole, front to
+ * back, and the next chunk finds them in L1 (chunk after chunk over the
+ * whole block read each 512-byte row of E = 128 in two strided walks). The
+ * same multiply-adds in the same order: O is stored and reloaded between
+ * sub-blocks (times 1). */
+ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
+                      int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
+                      const float *alpha_all, const int HK) {
+    if (rows_all > ROWS || Ev <= 16 * VECS || nk <= PV_KEYS) {
+        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK);
+        return;
+    }
+    static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
+    const size_t es = HK == HK_F32 ? 4 : 2;
+    for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
+        pv_chunks(p_all + j0 * p_cs, p_rs, p_cs, (const char *)v + (size_t)(j0 * ldv) * es, ldv,
+                  rows_all, nk - j0 < PV_KEYS ? nk - j0 : PV_KEYS, Ev, o_all, ldo,
+                  j0 == 0 ? alpha_all : ones, HK);
 }
 
 static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
