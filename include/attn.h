@@ -37,8 +37,11 @@
  *    attention means. Sizes whose element or byte count does not fit in
  *    64 bits are rejected with ATTN_ERR_OVERFLOW.
  *  - Memory: attn never keeps a pointer to caller memory after a call returns,
- *    and never frees caller memory. Workspace is allocated during a call and
- *    freed before it returns, through the allocator set by attn_set_allocator().
+ *    and never frees caller memory. Workspace is allocated during a call
+ *    through the allocator set by attn_set_allocator(); blocks of 64 KiB and
+ *    more are kept for the next call (at most 64 MiB in all, so that a call
+ *    in a loop does not fault its workspace in again each time) until
+ *    attn_release_workspace() or attn_set_allocator() hands them back.
  *    Objects created by attn_*_create() are freed by the matching
  *    attn_*_destroy(); destroy(NULL) is a no-op.
  *  - Outputs must not overlap inputs or each other: attn checks the address
@@ -1074,6 +1077,11 @@ typedef struct attn_allocator {
 } attn_allocator;
 
 ATTN_API void attn_set_allocator(const attn_allocator *allocator);
+
+/* Hands the workspace blocks attn keeps between calls (at most 64 MiB; see
+ * "Memory" above) back to the allocator. Safe at any time, also while
+ * other calls run (they keep the blocks they hold). */
+ATTN_API void attn_release_workspace(void);
 
 /* For libraries built on attn (attn_ring) [attn]: memory through the
  * allocator above (attn_alloc: aligned to 64 bytes, NULL when it fails or

@@ -46,6 +46,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "max_threads",
+    "release_workspace",
     "kernel_info",
     "__version__",
 ]
@@ -81,6 +82,14 @@ def max_threads():
 def get_num_threads():
     """Threads each call uses."""
     return _attn.get_num_threads()
+
+
+def release_workspace():
+    """Frees the workspace attn keeps between calls: blocks of 64 KiB and
+    more, at most 64 MiB in all, kept so that a call in a loop does not fault
+    its workspace in again each time. Safe at any time; the next call
+    allocates afresh."""
+    _attn.release_workspace()
 
 
 def kernel_info():

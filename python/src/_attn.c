@@ -1038,6 +1038,13 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_release_workspace(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    attn_release_workspace();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_max_threads(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -1393,6 +1400,8 @@ static PyMethodDef module_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "attn_set_num_threads(n); 0 = default"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},
     {"max_threads", py_max_threads, METH_NOARGS, "attn_max_threads(): the bound on the count"},
+    {"release_workspace", py_release_workspace, METH_NOARGS,
+     "attn_release_workspace(): hand back the workspace kept between calls"},
     {"isa", py_isa, METH_NOARGS, "the kernel path calls take now"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the paths this CPU and OS can run"},
     {"blas_info", py_blas_info, METH_NOARGS, "attn_blas_info(): the CBLAS behind MHA"},

@@ -1,6 +1,7 @@
 /* alloc.c — every byte libattn allocates goes through here, so a caller can
  * own memory, and tests can fail the n-th allocation (SQLite-style). */
 #define _DEFAULT_SOURCE /* madvise */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <string.h>
@@ -35,7 +36,10 @@ static void default_release(void *ctx, void *ptr) {
 
 static attn_allocator allocator = {default_alloc, default_release, NULL};
 
+static void release_kept(void);
+
 void attn_set_allocator(const attn_allocator *a) {
+    release_kept(); /* kept blocks go back to the allocator that made them */
     if (a != NULL && a->alloc != NULL && a->release != NULL)
         allocator = *a;
     else
@@ -75,6 +79,111 @@ void *attn__alloc_array(size_t count, size_t elem_size) {
 void attn__free(void *ptr) {
     if (ptr != NULL) allocator.release(allocator.ctx, ((void **)ptr)[-1]);
 }
+
+/* ---- workspace kept between calls ----
+ *
+ * A call's workspace (the fused kernels' per-thread scratch, the partial
+ * results of split keys, MHA's projections, the backward's sums) lives for
+ * one call. glibc gives a freed block of a few MiB back to the kernel
+ * (munmap, or trimming the top of the heap), so a program calling attn in a
+ * loop faulted its workspace in afresh on every call: a decoding step of
+ * (1, 32 heads, 32,768 keys, E = 128) took 510 page faults (2 MiB) and
+ * 10-12% longer (Zen 4, docs/design.md "Workspace"). Freed workspace blocks
+ * of WORK_KEEP_MIN bytes or more therefore wait in a few slots, at most
+ * WORK_KEEP_MAX bytes in all, and a later request takes the smallest one
+ * that holds it (and is not more than twice its size, so that a small
+ * request does not pin a large block). attn_release_workspace() and
+ * attn_set_allocator() hand them back. Each block carries its capacity in a
+ * header of ALIGN bytes. */
+enum { WORK_SLOTS = 8, WORK_KEEP_MIN = 64 << 10 };
+#define WORK_KEEP_MAX ((size_t)64 << 20)
+
+static _Atomic(char *) work_slot[WORK_SLOTS]; /* blocks (their headers), or NULL */
+static _Atomic size_t work_kept;              /* bytes in the slots             */
+
+static size_t work_capacity(const char *block) { return *(const size_t *)block; }
+
+/* The block of the slot that fits `size` best, taken out of its slot; NULL
+ * when none fits (or another thread took it first). */
+static char *take_kept(size_t size) {
+    int best = -1;
+    size_t best_cap = 0;
+    for (int i = 0; i < WORK_SLOTS; i++) {
+        const char *b = atomic_load(&work_slot[i]);
+        if (b == NULL) continue;
+        const size_t cap = work_capacity(b);
+        if (cap >= size && cap / 2 <= size && (best < 0 || cap < best_cap))
+            best = i, best_cap = cap;
+    }
+    if (best < 0) return NULL;
+    char *b = atomic_exchange(&work_slot[best], NULL);
+    if (b == NULL) return NULL;
+    atomic_fetch_sub(&work_kept, work_capacity(b));
+    if (work_capacity(b) >= size) return b;
+    attn__free(b); /* swapped in meanwhile and too small: not worth a retry */
+    return NULL;
+}
+
+static void release_kept(void) {
+    for (int i = 0; i < WORK_SLOTS; i++) {
+        char *b = atomic_exchange(&work_slot[i], NULL);
+        if (b == NULL) continue;
+        atomic_fetch_sub(&work_kept, work_capacity(b));
+        attn__free(b);
+    }
+}
+
+void *attn__work_alloc(size_t count, size_t elem_size, bool zeroed) {
+    if (elem_size != 0 && count > SIZE_MAX / elem_size) {
+        attn__fail(ATTN_ERR_NOMEM, "cannot allocate %zu elements of %zu bytes", count,
+                   elem_size);
+        return NULL;
+    }
+    const size_t size = count * elem_size;
+    if (size > SIZE_MAX - ALIGN) {
+        attn__fail(ATTN_ERR_NOMEM, "cannot allocate %zu bytes", size);
+        return NULL;
+    }
+    char *b = size >= WORK_KEEP_MIN ? take_kept(size) : NULL;
+    if (b == NULL) {
+        b = attn__alloc(size + ALIGN);
+        if (b == NULL) return NULL;
+        *(size_t *)b = size;
+    }
+    char *p = b + ALIGN;
+    if (zeroed)
+        memset(p, 0, size);
+#ifdef ATTN_POISON_WORKSPACE
+    /* Sanitizer builds: a read before a write meets 0x3f bytes, not zeros:
+     * finite floats (0.747f; NaN would only send the row to the reference
+     * kernel, which hides it), huge indices, invalid bools for UBSan. */
+    else
+        memset(p, 0x3f, size);
+#endif
+    return p;
+}
+
+void attn__work_free(void *ptr) {
+    if (ptr == NULL) return;
+    char *b = (char *)ptr - ALIGN;
+    const size_t cap = work_capacity(b);
+    if (cap >= WORK_KEEP_MIN && cap <= WORK_KEEP_MAX) {
+        size_t kept = atomic_load(&work_kept);
+        while (kept + cap <= WORK_KEEP_MAX &&
+               !atomic_compare_exchange_weak(&work_kept, &kept, kept + cap)) {
+        }
+        if (kept + cap <= WORK_KEEP_MAX) { /* counted in: find it a slot */
+            for (int i = 0; i < WORK_SLOTS; i++) {
+                char *empty = NULL;
+                if (atomic_compare_exchange_strong(&work_slot[i], &empty, b)) return;
+            }
+            atomic_fetch_sub(&work_kept, cap);
+        }
+    }
+    attn__free(b);
+}
+
+void attn_release_workspace(void) { release_kept(); }
 
 /* The public doors to the same allocator (attn.h: for libraries on attn). */
 void *attn_alloc(size_t size) { return size == 0 ? NULL : attn__alloc(size); }

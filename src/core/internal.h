@@ -72,6 +72,12 @@ attn_status attn__read_params(void *dst, size_t dst_size, size_t first_size, con
 void *attn__alloc(size_t size);
 void *attn__alloc_array(size_t count, size_t elem_size); /* zeroed, overflow-checked */
 void attn__free(void *ptr);
+/* Workspace of one call: `count` elements of elem_size bytes, zeroed or
+ * not (then filled with 0x3f bytes in builds with ATTN_POISON_WORKSPACE),
+ * overflow-checked; freed with attn__work_free, which keeps large blocks
+ * for the next call (alloc.c). */
+void *attn__work_alloc(size_t count, size_t elem_size, bool zeroed);
+void attn__work_free(void *ptr);
 
 /* ---- checked 64-bit arithmetic ---- */
 

@@ -140,10 +140,10 @@ static attn_status check_call(const attn_encoder_layer *l, const attn_tensor *sr
 }
 
 static void work_free(enc_work *w) {
-    attn__free(w->x);
-    attn__free(w->a);
-    attn__free(w->y);
-    attn__free(w->h);
+    attn__work_free(w->x);
+    attn__work_free(w->a);
+    attn__work_free(w->y);
+    attn__work_free(w->h);
 }
 
 static attn_status work_alloc(const attn_encoder_layer *l, const attn_tensor *src, enc_work *w) {
@@ -158,10 +158,10 @@ static attn_status work_alloc(const attn_encoder_layer *l, const attn_tensor *sr
                               "src has %lld rows; with dim_feedforward %lld the hidden layer "
                               "is beyond what the BLAS indexes",
                               (long long)w->R, (long long)w->F);
-    w->x = attn__alloc_array((size_t)w->R, (size_t)w->E * es);
-    w->a = attn__alloc_array((size_t)w->R, (size_t)w->E * es);
-    w->h = attn__alloc_array((size_t)rf, es);
-    if (l->cfg.norm_first) w->y = attn__alloc_array((size_t)w->R, (size_t)w->E * es);
+    w->x = attn__work_alloc((size_t)w->R, (size_t)w->E * es, true);
+    w->a = attn__work_alloc((size_t)w->R, (size_t)w->E * es, true);
+    w->h = attn__work_alloc((size_t)rf, es, true);
+    if (l->cfg.norm_first) w->y = attn__work_alloc((size_t)w->R, (size_t)w->E * es, true);
     if (w->x == NULL || w->a == NULL || w->h == NULL || (l->cfg.norm_first && w->y == NULL)) {
         work_free(w);
         return ATTN_ERR_NOMEM;

@@ -302,10 +302,10 @@ static attn_status work_alloc(const bwd_call *c, bwd_work *b) {
     b->fwd.am_use = c->sv->has_am ? &b->fwd.am_pad : NULL;
     b->fwd.kpm_use = c->sv->has_kpm ? &b->fwd.kpm_pad : NULL;
     /* Zeroed: the rows of appended keys get gradients too, read or not. */
-    b->dO = attn__alloc_array((size_t)(N * L), row);
-    if (c->want[0] || all) b->dq = attn__alloc_array((size_t)(N * L), row);
-    if (c->want[1] || all) b->dk = attn__alloc_array((size_t)(N * Sx), row);
-    if (c->want[2] || all) b->dv = attn__alloc_array((size_t)(N * Sx), row);
+    b->dO = attn__work_alloc((size_t)(N * L), row, true);
+    if (c->want[0] || all) b->dq = attn__work_alloc((size_t)(N * L), row, true);
+    if (c->want[1] || all) b->dk = attn__work_alloc((size_t)(N * Sx), row, true);
+    if (c->want[2] || all) b->dv = attn__work_alloc((size_t)(N * Sx), row, true);
     b->acc = attn__alloc_array((size_t)(E > D ? E : D), sizeof(double));
     if (b->dO == NULL || b->acc == NULL || ((c->want[0] || all) && b->dq == NULL) ||
         ((c->want[1] || all) && b->dk == NULL) || ((c->want[2] || all) && b->dv == NULL))
@@ -327,10 +327,10 @@ static attn_status work_alloc(const bwd_call *c, bwd_work *b) {
 }
 
 static void work_free(bwd_work *b) {
-    attn__free(b->dq);
-    attn__free(b->dk);
-    attn__free(b->dv);
-    attn__free(b->dO);
+    attn__work_free(b->dq);
+    attn__work_free(b->dk);
+    attn__work_free(b->dv);
+    attn__work_free(b->dO);
     attn__free(b->dout_own);
     attn__free(b->acc);
 }

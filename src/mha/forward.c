@@ -371,8 +371,9 @@ static attn_status work_alloc(const attn_mha *m, const mha_shapes *s, bool all_w
     const int64_t N = s->N, L = s->L, Sx = s->S_ext, D = m->D, H = m->cfg.num_heads;
     const size_t es = attn_dtype_size(m->cfg.dtype);
     const int64_t qkv_elems = w->fused_qkv ? N * L * 3 * D : N * L * D + 2 * N * Sx * D;
-    w->qkv = attn__alloc((size_t)qkv_elems * es);
-    w->O = attn__alloc((size_t)(N * L * D) * es);
+    /* written whole before they are read (projections, the heads' outputs) */
+    w->qkv = attn__work_alloc((size_t)qkv_elems, es, false);
+    w->O = attn__work_alloc((size_t)(N * L * D), es, false);
     if (all_weights) w->W_all = attn__alloc_array((size_t)(N * H * L), (size_t)Sx * es);
     /* lse in float64 for either dtype: float32's rounding of it would move
      * every weight the backward recomputes from it */
@@ -392,8 +393,8 @@ static attn_status work_alloc(const attn_mha *m, const mha_shapes *s, bool all_w
 }
 
 void attn__mha_work_free(mha_work *w) {
-    attn__free(w->qkv);
-    attn__free(w->O);
+    attn__work_free(w->qkv);
+    attn__work_free(w->O);
     attn__free(w->lse);
     attn__free(w->W_all);
     attn__free(w->am_pad_data);

@@ -126,6 +126,92 @@ static void allocator_hook(void) {
     CHECK(c.allocs == before, "the hook is still called after reset");
 }
 
+/* ---- workspace kept between calls (alloc.c) ---- */
+
+typedef struct tracking {
+    long live, big; /* blocks held now; requests of 64 KiB or more so far */
+} tracking;
+
+static void *track_alloc(void *ctx, size_t size) {
+    tracking *c = ctx;
+    void *p = malloc(size);
+    if (p) c->live++;
+    if (size >= (64 << 10)) c->big++;
+    return p;
+}
+static void track_release(void *ctx, void *p) {
+    ((tracking *)ctx)->live--;
+    free(p);
+}
+
+/* A call (its per-thread scratch is over 64 KiB) made twice takes no new
+ * large block the second time, gives the same bits from the reused (dirty)
+ * workspace, and attn_release_workspace hands every kept block back. */
+static void workspace_kept(void) {
+    tracking c = {0, 0};
+    attn_allocator a = {track_alloc, track_release, &c};
+    attn_set_allocator(&a);
+    rng r = {harness_seed() ^ 0x5eedULL};
+    const int64_t qs[4] = {1, 2, 256, 256}, ks[4] = {1, 2, 256, 256};
+    test_tensor q, k, v, o1, o2;
+    tt_make(&q, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&k, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&v, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make_output(&o1, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS);
+    tt_make_output(&o2, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS);
+    CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, NULL, &o1.t, NULL, NULL));
+    const long first = c.big;
+    CHECK(first > 0, "the call took no large workspace; the test needs a larger shape");
+    CHECK(c.live > 0, "nothing kept after the first call");
+    CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, NULL, &o2.t, NULL, NULL));
+    CHECK(c.big == first, "the second call allocated %ld large blocks again", c.big - first);
+    CHECK(memcmp(o1.storage, o2.storage, sizeof(float) * 2 * 256 * 256) == 0,
+          "reused workspace changed the result");
+    attn_release_workspace();
+    CHECK(c.live == 0, "%ld blocks still held after attn_release_workspace", c.live);
+    CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, NULL, &o2.t, NULL, NULL));
+    CHECK(c.big == 2 * first, "after the release the call allocates afresh");
+    CHECK(memcmp(o1.storage, o2.storage, sizeof(float) * 2 * 256 * 256) == 0, "fresh workspace");
+    attn_set_allocator(NULL); /* hands the kept blocks back to `a` first */
+    CHECK(c.live == 0, "%ld blocks held after attn_set_allocator", c.live);
+
+    /* The rules, through the internal door: at most 8 blocks and 64 MiB
+     * kept, a block reused only for a request of at least half its size,
+     * zeroed on request even when reused. */
+    attn_set_allocator(&a);
+    char *blocks[10];
+    for (int i = 0; i < 10; i++) {
+        blocks[i] = attn__work_alloc(1 << 20, 1, false);
+        CHECK(blocks[i] != NULL, "1 MiB block %d", i);
+    }
+    for (int i = 0; i < 10; i++) attn__work_free(blocks[i]);
+    CHECK(c.live == 8, "%ld of ten freed 1 MiB blocks kept; expected the 8 slots", c.live);
+    long before = c.big;
+    char *small = attn__work_alloc(300 << 10, 1, false); /* under half of 1 MiB: fresh */
+    CHECK(c.big == before + 1, "a 1 MiB block served a 300 KiB request");
+    char *reused = attn__work_alloc(600 << 10, 1, true);
+    CHECK(c.big == before + 1, "a kept 1 MiB block did not serve a 600 KiB request");
+    bool zero = true;
+    for (int i = 0; i < (600 << 10); i++) zero = zero && reused[i] == 0;
+    CHECK(zero, "a reused block asked for zeroed came back dirty");
+    attn__work_free(small);
+    attn__work_free(reused);
+    attn_release_workspace();
+    CHECK(c.live == 0, "%ld blocks after release", c.live);
+    char *large[3];
+    for (int i = 0; i < 3; i++) large[i] = attn__work_alloc((size_t)30 << 20, 1, false);
+    for (int i = 0; i < 3; i++) attn__work_free(large[i]);
+    CHECK(c.live == 2, "%ld blocks of 30 MiB kept; 64 MiB holds 2", c.live);
+    char *huge = attn__work_alloc((size_t)65 << 20, 1, false);
+    CHECK(huge != NULL, "65 MiB block");
+    attn__work_free(huge);
+    CHECK(c.live == 2, "a block over 64 MiB was kept");
+    CHECK(attn__work_alloc(SIZE_MAX / 2, 4, false) == NULL, "count x size overflow");
+    attn_set_allocator(NULL);
+    CHECK(c.live == 0, "%ld blocks after attn_set_allocator", c.live);
+    tt_free(&q), tt_free(&k), tt_free(&v), tt_free(&o1), tt_free(&o2);
+}
+
 static void threads_setting(void) {
     attn_set_num_threads(3);
     CHECK(attn_get_num_threads() == 3, "set 3 threads");
@@ -261,5 +347,5 @@ static void tensor_convert(void) {
 }
 
 HARNESS_MAIN(T(philox_known_answers), T(cpu_feature_decoding), T(isa_switch), T(allocator_hook),
-             T(threads_setting), T(views), T(rounding_to_16_bits),
+             T(workspace_kept), T(threads_setting), T(views), T(rounding_to_16_bits),
              T(tensor_convert))

@@ -152,7 +152,7 @@ bool fz_all_finite(const attn_tensor *t, bool neg_inf_ok);
  * a fuzz input asking for a huge workspace gets ATTN_ERR_NOMEM (and the
  * out-of-memory path is fuzzed too). Counts live blocks. */
 void fz_install_allocator(size_t max_bytes);
-long fz_live_blocks(void);
+long fz_live_blocks(void); /* after attn_release_workspace() */
 /* Changes the bound (0 refuses everything); returns the previous one. */
 size_t fz_set_alloc_limit(size_t max_bytes);
 

@@ -125,6 +125,19 @@ def test_threads_roundtrip_and_default():
     assert out.stdout.split() == ["3", "3"], out.stderr
 
 
+def test_release_workspace_between_calls(rng):
+    # The workspace kept between calls (reused, dirty) and a fresh one after
+    # release_workspace() give the same bits; the release is idempotent.
+    q = rng.standard_normal((1, 2, 256, 256)).astype(np.float32)
+    first = attn.scaled_dot_product_attention(q, q, q)
+    again = attn.scaled_dot_product_attention(q, q, q)
+    attn.release_workspace()
+    attn.release_workspace()
+    fresh = attn.scaled_dot_product_attention(q, q, q)
+    assert np.array_equal(first, again) and np.array_equal(first, fresh)
+    assert "release_workspace" in attn.__all__
+
+
 def test_every_kernel_path_gives_the_same_result(rng):
     q = rng.standard_normal((2, 3, 9, 8)).astype(np.float32)
     k = rng.standard_normal((2, 3, 11, 8)).astype(np.float32)
