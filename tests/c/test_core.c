@@ -130,6 +130,7 @@ static void allocator_hook(void) {
 
 typedef struct tracking {
     long live, big; /* blocks held now; requests of 64 KiB or more so far */
+    size_t bytes;   /* bytes requested so far */
 } tracking;
 
 static void *track_alloc(void *ctx, size_t size) {
@@ -137,6 +138,7 @@ static void *track_alloc(void *ctx, size_t size) {
     void *p = malloc(size);
     if (p) c->live++;
     if (size >= (64 << 10)) c->big++;
+    c->bytes += size;
     return p;
 }
 static void track_release(void *ctx, void *p) {
@@ -148,7 +150,7 @@ static void track_release(void *ctx, void *p) {
  * large block the second time, gives the same bits from the reused (dirty)
  * workspace, and attn_release_workspace hands every kept block back. */
 static void workspace_kept(void) {
-    tracking c = {0, 0};
+    tracking c = {0, 0, 0};
     attn_allocator a = {track_alloc, track_release, &c};
     attn_set_allocator(&a);
     rng r = {harness_seed() ^ 0x5eedULL};
@@ -210,6 +212,34 @@ static void workspace_kept(void) {
     attn_set_allocator(NULL);
     CHECK(c.live == 0, "%ld blocks after attn_set_allocator", c.live);
     tt_free(&q), tt_free(&k), tt_free(&v), tt_free(&o1), tt_free(&o2);
+}
+
+/* A call too small to split runs on one thread and takes one thread's
+ * scratch, whatever the thread count (on a 64-core machine a decode step's
+ * scratch is 0.5 MiB a thread). */
+static void serial_call_scratch(void) {
+    rng r = {harness_seed() ^ 0x5c7a7cULL};
+    const int64_t qs[4] = {1, 1, 8, 64}, ks[4] = {1, 1, 128, 64};
+    test_tensor q, k, v, o;
+    tt_make(&q, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&k, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&v, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make_output(&o, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS);
+    size_t bytes[2];
+    const int counts[2] = {1, attn_max_threads()};
+    for (int i = 0; i < 2; i++) {
+        tracking c = {0, 0, 0};
+        attn_allocator a = {track_alloc, track_release, &c};
+        attn_set_allocator(&a);
+        attn_set_num_threads(counts[i]);
+        CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, NULL, &o.t, NULL, NULL));
+        bytes[i] = c.bytes;
+        attn_set_allocator(NULL);
+    }
+    attn_set_num_threads(0);
+    CHECK(bytes[1] == bytes[0], "a one-thread call took %zu bytes on %d threads, %zu on 1",
+          bytes[1], counts[1], bytes[0]);
+    tt_free(&q), tt_free(&k), tt_free(&v), tt_free(&o);
 }
 
 static void threads_setting(void) {
@@ -347,5 +377,5 @@ static void tensor_convert(void) {
 }
 
 HARNESS_MAIN(T(philox_known_answers), T(cpu_feature_decoding), T(isa_switch), T(allocator_hook),
-             T(workspace_kept), T(threads_setting), T(views), T(rounding_to_16_bits),
+             T(workspace_kept), T(serial_call_scratch), T(threads_setting), T(views), T(rounding_to_16_bits),
              T(tensor_convert))
