@@ -65,14 +65,22 @@ void *attn__alloc(size_t size) {
     return (void *)p;
 }
 
-void *attn__alloc_array(size_t count, size_t elem_size) {
+/* count · elem_size in *bytes; false (the message set) when it overflows. */
+static bool array_bytes(size_t count, size_t elem_size, size_t *bytes) {
     if (elem_size != 0 && count > SIZE_MAX / elem_size) {
         attn__fail(ATTN_ERR_NOMEM, "cannot allocate %zu elements of %zu bytes", count,
                    elem_size);
-        return NULL;
+        return false;
     }
-    void *p = attn__alloc(count * elem_size);
-    if (p != NULL) memset(p, 0, count * elem_size);
+    *bytes = count * elem_size;
+    return true;
+}
+
+void *attn__alloc_array(size_t count, size_t elem_size) {
+    size_t size;
+    if (!array_bytes(count, elem_size, &size)) return NULL;
+    void *p = attn__alloc(size);
+    if (p != NULL) memset(p, 0, size);
     return p;
 }
 
@@ -134,13 +142,9 @@ static void release_kept(void) {
 }
 
 void *attn__work_alloc(size_t count, size_t elem_size, bool zeroed) {
-    if (elem_size != 0 && count > SIZE_MAX / elem_size) {
-        attn__fail(ATTN_ERR_NOMEM, "cannot allocate %zu elements of %zu bytes", count,
-                   elem_size);
-        return NULL;
-    }
-    const size_t size = count * elem_size;
-    if (size > SIZE_MAX - ALIGN) {
+    size_t size;
+    if (!array_bytes(count, elem_size, &size)) return NULL;
+    if (size > SIZE_MAX - ALIGN) { /* the header's ALIGN bytes must fit too */
         attn__fail(ATTN_ERR_NOMEM, "cannot allocate %zu bytes", size);
         return NULL;
     }

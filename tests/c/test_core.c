@@ -377,5 +377,5 @@ static void tensor_convert(void) {
 }
 
 HARNESS_MAIN(T(philox_known_answers), T(cpu_feature_decoding), T(isa_switch), T(allocator_hook),
-             T(workspace_kept), T(serial_call_scratch), T(threads_setting), T(views), T(rounding_to_16_bits),
-             T(tensor_convert))
+             T(workspace_kept), T(serial_call_scratch), T(threads_setting), T(views),
+             T(rounding_to_16_bits), T(tensor_convert))
