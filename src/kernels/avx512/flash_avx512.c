@@ -104,14 +104,14 @@ ALWAYS_INLINE void qkt_tile(const float *qt, int64_t ldqt, const float *k, int64
         for (int v = 0; v < NV; v++) _mm512_storeu_ps(st + j * ldst + 16 * v, acc[j][v]);
 }
 
-#define QKT_NV(JK)                                                                           \
-    case JK:                                                                                 \
-        if (nv == 3)                                                                         \
-            qkt_tile(qt + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 3);     \
-        else if (nv == 2)                                                                    \
-            qkt_tile(qt + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 2);     \
-        else                                                                                 \
-            qkt_tile(qt + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 1);     \
+#define QKT_NV(JK)                                                                            \
+    case JK:                                                                                  \
+        if (ng == 3)                                                                          \
+            qkt_tile(qt + c0, ldqt, k + j * ldk, ldk, E, st + j * ldst + c0, ldst, JK, 3);   \
+        else if (ng == 2)                                                                     \
+            qkt_tile(qt + c0, ldqt, k + j * ldk, ldk, E, st + j * ldst + c0, ldst, JK, 2);   \
+        else                                                                                  \
+            qkt_tile(qt + c0, ldqt, k + j * ldk, ldk, E, st + j * ldst + c0, ldst, JK, 1);   \
         break;
 
 static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, int64_t E, int64_t nk,
@@ -120,6 +120,9 @@ static void qkt_f(const float *qt, int64_t ldqt, const float *k, int64_t ldk, in
         const int nv = (int)((lanes - c) / 16 < QVECS ? (lanes - c) / 16 : QVECS);
         const int64_t nt = tile_keys(keys, c, nv, nk);
         for (int64_t j = 0; j < nt; j += KEYS) {
+            int lo;
+            const int ng = tile_groups(keys, c, nv, j, &lo);
+            const int64_t c0 = c + 16 * lo;
             switch (nt - j < KEYS ? nt - j : KEYS) {
                 QKT_NV(8)
                 QKT_NV(7)

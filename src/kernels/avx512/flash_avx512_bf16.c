@@ -132,12 +132,12 @@ ALWAYS_INLINE void qkt_tile(const uint32_t *qtp, int64_t ldqt, const uint16_t *k
 
 #define QKT_NV(JK)                                                                            \
     case JK:                                                                                  \
-        if (nv == 3)                                                                          \
-            qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 3);     \
-        else if (nv == 2)                                                                     \
-            qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 2);     \
+        if (ng == 3)                                                                          \
+            qkt_tile(qtp + c0, ldqt, k + j * ldk, ldk, E, st + j * ldst + c0, ldst, JK, 3);   \
+        else if (ng == 2)                                                                     \
+            qkt_tile(qtp + c0, ldqt, k + j * ldk, ldk, E, st + j * ldst + c0, ldst, JK, 2);   \
         else                                                                                  \
-            qkt_tile(qtp + c, ldqt, k + j * ldk, ldk, E, st + j * ldst + c, ldst, JK, 1);     \
+            qkt_tile(qtp + c0, ldqt, k + j * ldk, ldk, E, st + j * ldst + c0, ldst, JK, 1);   \
         break;
 
 static void qkt_bf(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
@@ -146,6 +146,9 @@ static void qkt_bf(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t
         const int nv = (int)((lanes - c) / 16 < QVECS ? (lanes - c) / 16 : QVECS);
         const int64_t nt = tile_keys(keys, c, nv, nk);
         for (int64_t j = 0; j < nt; j += KEYS) {
+            int lo;
+            const int ng = tile_groups(keys, c, nv, j, &lo);
+            const int64_t c0 = c + 16 * lo;
             switch (nt - j < KEYS ? nt - j : KEYS) {
                 QKT_NV(8)
                 QKT_NV(7)

@@ -95,6 +95,20 @@ static inline int64_t tile_keys(const int64_t *keys, int64_t c, int nv, int64_t 
     return n < nk ? n : nk;
 }
 
+/* The groups of that tile a step of keys from key j needs: [*lo, *lo + n),
+ * n returned; groups outside it need none of the step's keys. On the causal
+ * diagonal the first groups drop out as j grows (a 48-lane tile computes 2/3
+ * of its diagonal block), and their lanes are not computed, only hidden. */
+static inline int tile_groups(const int64_t *keys, int64_t c, int nv, int64_t j, int *lo) {
+    int a = 0, b = nv;
+    if (keys != NULL) {
+        while (a < b && keys[c / 16 + a] <= j) a++;
+        while (b > a && keys[c / 16 + b - 1] <= j) b--;
+    }
+    *lo = a;
+    return b - a;
+}
+
 /* ---- a 16 x 16 transpose ---- */
 
 /* r[k] becomes column k of the 16 x 16 block: pairs, quads, then 128-bit
