@@ -15,11 +15,12 @@ peak extra memory of one call, output included (measured in a fresh interpreter
 from the kernel's RSS high-water mark), and the largest
 difference between the two outputs.
 
-The backward (prefill shapes, causal and not): attn's forward with lse then
-``attn_sdpa_backward`` through ``attn_bench backward``, against PyTorch's
-``F.scaled_dot_product_attention(...).backward(dout)``, on the same seeded
-q, k, v, dout (handed to attn_bench as .npy), in rounds that alternate the
-two. Reported: ms of forward+backward and of the backward alone, GFLOP/s with
+The backward (prefill shapes, causal and not): attn's PyTorch operator
+(``attn.scaled_dot_product_attention`` on tensors that require grad: the
+forward keeps its lse, ``.backward(dout)`` runs ``attn_sdpa_backward``)
+against PyTorch's ``F.scaled_dot_product_attention(...).backward(dout)``, on
+the same seeded q, k, v, dout, alternating call by call. Reported: ms of
+forward+backward and of the backward alone, GFLOP/s with
 4·B·H·L·S·E for the forward and 10·B·H·L·S·E for the backward (half when
 causal), % of the same-run FMA peak, the PyTorch/attn ratios, the largest
 difference of dq, dk, dv; and ``attn_bench memory-backward``'s peak RSS at
@@ -52,7 +53,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -387,10 +387,9 @@ def bench_mha(args, N, L, E, H):
 
 
 # ---- backward ----
-# attn through `attn_bench backward` (the Python package has no autograd yet),
-# PyTorch through autograd, on the same inputs: run.py draws q, k, v, dout
-# and hands them to attn_bench as .npy files. attn runs in a child process,
-# so the two alternate by rounds (a few calls each) rather than call by call.
+# Both through autograd in this process, as a training loop calls them: attn
+# by its PyTorch operator (the forward saves lse, the backward is
+# attn_sdpa_backward), PyTorch by its own SDPA, alternating call by call.
 
 def backward_inputs(B, H, L, S, E, seed=0):
     """sdpa_inputs' q, k, v and a seeded dout shaped like the output."""
@@ -399,70 +398,48 @@ def backward_inputs(B, H, L, S, E, seed=0):
     return q, k, v, dout
 
 
-def attn_backward_round(args, shape, causal, reps, folder, save):
-    """One attn round: a warm-up then `reps` forward+backward calls on the
-    inputs in folder; per-call ms lists (and dq, dk, dv written when save)."""
-    cmd = ["backward", *map(str, shape), "--reps", str(reps), "--load", folder]
-    cmd += (["--causal"] if causal else []) + (["--save", folder] if save else [])
-    out = probe(args, *cmd)
-    return out["fwd_bwd_ms"], out["bwd_ms"]
+def backward_call(sdpa, q, k, v, dout, causal):
+    """One forward then .backward(dout) with fresh gradients: (forward+backward
+    ms, backward ms)."""
+    q.grad = k.grad = v.grad = None
+    t0 = time.perf_counter()
+    out = sdpa(q, k, v, is_causal=causal)
+    t1 = time.perf_counter()
+    out.backward(dout)
+    t2 = time.perf_counter()
+    return (t2 - t0) * 1e3, (t2 - t1) * 1e3
 
 
-def torch_backward_round(q, k, v, dout, causal, reps):
-    """One PyTorch round: `reps` times the forward then .backward(dout), with
-    fresh gradients each time; per-call ms lists (forward+backward, backward)."""
-    both, bwd = [], []
-    for _ in range(reps):
-        q.grad = k.grad = v.grad = None
-        t0 = time.perf_counter()
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        t1 = time.perf_counter()
-        out.backward(dout)
-        t2 = time.perf_counter()
-        both.append((t2 - t0) * 1e3)
-        bwd.append((t2 - t1) * 1e3)
-    return both, bwd
-
-
-def grad_diffs(folder, q, k, v):
-    """max |attn - PyTorch| of each gradient (attn's from the .npy files)."""
-    return {name: float(np.max(np.abs(np.load(os.path.join(folder, name + ".npy")) -
-                                      t.grad.numpy())))
-            for name, t in (("dq", q), ("dk", k), ("dv", v))}
+def grads(q, k, v):
+    """Copies of the gradients of q, k, v."""
+    return [t.grad.clone() for t in (q, k, v)]
 
 
 def bench_backward(args, B, H, L, S, E, causal):
-    """Medians over rounds that alternate attn and PyTorch (order flipped
-    every round); gradients compared on the first round's calls."""
+    """Medians over calls that alternate attn and PyTorch (order flipped
+    every call); gradients compared on the warm-up calls."""
     q, k, v, dout = backward_inputs(B, H, L, S, E)
+    for t in (q, k, v):
+        t.requires_grad_()
     reps = args.reps if L * S <= 4096 * 4096 else max(3, args.reps // 3)
-    rounds = min(3, reps)
-    per_round = [reps // rounds + (r < reps % rounds) for r in range(rounds)]
-    a_both, a_bwd, t_both, t_bwd = [], [], [], []
-    with tempfile.TemporaryDirectory(prefix="attn_bench_") as folder:
-        for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
-            np.save(os.path.join(folder, name + ".npy"), t.numpy())
-        for t in (q, k, v):
-            t.requires_grad_()
-        torch_backward_round(q, k, v, dout, causal, 1)  # warm-up (attn_bench warms itself)
-        for r, n in enumerate(per_round):
-            def run_attn():
-                both, bwd = attn_backward_round(args, (B, H, L, S, E), causal, n, folder, r == 0)
-                a_both.extend(both), a_bwd.extend(bwd)
-
-            def run_torch():
-                both, bwd = torch_backward_round(q, k, v, dout, causal, n)
-                t_both.extend(both), t_bwd.extend(bwd)
-            for run in ((run_attn, run_torch) if r % 2 == 0 else (run_torch, run_attn)):
-                run()
-        diffs = grad_diffs(folder, q, k, v)
+    backward_call(attn.scaled_dot_product_attention, q, k, v, dout, causal)  # warm-up
+    ours = grads(q, k, v)
+    backward_call(F.scaled_dot_product_attention, q, k, v, dout, causal)
+    theirs = grads(q, k, v)
+    diffs = {name: float((a - b).abs().max()) for name, a, b in zip(("dq", "dk", "dv"), ours, theirs)}
+    runs = dict(attn_fwd_bwd=[], attn_bwd=[], torch_fwd_bwd=[], torch_bwd=[])
+    for r in range(reps):
+        pair = (("attn", attn.scaled_dot_product_attention), ("torch", F.scaled_dot_product_attention))
+        for name, sdpa in (pair if r % 2 == 0 else pair[::-1]):
+            both, bwd = backward_call(sdpa, q, k, v, dout, causal)
+            runs[name + "_fwd_bwd"].append(both)
+            runs[name + "_bwd"].append(bwd)
     half = 0.5 if causal else 1.0
-    return dict(ms_attn=statistics.median(a_both), ms_attn_bwd=statistics.median(a_bwd),
-                ms_torch=statistics.median(t_both), ms_torch_bwd=statistics.median(t_bwd),
+    med = {key: statistics.median(x) for key, x in runs.items()}
+    return dict(ms_attn=med["attn_fwd_bwd"], ms_attn_bwd=med["attn_bwd"],
+                ms_torch=med["torch_fwd_bwd"], ms_torch_bwd=med["torch_bwd"],
                 flops=14.0 * B * H * L * S * E * half, flops_bwd=10.0 * B * H * L * S * E * half,
-                max_diff=diffs, reps=reps, rounds=rounds,
-                runs_ms=dict(attn_fwd_bwd=a_both, attn_bwd=a_bwd, torch_fwd_bwd=t_both,
-                             torch_bwd=t_bwd))
+                max_diff=diffs, reps=reps, runs_ms=runs)
 
 
 def backward_figures(c, peak):
@@ -490,10 +467,10 @@ def backward_table(cases):
     """The backward's Markdown table, with how it counts and measures."""
     if not cases:
         return []
-    return ["", "Backward: attn_sdpa (with lse) then attn_sdpa_backward (`attn_bench backward`) "
-            "vs PyTorch's F.scaled_dot_product_attention(...).backward(dout), on the same "
-            "seeded q, k, v, dout, in rounds that alternate the two (order flipped every "
-            "round). GFLOP/s count the forward as 4·B·H·L·S·E and the backward as "
+    return ["", "Backward: attn.scaled_dot_product_attention(...).backward(dout) (attn's "
+            "PyTorch operator: attn_sdpa with lse, then attn_sdpa_backward) vs PyTorch's "
+            "F.scaled_dot_product_attention(...).backward(dout), on the same seeded q, k, v, "
+            "dout, alternating call by call (order flipped every call). GFLOP/s count the forward as 4·B·H·L·S·E and the backward as "
             "10·B·H·L·S·E (forward+backward 14·B·H·L·S·E), half of it when causal. "
             "Speed-ups are PyTorch ms / attn ms.", "",
             "| case | attn fwd+bwd ms | attn bwd ms | PyTorch fwd+bwd ms | PyTorch bwd ms | "
