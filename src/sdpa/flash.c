@@ -149,9 +149,10 @@ static int64_t lanes_keys(const attn__ukernel *kern, int64_t width) {
  * keys-in-columns layout smaller chunks (down to COLUMN_CHUNK_MIN) until
  * there are COLUMN_TASKS tasks: a decode step of 8 KV heads over 4,096
  * keys is then 64 tasks, not 32 (half of 64 threads idle). Shape only: the
- * chunks set the result's bits, so the thread count may not. */
-static int64_t chunk_keys(const attn__problem *p, const flash_work *w) {
-    const int64_t blocks = w->ngroups * w->nqb;
+ * chunks set the result's bits, so the thread count may not: `blocks`
+ * counts the query blocks of the context's width, not of the narrower
+ * blocks lanes_for may choose for many threads. */
+static int64_t chunk_keys(const attn__problem *p, const flash_work *w, int64_t blocks) {
     const bool columns = w->direct && blocks < COLUMN_TASKS && p->S >= 2 * COLUMN_CHUNK_MIN;
     const bool lanes = blocks < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN;
     if (p->has_weights || !(columns || lanes)) return p->S;
@@ -196,7 +197,8 @@ static bool bf16_pairs(const attn__problem *p, const flash_work *w, const attn__
 /* The split for `threads` threads. Only the width of query blocks in the
  * queries-in-lanes layout depends on it, and a row's result does not
  * depend on the rows it shares a block with: lanes are independent and key
- * blocks lie on one grid (block_keys). */
+ * blocks lie on one grid (block_keys). Whether keys are split counts the
+ * blocks of the shape's width (test_sdpa: 15 blocks of 48 rows, 21 of 32). */
 static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, int threads) {
     flash_work w;
     w.G = group_size(p);
@@ -222,6 +224,7 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
     const bool pairs = bf16_pairs(p, &w, kern) && width <= 128; /* its own blocks */
     const int64_t lanes = pairs ? kern->pairs_lanes : kern->lanes;
     w.lanes = w.nrows < lanes ? (w.nrows + step - 1) / step * step : lanes;
+    const int64_t shape_lanes = w.direct ? w.nrows : w.lanes; /* rows per block, by shape */
     if (!w.direct) w.lanes = lanes_for(&w, kern, threads); /* many threads, few blocks */
     w.BR = w.direct ? w.nrows : w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
@@ -237,7 +240,9 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
     }
     /* Ragged keys (varlen, a KV cache) split too: each sequence's slice
      * holds its own keys in the chunk, possibly none. */
-    w.chunk = chunk_keys(p, &w);
+    const int64_t shape_blocks =
+        w.gang > 1 ? w.ngroups : w.ngroups * ((w.nrows + shape_lanes - 1) / shape_lanes);
+    w.chunk = chunk_keys(p, &w, shape_blocks);
     w.nchunks = w.chunk < p->S ? (p->S + w.chunk - 1) / w.chunk : 1;
     w.across = w.ngroups * w.nqb < LOCAL_BLOCKS * (int64_t)threads;
     return w;

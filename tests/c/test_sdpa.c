@@ -652,6 +652,10 @@ static void scheduling_shapes_are_thread_independent(void) {
         {2, 4, 4, 3, 3000, 32, ATTN_CAUSAL_BOTTOM_RIGHT}, /* few rows, chunks, causal */
         {1, 3, 3, 130, 300, 48, ATTN_CAUSAL_TOP_LEFT},    /* query blocks, causal skip */
         {1, 2, 1, 97, 1100, 40, ATTN_CAUSAL_NONE},        /* GQA prefill, block tails */
+        /* 15 query blocks of 48 rows, more of fewer rows at 2+ threads: the
+         * key split (below 16 blocks) must follow the shape, not the width */
+        {1, 3, 3, 220, 2100, 33, ATTN_CAUSAL_NONE},
+        {1, 4, 4, 74, 2100, 33, ATTN_CAUSAL_NONE},
     };
     rng r = {harness_seed() ^ 0x5151};
     attn_isa paths[8];
