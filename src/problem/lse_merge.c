@@ -3,18 +3,32 @@
 
 #include "lse_merge.h"
 
-/* log sum_c exp(lse_c), NaN if any lse_c is NaN. */
-static double merged_lse(int64_t n, const double *lse_parts, int64_t lse_stride) {
-    double max = -INFINITY;
+/* The largest lse_c (*max; NaN if any lse_c is NaN, -inf if every part saw
+ * no key) and sum_c exp(lse_c - max) (*sum, >= 1): the merged lse is
+ * max + log(sum) and part c weighs exp(lse_c - max) / sum. The weights are
+ * measured from the largest part, not from the merged lse: at |lse| ~ 1e38
+ * (rows masked with torch.finfo(float32).min) max + log(sum) rounds back to
+ * max in float64, and exp(lse_c - lse) would weigh n equal parts 1 each
+ * instead of 1/n. */
+static void lse_scale(int64_t n, const double *lse_parts, int64_t lse_stride, double *max,
+                      double *sum) {
+    *max = -INFINITY;
+    *sum = 0;
     for (int64_t c = 0; c < n; c++) {
         const double x = lse_parts[c * lse_stride];
-        if (isnan(x)) return NAN;
-        if (x > max) max = x;
+        if (isnan(x)) {
+            *max = NAN;
+            return;
+        }
+        if (x > *max) *max = x;
     }
-    if (max == -INFINITY) return -INFINITY;
-    double sum = 0;
-    for (int64_t c = 0; c < n; c++) sum += exp(lse_parts[c * lse_stride] - max);
-    return max + log(sum);
+    if (*max == -INFINITY) return;
+    for (int64_t c = 0; c < n; c++) *sum += exp(lse_parts[c * lse_stride] - *max);
+}
+
+/* Part c's weight (0 when nothing saw a key or the merge is NaN). */
+static double part_weight(double lse_c, double max, double sum) {
+    return max > -INFINITY ? exp(lse_c - max) / sum : 0.0;
 }
 
 enum { FEATURES = 64 }; /* output features accumulated at once, in float64 */
@@ -25,7 +39,9 @@ enum { FEATURES = 64 }; /* output features accumulated at once, in float64 */
     bool attn__lse_merge_##SFX(int64_t n, const REAL *out_parts, int64_t part_stride,           \
                                const double *lse_parts, int64_t lse_stride, int64_t Ev,         \
                                const attn__operand *out, int64_t out_at, double *lse) {         \
-        const double total = merged_lse(n, lse_parts, lse_stride);                              \
+        double max, sum;                                                                        \
+        lse_scale(n, lse_parts, lse_stride, &max, &sum);                                        \
+        const double total = max > -INFINITY ? max + log(sum) : max;                            \
         bool finite = !isnan(total);                                                            \
         *lse = total;                                                                           \
         for (int64_t e0 = 0; e0 < Ev; e0 += FEATURES) {                                         \
@@ -33,7 +49,7 @@ enum { FEATURES = 64 }; /* output features accumulated at once, in float64 */
             double acc[FEATURES];                                                               \
             for (int64_t e = 0; e < ne; e++) acc[e] = isnan(total) ? NAN : 0.0;                 \
             for (int64_t c = 0; c < n && total > -INFINITY; c++) {                              \
-                const double w = exp(lse_parts[c * lse_stride] - total);                        \
+                const double w = part_weight(lse_parts[c * lse_stride], max, sum);              \
                 if (w == 0) continue; /* nothing from it, not even a NaN */                     \
                 const REAL *part = out_parts + c * part_stride + e0;                            \
                 for (int64_t e = 0; e < ne; e++) acc[e] += w * (double)part[e];                 \
@@ -115,10 +131,11 @@ attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse, const attn_tenso
         const int64_t oo = row_offset(out, nd, r), po = row_offset(part_out, nd, r);
         const double parts[2] = {attn__load(lse->data, lse->dtype, lo),
                                  attn__load(part_lse->data, part_lse->dtype, plo)};
-        const double total = merged_lse(2, parts, 1);
+        double max, sum;
+        lse_scale(2, parts, 1, &max, &sum);
+        const double total = max > -INFINITY ? max + log(sum) : max;
         /* A part's weight; exactly 0 (no key, or swamped) takes nothing. */
-        const double w0 = total > -INFINITY ? exp(parts[0] - total) : 0.0;
-        const double w1 = total > -INFINITY ? exp(parts[1] - total) : 0.0;
+        const double w0 = part_weight(parts[0], max, sum), w1 = part_weight(parts[1], max, sum);
         for (int64_t e = 0; e < Ev; e++) {
             double acc = isnan(total) ? NAN : 0.0;
             if (w0 != 0) acc += w0 * attn__load(out->data, out->dtype, oo + e * ocs);

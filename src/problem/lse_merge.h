@@ -4,7 +4,10 @@
  * A row's attention over keys K = K_1 ∪ ... ∪ K_n is the mix of its
  * attention over each part: with out_c normalised over K_c and lse_c its
  * log-sum-exp,
- *   lse = log sum_c exp(lse_c),   out = sum_c exp(lse_c - lse) · out_c.
+ *   lse = log sum_c exp(lse_c),   out = sum_c exp(lse_c - lse) · out_c,
+ * computed as m + log sum_c exp(lse_c - m) and exp(lse_c - m) / sum with m
+ * the largest lse_c, which stays exact when |lse| is too large for
+ * lse - m - log(sum) to carry the log (masks of -3.4e38).
  * The split decode path merges its key chunks with it today; a ring step or
  * a cache extended by new keys merges the same way. Parts are visited in
  * the order given, so the result does not depend on who computed them.

@@ -176,6 +176,25 @@ static void test_lse_merge_rules(void) {
     CHECK(finite && b16 == 0x3f81, "bfloat16 merge: bits %04x, expected 3f81 (1 + 2^-7)", b16);
     CHECK(attn__float_to_bf16((float)(1.0 + 0x1p-8 + 0x1p-30)) == 0x3f80,
           "the case does not separate rounding once from rounding twice");
+
+    /* Parts of equal lse ~ -3.4e38 (rows masked with finfo(float32).min):
+     * max + log(2) rounds back to max, and weights exp(lse_c - lse) were 1
+     * each, the sum of the parts instead of their mean. The same in the
+     * public two-part merge. */
+    const double far = -3.4028234663852886e38, pair_lse[2] = {far, far};
+    const float halves[2] = {1, 3};
+    float mixed = 0;
+    const attn__operand mop = row_operand(&mixed, ATTN_DTYPE_F32);
+    finite = attn__lse_merge_f(2, halves, 1, pair_lse, 1, 1, &mop, 0, &lse);
+    CHECK(finite && mixed == 2 && lse == far, "merge at lse %g: %g, expected 2", far, mixed);
+    float acc_out = 1, part_out = 3;
+    double acc_lse = far, part_lse = far;
+    attn_tensor ao = view(&acc_out, ATTN_DTYPE_F32, 2, (int64_t[]){1, 1});
+    attn_tensor al = view(&acc_lse, ATTN_DTYPE_F64, 1, (int64_t[]){1});
+    attn_tensor po = view(&part_out, ATTN_DTYPE_F32, 2, (int64_t[]){1, 1});
+    attn_tensor pl = view(&part_lse, ATTN_DTYPE_F64, 1, (int64_t[]){1});
+    CHECK_OK(attn_sdpa_merge(&ao, &al, &po, &pl));
+    CHECK(acc_out == 2, "attn_sdpa_merge at lse %g: %g, expected 2", far, acc_out);
 }
 
 /* ---- a KV cache filled to a length per sequence ---- */

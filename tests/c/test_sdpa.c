@@ -6,6 +6,8 @@
  *
  * Every ISA path the machine supports is run (ATTN_TEST_ISA=name limits it).
  */
+#include <float.h>
+
 #include "testutil.h"
 
 /* ---- tolerances: a forward error model ----
@@ -561,6 +563,73 @@ static void huge_logits(void) {
     }
 }
 
+/* Every key of a row masked with -FLT_MAX (torch.finfo(float32).min, the
+ * Hugging Face padding idiom): torch's softmax of the equal scores is
+ * uniform, out = the mean of V, however many keys there are. Long rows are
+ * cut into key chunks merged by lse (1 query, S >= 1024), where the lse of
+ * ~-3.4e38 had lost the log of each chunk's key count: chunks of 296 keys
+ * weighed as much as chunks of 512, and before that each chunk weighed 1
+ * (the sum of the chunks' means). Also -FLT_MAX on every other key, and
+ * +FLT_MAX on every other key (those tie at the top: their mean). */
+static void float_min_masks_long_rows(void) {
+    rng r = {harness_seed() ^ 0x7e57};
+    attn_isa paths[8];
+    int npaths = test_paths(paths);
+    const int64_t lens[3] = {1000, 9000, 40000};
+    for (int li = 0; li < 3; li++) {
+        const int64_t S = lens[li], E = 16, Ev = 4;
+        int64_t qs[4] = {1, 1, 1, E}, ks[4] = {1, 1, S, E}, vs[4] = {1, 1, S, Ev};
+        int64_t os[4] = {1, 1, 1, Ev}, ms[2] = {1, S};
+        test_tensor q, k, v;
+        tt_make(&q, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make(&k, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+        tt_make(&v, &r, ATTN_DTYPE_F32, 4, vs, LAYOUT_CONTIGUOUS, 1, 0);
+        float *mask = malloc(sizeof(float) * (size_t)S), out[4];
+        double *vd = tt_dense(&v.t);
+        for (int kind = 0; kind < 3; kind++) { /* all -max, every other -max, every other +max */
+            double mean[4] = {0, 0, 0, 0}, n = 0;
+            for (int64_t j = 0; j < S; j++) {
+                const bool odd = j % 2 == 1;
+                mask[j] = kind == 0 ? -FLT_MAX : kind == 1 ? (odd ? -FLT_MAX : 0) : (odd ? 0 : FLT_MAX);
+                if (kind == 0 || !odd) { /* the keys the weights fall on, uniformly */
+                    for (int e = 0; e < Ev; e++) mean[e] += vd[j * Ev + e];
+                    n++;
+                }
+            }
+            attn_tensor tm, to;
+            attn_tensor_init(&tm, mask, ATTN_DTYPE_F32, 2, ms);
+            attn_tensor_init(&to, out, ATTN_DTYPE_F32, 4, os);
+            attn_sdpa_params p;
+            attn_sdpa_params_init(&p);
+            p.attn_mask = &tm;
+            for (int pi = 0; pi < npaths; pi++) {
+                CHECK_OK(attn_set_isa(paths[pi]));
+                CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, &p, &to, NULL, NULL));
+                if (kind == 1) continue; /* a plain softmax over the even keys: the oracle */
+                for (int e = 0; e < Ev; e++)
+                    CHECK(fabs(out[e] - mean[e] / n) <= 1e-6,
+                          "S=%lld mask %d path %s: out[%d] = %.9g, the mean of V is %.9g",
+                          (long long)S, kind, attn_isa_name(paths[pi]), e, out[e], mean[e] / n);
+            }
+            if (kind == 1) { /* -FLT_MAX hides its keys as -inf would */
+                oracle_sdpa_args a = {&q.t, &k.t, &v.t, &tm, 1, 0, 0, 0, 0, 0, 0, 0, NULL};
+                oracle_sdpa_result ref;
+                oracle_sdpa(&a, &ref);
+                for (int e = 0; e < Ev; e++)
+                    CHECK(fabs(out[e] - ref.out[e]) <= 1e-6, "S=%lld every other key -max: %.9g vs %.9g",
+                          (long long)S, out[e], ref.out[e]);
+                oracle_free(&ref);
+            }
+        }
+        free(vd);
+        free(mask);
+        tt_free(&q);
+        tt_free(&k);
+        tt_free(&v);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 static void unit_sizes(void) {
     /* L = S = E = Ev = 1: the single key gets weight 1. */
     double q = 3, k = -2, v = 5, o = 0, w = 0, l = 0;
@@ -747,5 +816,5 @@ static void thread_count_independence(void) {
 
 HARNESS_MAIN(T(seed_example), T(random_configurations), T(weights_rows_sum_to_one),
              T(output_is_weights_times_values), T(key_permutation_invariance),
-             T(fully_masked_rows), T(huge_logits), T(unit_sizes), T(dropout_statistics),
+             T(fully_masked_rows), T(huge_logits), T(float_min_masks_long_rows), T(unit_sizes), T(dropout_statistics),
              T(thread_count_independence), T(scheduling_shapes_are_thread_independent))
