@@ -20,6 +20,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier */
 #include <pthread.h>
+#include <stdatomic.h>
 
 #include "testutil.h"
 
@@ -313,4 +314,73 @@ static void eight_threads_bitwise(void) {
     attn_mha_destroy(shared_module);
 }
 
-HARNESS_MAIN(T(first_use_race), T(eight_threads_bitwise))
+/* ---- the thread count changed while calls run ---- */
+
+/* attn_set_num_threads from one thread while another runs fused forward and
+ * backward calls large enough to go parallel: a call sizes its per-thread
+ * scratch by the setting it reads once and starts that many threads (the
+ * backward read it twice, and more threads than its scratch held wrote past
+ * its end; under ASan a heap-buffer-overflow, else a corrupted heap). The
+ * results stay those of one thread, bit for bit. */
+static _Atomic int toggling;
+
+static void *toggle_main(void *arg) {
+    (void)arg;
+    while (atomic_load(&toggling)) {
+        attn_set_num_threads(1);
+        attn_set_num_threads(attn_max_threads());
+    }
+    return NULL;
+}
+
+static void thread_count_changes_during_calls(void) {
+    rng r = {harness_seed() ^ 0x70661e};
+    int64_t shape[4] = {1, 4, 256, 64};
+    test_tensor q, k, v, dout;
+    tt_make(&q, &r, ATTN_DTYPE_F32, 4, shape, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&k, &r, ATTN_DTYPE_F32, 4, shape, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&v, &r, ATTN_DTYPE_F32, 4, shape, LAYOUT_CONTIGUOUS, 1, 0);
+    tt_make(&dout, &r, ATTN_DTYPE_F32, 4, shape, LAYOUT_CONTIGUOUS, 1, 0);
+    const size_t n = 4 * 256 * 64;
+    float *o = malloc(4 * n), *g = malloc(3 * 4 * n), *first = malloc(4 * 4 * n);
+    double *lse = malloc(sizeof(double) * 4 * 256);
+    attn_tensor to, tl, tg[3];
+    attn_tensor_init(&to, o, ATTN_DTYPE_F32, 4, shape);
+    attn_tensor_init(&tl, lse, ATTN_DTYPE_F64, 3, shape);
+    for (int i = 0; i < 3; i++) attn_tensor_init(&tg[i], g + i * n, ATTN_DTYPE_F32, 4, shape);
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    int mismatches = 0, failures = 0;
+    pthread_t toggler;
+    for (int round = 0; round < 1 + 4 * iterations(); round++) {
+        if (round == 0) attn_set_num_threads(1);
+        if (round == 1) { /* the single-threaded results are in `first` */
+            atomic_store(&toggling, 1);
+            pthread_create(&toggler, NULL, toggle_main, NULL);
+        }
+        failures += attn_sdpa(&q.t, &k.t, &v.t, &p, &to, NULL, &tl) != ATTN_OK;
+        failures += attn_sdpa_backward(&dout.t, &q.t, &k.t, &v.t, &to, &tl, &p, &tg[0], &tg[1],
+                                       &tg[2], NULL) != ATTN_OK;
+        if (round == 0) {
+            memcpy(first, o, 4 * n);
+            memcpy(first + n, g, 3 * 4 * n);
+        } else {
+            mismatches += memcmp(first, o, 4 * n) != 0 || memcmp(first + n, g, 3 * 4 * n) != 0;
+        }
+    }
+    atomic_store(&toggling, 0);
+    pthread_join(toggler, NULL);
+    CHECK(failures == 0 && mismatches == 0, "%d calls failed, %d results differ from one thread's",
+          failures, mismatches);
+    attn_set_num_threads(0);
+    free(o);
+    free(g);
+    free(first);
+    free(lse);
+    tt_free(&q);
+    tt_free(&k);
+    tt_free(&v);
+    tt_free(&dout);
+}
+
+HARNESS_MAIN(T(first_use_race), T(eight_threads_bitwise), T(thread_count_changes_during_calls))
