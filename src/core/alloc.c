@@ -107,28 +107,32 @@ enum { WORK_SLOTS = 8, WORK_KEEP_MIN = 64 << 10 };
 #define WORK_KEEP_MAX ((size_t)64 << 20)
 
 static _Atomic(char *) work_slot[WORK_SLOTS]; /* blocks (their headers), or NULL */
+static _Atomic size_t work_slot_cap[WORK_SLOTS]; /* each slot's capacity, a hint  */
 static _Atomic size_t work_kept;              /* bytes in the slots             */
 
 static size_t work_capacity(const char *block) { return *(const size_t *)block; }
+static bool work_fits(size_t cap, size_t size) { return cap >= size && cap / 2 <= size; }
 
 /* The block of the slot that fits `size` best, taken out of its slot; NULL
- * when none fits (or another thread took it first). */
+ * when none fits (or another thread took it first). A block is only read
+ * once this thread owns it: the scan goes by the slots' capacity hints, as
+ * a block still in a slot may be taken and freed by another thread at any
+ * moment (attn_release_workspace). A hint can be stale (two threads filling
+ * one slot): a block that turns out not to fit goes back (attn__work_free). */
 static char *take_kept(size_t size) {
     int best = -1;
     size_t best_cap = 0;
     for (int i = 0; i < WORK_SLOTS; i++) {
-        const char *b = atomic_load(&work_slot[i]);
-        if (b == NULL) continue;
-        const size_t cap = work_capacity(b);
-        if (cap >= size && cap / 2 <= size && (best < 0 || cap < best_cap))
-            best = i, best_cap = cap;
+        if (atomic_load(&work_slot[i]) == NULL) continue;
+        const size_t cap = atomic_load(&work_slot_cap[i]);
+        if (work_fits(cap, size) && (best < 0 || cap < best_cap)) best = i, best_cap = cap;
     }
     if (best < 0) return NULL;
     char *b = atomic_exchange(&work_slot[best], NULL);
     if (b == NULL) return NULL;
     atomic_fetch_sub(&work_kept, work_capacity(b));
-    if (work_capacity(b) >= size) return b;
-    attn__free(b); /* swapped in meanwhile and too small: not worth a retry */
+    if (work_fits(work_capacity(b), size)) return b;
+    attn__work_free(b + ALIGN); /* swapped in meanwhile: back to a slot, or freed */
     return NULL;
 }
 
@@ -178,6 +182,8 @@ void attn__work_free(void *ptr) {
         }
         if (kept + cap <= WORK_KEEP_MAX) { /* counted in: find it a slot */
             for (int i = 0; i < WORK_SLOTS; i++) {
+                if (atomic_load(&work_slot[i]) != NULL) continue;
+                atomic_store(&work_slot_cap[i], cap); /* before the block is visible */
                 char *empty = NULL;
                 if (atomic_compare_exchange_strong(&work_slot[i], &empty, b)) return;
             }
