@@ -367,7 +367,11 @@ ATTN_API attn_status attn_sdpa(const attn_tensor *q, const attn_tensor *k,
  * leave out, lse as attention over both key sets:
  *   lse' = log(exp(lse) + exp(part_lse)),
  *   out' = exp(lse - lse') · out + exp(part_lse - lse') · part_out
- * computed in float64 and rounded once per call. A part with lse = -inf
+ * computed in float64 (the weights measured from the larger lse) and
+ * rounded once per call. An lse of magnitude 1e16 and more (keys masked
+ * with -FLT_MAX) no longer carries the log of its key count in float64:
+ * two such parts merge as if they held equally many keys (attn_sdpa's own
+ * key chunks recompute such rows whole instead). A part with lse = -inf
  * (no key) or whose weight is exactly 0 changes nothing, not even with a
  * NaN or Inf in its out; a NaN lse gives NaN. out and part_out are
  * (..., L, Ev), lse and part_lse (..., L) of the same shapes; out and
