@@ -3,27 +3,28 @@
 
 #include "lse_merge.h"
 
-/* The largest lse_c (*max; NaN if any lse_c is NaN, -inf if every part saw
- * no key) and sum_c exp(lse_c - max) (*sum, >= 1): the merged lse is
- * max + log(sum) and part c weighs exp(lse_c - max) / sum. The weights are
+/* The merged lse, max + log(sum), from the largest lse_c (*max; NaN if any
+ * lse_c is NaN, -inf if every part saw no key) and sum_c exp(lse_c - max)
+ * (*sum, >= 1); part c weighs exp(lse_c - max) / sum. The weights are
  * measured from the largest part, not from the merged lse: at |lse| ~ 1e38
  * (rows masked with torch.finfo(float32).min) max + log(sum) rounds back to
  * max in float64, and exp(lse_c - lse) would weigh n equal parts 1 each
  * instead of 1/n. */
-static void lse_scale(int64_t n, const double *lse_parts, int64_t lse_stride, double *max,
-                      double *sum) {
+static double lse_scale(int64_t n, const double *lse_parts, int64_t lse_stride, double *max,
+                        double *sum) {
     *max = -INFINITY;
     *sum = 0;
     for (int64_t c = 0; c < n; c++) {
         const double x = lse_parts[c * lse_stride];
         if (isnan(x)) {
             *max = NAN;
-            return;
+            return NAN;
         }
         if (x > *max) *max = x;
     }
-    if (*max == -INFINITY) return;
+    if (*max == -INFINITY) return -INFINITY;
     for (int64_t c = 0; c < n; c++) *sum += exp(lse_parts[c * lse_stride] - *max);
+    return *max + log(*sum);
 }
 
 /* Part c's weight (0 when nothing saw a key or the merge is NaN). */
@@ -40,8 +41,7 @@ enum { FEATURES = 64 }; /* output features accumulated at once, in float64 */
                                const double *lse_parts, int64_t lse_stride, int64_t Ev,         \
                                const attn__operand *out, int64_t out_at, double *lse) {         \
         double max, sum;                                                                        \
-        lse_scale(n, lse_parts, lse_stride, &max, &sum);                                        \
-        const double total = max > -INFINITY ? max + log(sum) : max;                            \
+        const double total = lse_scale(n, lse_parts, lse_stride, &max, &sum);                   \
         bool finite = !isnan(total);                                                            \
         *lse = total;                                                                           \
         for (int64_t e0 = 0; e0 < Ev; e0 += FEATURES) {                                         \
@@ -132,8 +132,7 @@ attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse, const attn_tenso
         const double parts[2] = {attn__load(lse->data, lse->dtype, lo),
                                  attn__load(part_lse->data, part_lse->dtype, plo)};
         double max, sum;
-        lse_scale(2, parts, 1, &max, &sum);
-        const double total = max > -INFINITY ? max + log(sum) : max;
+        const double total = lse_scale(2, parts, 1, &max, &sum);
         /* A part's weight; exactly 0 (no key, or swamped) takes nothing. */
         const double w0 = part_weight(parts[0], max, sum), w1 = part_weight(parts[1], max, sum);
         for (int64_t e = 0; e < Ev; e++) {

@@ -69,6 +69,13 @@ static int64_t group_size(const attn__problem *p) {
  * never forms the lse errs ten times less). Above it: the reference. */
 #define F64_LSE_LIMIT 2048.0
 
+/* The |lse| from which a row's weights are not rebuilt from its lse by the
+ * fused kernels (the backward, merged key chunks) for a compute type of
+ * real_size bytes: F32_SCORE_LIMIT in float32, F64_LSE_LIMIT in float64. */
+static double coarse_lse(size_t real_size) {
+    return real_size == 4 ? F32_SCORE_LIMIT : F64_LSE_LIMIT;
+}
+
 /* How work is split across threads: the driver's, not an ISA's (the block
  * sizes are the context's, see ukernel.h). */
 enum {
@@ -603,6 +610,16 @@ static int64_t bwd_next_rows(const attn__problem *p, const flash_work *w, int64_
 /* Whether a backward task packs its group's Qt and dOt once
  * (bwd_pack_group): when it visits more than one key block and the copy,
  * (E + Ev) x rows per thread, fits BWD_PACK_BUDGET. */
+/* The threads the backward's tasks run on, each with its own scratch: one
+ * for a call too small to split. Read once per call: the scratch is sized
+ * by it, and attn_set_num_threads may change the setting meanwhile. */
+static int bwd_team(const attn__problem *p, const flash_work *w) {
+    const int threads = attn__threads();
+    const double work = (double)p->nbatch * p->L * p->S * (double)(p->E + p->Ev);
+    return threads > 1 && w->ngroups * w->nchunks > 1 && work >= ATTN_PARALLEL_MIN_WORK ? threads
+                                                                                         : 1;
+}
+
 static bool bwd_packs_group(const attn__problem *p, const flash_work *w, size_t real_size) {
     const int64_t nkb = (p->S + w->BC - 1) / w->BC;
     const int64_t bytes = (p->E + p->Ev) * (w->nrows + w->lanes) * (int64_t)real_size;
