@@ -8,6 +8,7 @@ argument and say what was expected; failures of the C library are given
 Python's argument names here too (library_error).
 """
 
+import functools
 import numbers
 import os
 import re
@@ -23,8 +24,16 @@ INDEX = "index"  # any integer type; converted to int32 (index_array)
 CACHE = "cache"  # a KV cache: float16, bfloat16, float32 or float64
 
 
+_TORCH_CLASS = {}  # type -> whether it is torch.Tensor or a subclass (asked on every call)
+
+
 def _is_torch_tensor(x):
-    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(x).__mro__)
+    cls = type(x)
+    found = _TORCH_CLASS.get(cls)
+    if found is None:
+        found = any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in cls.__mro__)
+        _TORCH_CLASS[cls] = found
+    return found
 
 
 def _expected(kind):
@@ -43,6 +52,7 @@ def _torch():
     return sys.modules["torch"]  # loaded: a torch tensor exists
 
 
+@functools.lru_cache(maxsize=None)
 def _plain_class(cls):
     """Whether a torch.Tensor subclass adds no semantics of its own, so that
     its storage holds its values (torch.nn.Parameter, `as_subclass` to a bare
@@ -134,12 +144,17 @@ def torch_result(a, dtype):
 def is_bfloat16(a):
     """Whether NumPy array `a` holds bfloat16: ml_dtypes' dtype, or the
     16-bit integer view of one (as_array's, for TENSOR and MASK kinds)."""
-    return a.dtype.name == "bfloat16" or (a.dtype.kind in "iu" and a.dtype.itemsize == 2)
+    dt = a.dtype  # (dtype.name is slow: a Python property, asked on every call)
+    return dt.itemsize == 2 and (dt.kind in "iu" or dt.name == "bfloat16")
+
+
+_NAMES = {np.dtype(t): np.dtype(t).name for t in (np.float16, np.float32, np.float64)}
 
 
 def dtype_name(a):
     """The dtype of an as_array view as torch and attn.h name it."""
-    return "bfloat16" if is_bfloat16(a) else a.dtype.name
+    name = _NAMES.get(a.dtype)
+    return name if name is not None else "bfloat16" if is_bfloat16(a) else a.dtype.name
 
 
 def empty(shape, dtype_name):

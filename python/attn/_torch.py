@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
 
 from . import _attn
@@ -56,8 +57,7 @@ def _options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
 # sinks) come last in both schemas, with defaults that leave them off, so
 # calls written before them still fit: FlashAttention's window_size, ALiBi,
 # softcap and gpt-oss's sinks (attn_sdpa_params's fields).
-@torch.library.custom_op("attn::sdpa", mutates_args=())
-def sdpa_op(
+def _sdpa(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
     causal: int, scale: Optional[float], enable_gqa: bool, seed: Tensor, want_weights: bool,
     window_left: int = -1, window_right: int = -1, alibi_slopes: Optional[Tensor] = None,
@@ -77,6 +77,9 @@ def sdpa_op(
         raise library_error(e) from None
     w = torch_result(w, query.dtype) if want_weights else query.new_empty(0)
     return torch_result(out, query.dtype), w, torch.from_numpy(lse)
+
+
+sdpa_op = torch.library.custom_op("attn::sdpa", mutates_args=())(_sdpa)
 
 
 def out_batch_shape(query, key, value, enable_gqa):
@@ -99,8 +102,7 @@ def _sdpa_fake(query, key, value, attn_mask, dropout_p, causal, scale, enable_gq
     return query.new_empty(b + (L, Ev)), w, query.new_empty(b + (L,), dtype=torch.float64)
 
 
-@torch.library.custom_op("attn::sdpa_backward", mutates_args=())
-def sdpa_backward_op(
+def _sdpa_backward(
     dout: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], dropout_p: float, causal: int, scale: Optional[float],
     enable_gqa: bool, seed: Tensor, want_dq: bool, want_dk: bool, want_dv: bool,
@@ -130,6 +132,9 @@ def sdpa_backward_op(
     likes = (query, key, value, attn_mask, sinks)
     return tuple(query.new_empty(0) if g is None else torch_result(g, like.dtype)
                  for g, like in zip(grads, likes))
+
+
+sdpa_backward_op = torch.library.custom_op("attn::sdpa_backward", mutates_args=())(_sdpa_backward)
 
 
 @sdpa_backward_op.register_fake
@@ -166,14 +171,14 @@ def _setup_context(ctx, inputs, output):
     ctx.modifiers = (window_left, window_right, softcap)
 
 
-def _backward(ctx, dout, dweights, dlse):
+def _backward(ctx, dout, dweights, dlse, gradients=sdpa_backward_op):
     query, key, value, attn_mask, out, lse, seed, alibi_slopes, sinks = ctx.saved_tensors
     n_inputs = len(ctx.needs_input_grad)  # as many gradients as torch passed inputs
     need = tuple(ctx.needs_input_grad) + (False,) * (_N_INPUTS - n_inputs)
     want_dmask = bool(need[3]) and attn_mask is not None and attn_mask.is_floating_point()
     want_dsinks = bool(need[_SINKS]) and sinks is not None
     window_left, window_right, softcap = ctx.modifiers
-    dq, dk, dv, dmask, dsinks = sdpa_backward_op(
+    dq, dk, dv, dmask, dsinks = gradients(
         dout, query, key, value, out, lse, attn_mask, *ctx.options, seed,
         bool(need[0]), bool(need[1]), bool(need[2]), want_dmask,
         window_left, window_right, alibi_slopes, softcap, sinks, want_dsinks,
@@ -189,6 +194,37 @@ def _backward(ctx, dout, dweights, dlse):
 
 
 sdpa_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class AttnSdpa(torch.autograd.Function):
+    """attn::sdpa's computation and autograd formula without torch's
+    dispatcher, for eager calls on plain tensors (run() below). Going
+    through the operator costs about 300 us per forward and backward pair
+    in Python (torch fills the defaults of a 15-argument schema on every
+    call, twice through its dispatcher), 8 times torch's own SDPA at small
+    shapes; this route costs what a torch.autograd.Function does. Same
+    functions, same results to the bit (tests/python/test_sdpa_autograd.py)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # attn::sdpa's inputs, in its schema's order
+        # ctx in forward, not a setup_context: with one, every apply() binds
+        # its arguments through inspect.signature (25 us)
+        output = _sdpa(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable  # as the operator: attn_sdpa_backward has no backward
+    def backward(ctx, dout, dweights, dlse):
+        return _backward(ctx, dout, dweights, dlse, gradients=_sdpa_backward)
+
+
+def _operator_needed():
+    """Whether the call must go through the operator attn::sdpa: a torch
+    function or dispatch mode is active (torch.device(...) as a context,
+    FakeTensorMode, a mode that logs or counts operators), which should see
+    it as the one operator it is."""
+    return torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
 
 
 # ---------------------------------------------------------------------------
@@ -219,6 +255,15 @@ def _seed_for(seed, dropout_p):
     return seed_tensor(seed)
 
 
+_NO_DROPOUT_SEED = seed_tensor(0)  # read only: a fresh tensor per call costs 5 us
+
+
+def _eager_seed(seed, dropout_p):
+    if seed is None and dropout_p == 0.0:
+        return _NO_DROPOUT_SEED
+    return _seed_for(seed, dropout_p)
+
+
 def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     """The call on checked arguments `a` (attn/_sdpa.py) through attn::sdpa,
     so autograd records it when an input requires grad."""
@@ -229,9 +274,13 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
             mask = mask.reshape(1)
     slopes = None if a.alibi is None else _tensor(alibi_slopes, a.alibi)
     sink_logits = None if a.sinks is None else _tensor(sinks, a.sinks)
-    out, w, lse = sdpa_op(
+    if _operator_needed():
+        call, seed = sdpa_op, _seed_for(a.seed, a.dropout_p)
+    else:
+        call, seed = AttnSdpa.apply, _eager_seed(a.seed, a.dropout_p)
+    out, w, lse = call(
         _tensor(query, a.q), _tensor(key, a.k), _tensor(value, a.v), mask, a.dropout_p,
-        a.causal, a.scale, a.gqa, _seed_for(a.seed, a.dropout_p), a.want_w,
+        a.causal, a.scale, a.gqa, seed, a.want_w,
         a.window[0], a.window[1], slopes, a.softcap, sink_logits,
     )
     return results(a, out, w, lse)

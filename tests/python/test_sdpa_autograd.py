@@ -160,6 +160,46 @@ def test_opcheck():
     )
 
 
+class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that changes nothing and records the operators it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_eager_route_and_operator_agree_bitwise(rng, dtype):
+    """Plain eager calls skip torch's dispatcher (attn/_torch.py AttnSdpa);
+    under a dispatch mode the call goes through attn::sdpa, which the mode
+    sees. Both are the same computation: outputs and every gradient equal to
+    the bit, over masks, GQA, dropout, sinks and a window."""
+    q, k, v = (leaf(rng, 2, 4, 6, 8, dtype=dtype), leaf(rng, 2, 2, 9, 8, dtype=dtype),
+               leaf(rng, 2, 2, 9, 5, dtype=dtype))
+    mask, sinks = leaf(rng, 6, 9, dtype=dtype), leaf(rng, 4, dtype=dtype)
+    dout = torch.from_numpy(rng.standard_normal((2, 4, 6, 5))).to(dtype)
+    calls = [dict(is_causal=True, enable_gqa=True),
+             dict(attn_mask=mask, dropout_p=0.3, seed=7, enable_gqa=True, sinks=sinks),
+             dict(attn_mask=mask > 0, window_size=(3, 1), enable_gqa=True, scale=-0.4)]
+    for kw in calls:
+        inputs = [x for x in (q, k, v, kw.get("attn_mask"), kw.get("sinks"))
+                  if isinstance(x, torch.Tensor) and x.requires_grad]
+        eager = attn.scaled_dot_product_attention(q, k, v, **kw)
+        assert eager.grad_fn.name() == "AttnSdpaBackward"
+        ours = (eager,) + grads(eager, inputs, dout)
+        mode = _PassThrough()
+        with mode:
+            op = attn.scaled_dot_product_attention(q, k, v, **kw)
+            theirs = (op,) + grads(op, inputs, dout)
+        assert "attn.sdpa.default" in mode.ops and "attn.sdpa_backward.default" in mode.ops
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b), kw
+
+
 # ---- torch.compile ----
 
 def test_torch_compile_fullgraph_matches_eager_and_trains(rng):
