@@ -85,10 +85,12 @@ def get_num_threads():
 
 
 def release_workspace():
-    """Frees the workspace attn keeps between calls: blocks of 64 KiB and
-    more, at most 64 MiB in all, kept so that a call in a loop does not fault
-    its workspace in again each time. Safe at any time; the next call
-    allocates afresh."""
+    """Frees the memory attn keeps between calls so that a call in a loop
+    does not fault it in again each time: the library's workspace (blocks of
+    64 KiB and more, at most 64 MiB in all) and the memory of freed outputs
+    (arrays of 256 KiB to 32 MiB, at most 16 blocks and 64 MiB in all,
+    handed out again for outputs of the same size). Safe at any time; the
+    next call allocates afresh."""
     _attn.release_workspace()
 
 

@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+from . import _attn
+
 FLOAT = "float"  # float32 or float64
 TENSOR = "tensor"  # attention's operands: float16, bfloat16, float32 or float64
 MASK = "mask"  # bool, float16, bfloat16, float32 or float64
@@ -157,11 +159,25 @@ def dtype_name(a):
     return name if name is not None else "bfloat16" if is_bfloat16(a) else a.dtype.name
 
 
+# attn_dtype_name's names as NumPy dtypes: bfloat16 as 16-bit integers
+# holding its bits (NumPy has no bfloat16; _attn reads them as bfloat16).
+_OUTPUT_DTYPES = {name: np.dtype(np.int16 if name == "bfloat16" else name)
+                  for name in ("float16", "bfloat16", "float32", "float64", "bool", "int32")}
+_RECYCLED_FROM = 256 << 10  # bytes; the output pool's smallest block (_attn_blocks.c)
+
+
 def empty(shape, dtype_name):
-    """The output allocator of every _attn call: NumPy's, with bfloat16 as
-    16-bit integers holding its bits (NumPy has no bfloat16; _attn reads a
-    16-bit integer buffer as bfloat16)."""
-    return np.empty(shape, np.int16 if dtype_name == "bfloat16" else dtype_name)
+    """The output allocator of every _attn call. Outputs of 256 KiB and more
+    live in blocks attn recycles (python/src/_attn_blocks.c: a loop that
+    frees last step's outputs gets their warm pages back instead of faulting
+    fresh ones in); smaller ones are NumPy's own."""
+    dt = _OUTPUT_DTYPES[dtype_name]
+    nbytes = dt.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes < _RECYCLED_FROM:
+        return np.empty(shape, dt)
+    return np.frombuffer(_attn.output_block(nbytes), dt).reshape(shape)
 
 
 def as_bfloat16(out, like):

@@ -1042,6 +1042,7 @@ static PyObject *py_release_workspace(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
     attn_release_workspace();
+    output_blocks_release();
     Py_RETURN_NONE;
 }
 
@@ -1401,7 +1402,7 @@ static PyMethodDef module_methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "attn_get_num_threads()"},
     {"max_threads", py_max_threads, METH_NOARGS, "attn_max_threads(): the bound on the count"},
     {"release_workspace", py_release_workspace, METH_NOARGS,
-     "attn_release_workspace(): hand back the workspace kept between calls"},
+     "attn_release_workspace(), and the output memory kept for reuse: hand both back"},
     {"isa", py_isa, METH_NOARGS, "the kernel path calls take now"},
     {"supported_isas", py_supported_isas, METH_NOARGS, "the paths this CPU and OS can run"},
     {"blas_info", py_blas_info, METH_NOARGS, "attn_blas_info(): the CBLAS behind MHA"},
@@ -1446,7 +1447,7 @@ PyMODINIT_FUNC PyInit__attn(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (serving_add_functions(m) < 0) {
+    if (serving_add_functions(m) < 0 || output_blocks_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

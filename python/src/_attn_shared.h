@@ -50,6 +50,11 @@ PyObject *shape_tuple(int rank, const int64_t *shape);
 PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
                      const char *name, buffer_view *v);
 
+/* The pool of recycled output memory (_attn_blocks.c): output_block() and
+ * output_blocks_kept() added to the module; release empties the pool. */
+int output_blocks_add(PyObject *module);
+void output_blocks_release(void);
+
 /* Always NULL, with the exception for a failed library call set. */
 PyObject *raise_status(attn_status st);
 

@@ -138,6 +138,45 @@ def test_release_workspace_between_calls(rng):
     assert "release_workspace" in attn.__all__
 
 
+def _address(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_output_memory_is_recycled_and_released(rng):
+    """Outputs of 256 KiB and more come from blocks that return to a pool
+    when their last view dies (python/src/_attn_blocks.c): the next output
+    of that size gets the same memory, still warm. Views keep a block alive;
+    the pool is bounded; release_workspace() empties it."""
+    from attn import _attn
+
+    attn.release_workspace()
+    assert _attn.output_blocks_kept() == (0, 0)
+    q = rng.standard_normal((1, 4, 256, 64)).astype(np.float32)  # out: 256 KiB
+    out = attn.scaled_dot_product_attention(q, q, q)
+    ref = out.copy()
+    address, view = _address(out), out[0, 1]
+    del out
+    assert _attn.output_blocks_kept() == (0, 0)  # a view still holds the block
+    assert np.array_equal(view, ref[0, 1])
+    del view
+    assert _attn.output_blocks_kept() == (1, 256 << 10)
+    again = attn.scaled_dot_product_attention(q, q, q)
+    assert _address(again) == address and np.array_equal(again, ref)
+    assert again.flags.writeable and again.flags.c_contiguous
+    small = attn.scaled_dot_product_attention(q[:, :, :8], q, q)  # 8 KiB: NumPy's own
+    assert small.base is None and small.shape == (1, 4, 8, 64)
+    del again
+    blocks = [_attn.output_block((1 << 20) + i) for i in range(40)]  # 40 MiB of sizes
+    del blocks
+    kept, nbytes = _attn.output_blocks_kept()
+    assert kept <= 15 and nbytes <= 64 << 20
+    attn.release_workspace()
+    assert _attn.output_blocks_kept() == (0, 0)
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            _attn.output_block(bad)
+
+
 def test_every_kernel_path_gives_the_same_result(rng):
     q = rng.standard_normal((2, 3, 9, 8)).astype(np.float32)
     k = rng.standard_normal((2, 3, 11, 8)).astype(np.float32)
