@@ -163,19 +163,20 @@ def dtype_name(a):
 # holding its bits (NumPy has no bfloat16; _attn reads them as bfloat16).
 _OUTPUT_DTYPES = {name: np.dtype(np.int16 if name == "bfloat16" else name)
                   for name in ("float16", "bfloat16", "float32", "float64", "bool", "int32")}
-_RECYCLED_FROM = 256 << 10  # bytes; the output pool's smallest block (_attn_blocks.c)
+# bytes: the sizes the output pool keeps (_attn_blocks.c KEEP_MIN, KEEP_MAX)
+_RECYCLED_FROM, _RECYCLED_TO = 256 << 10, 32 << 20
 
 
 def empty(shape, dtype_name):
-    """The output allocator of every _attn call. Outputs of 256 KiB and more
+    """The output allocator of every _attn call. Outputs of 256 KiB to 32 MiB
     live in blocks attn recycles (python/src/_attn_blocks.c: a loop that
     frees last step's outputs gets their warm pages back instead of faulting
-    fresh ones in); smaller ones are NumPy's own."""
+    fresh ones in); smaller and larger ones are NumPy's own."""
     dt = _OUTPUT_DTYPES[dtype_name]
     nbytes = dt.itemsize
     for n in shape:
         nbytes *= n
-    if nbytes < _RECYCLED_FROM:
+    if not _RECYCLED_FROM <= nbytes <= _RECYCLED_TO:
         return np.empty(shape, dt)
     return np.frombuffer(_attn.output_block(nbytes), dt).reshape(shape)
 

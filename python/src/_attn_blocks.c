@@ -11,12 +11,14 @@
  * buffer-protocol object over memory that returns to a small pool when its
  * last view dies, and is handed out again for the same size: warm pages, no
  * faults. The pool keeps at most KEEP_SLOTS blocks and KEEP_BYTES in all,
- * newest first; attn.release_workspace() empties it.
+ * newest first; attn.release_workspace() empties it. Outputs outside
+ * [KEEP_MIN, KEEP_MAX] are NumPy's own (python/attn/_arrays.py empty()).
  */
 #include "_attn_shared.h"
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 /* Blocks under KEEP_MIN are malloc's business (it recycles those well);
  * blocks over KEEP_MAX are rare and costly enough that faulting is noise. */
@@ -35,6 +37,21 @@ static struct {
  * free-threaded Python has none. */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* A fresh block. From 4 MiB on, aligned to 2 MiB and offered to the kernel
+ * as transparent huge pages, as NumPy's own allocator does for such sizes. */
+static void *block_alloc(size_t size) {
+    enum { HUGE_PAGE = 2 << 20, HUGE_FROM = 4 << 20 };
+    void *p = NULL;
+#ifdef MADV_HUGEPAGE
+    if (size >= HUGE_FROM) {
+        if (posix_memalign(&p, HUGE_PAGE, size) != 0) return NULL;
+        (void)madvise(p, size & ~(size_t)(HUGE_PAGE - 1), MADV_HUGEPAGE);
+        return p;
+    }
+#endif
+    return posix_memalign(&p, BLOCK_ALIGN, size) == 0 ? p : NULL;
+}
+
 static void *pool_take(size_t size) {
     void *p = NULL;
     pthread_mutex_lock(&pool_lock);
@@ -49,7 +66,7 @@ static void *pool_take(size_t size) {
         pool.bytes -= size;
     }
     pthread_mutex_unlock(&pool_lock);
-    if (p == NULL && posix_memalign(&p, BLOCK_ALIGN, size) != 0) p = NULL;
+    if (p == NULL) p = block_alloc(size);
     return p;
 }
 

@@ -165,6 +165,12 @@ def test_output_memory_is_recycled_and_released(rng):
     assert again.flags.writeable and again.flags.c_contiguous
     small = attn.scaled_dot_product_attention(q[:, :, :8], q, q)  # 8 KiB: NumPy's own
     assert small.base is None and small.shape == (1, 4, 8, 64)
+    _, w = attn.scaled_dot_product_attention(q, q, q, return_weights=True)  # 1 MiB: a block
+    assert w.base is not None
+    big_q = np.zeros((1, 4, 2048, 64), np.float32)  # weights: 64 MiB, NumPy's own again
+    _, w = attn.scaled_dot_product_attention(big_q, big_q, big_q, return_weights=True)
+    assert w.base is None and np.allclose(w, 1 / 2048)
+    del w
     del again
     blocks = [_attn.output_block((1 << 20) + i) for i in range(40)]  # 40 MiB of sizes
     del blocks
