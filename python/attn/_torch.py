@@ -12,7 +12,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
 
 from . import _attn
@@ -214,17 +213,27 @@ class AttnSdpa(torch.autograd.Function):
         return output
 
     @staticmethod
-    @once_differentiable  # as the operator: attn_sdpa_backward has no backward
     def backward(ctx, dout, dweights, dlse):
-        return _backward(ctx, dout, dweights, dlse, gradients=_sdpa_backward)
+        # create_graph=True, or a dout batched by vmap (is_grads_batched,
+        # jacobian(vectorize=True)): through the operator
+        # attn::sdpa_backward, which vmap handles and whose missing autograd
+        # formula raises torch's own error where a second derivative is
+        # asked for. (once_differentiable would hang its error on detached
+        # stand-ins only: a gradient penalty came out silently first-order.)
+        functorch = torch._C._functorch
+        by_operator = (torch.is_grad_enabled() or functorch.is_legacy_batchedtensor(dout)
+                       or functorch.is_functorch_wrapped_tensor(dout))
+        gradients = sdpa_backward_op if by_operator else _sdpa_backward
+        return _backward(ctx, dout, dweights, dlse, gradients=gradients)
 
 
 def _operator_needed():
     """Whether the call must go through the operator attn::sdpa: a torch
     function or dispatch mode is active (torch.device(...) as a context,
-    FakeTensorMode, a mode that logs or counts operators), which should see
-    it as the one operator it is."""
-    return torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
+    FakeTensorMode, a mode that logs or counts operators), or torch.jit is
+    tracing; each should see it as the one operator it is."""
+    return (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
+            or torch.jit.is_tracing())
 
 
 # ---------------------------------------------------------------------------
@@ -255,14 +264,6 @@ def _seed_for(seed, dropout_p):
     return seed_tensor(seed)
 
 
-_NO_DROPOUT_SEED = seed_tensor(0)  # read only: a fresh tensor per call costs 5 us
-
-
-def _eager_seed(seed, dropout_p):
-    if seed is None and dropout_p == 0.0:
-        return _NO_DROPOUT_SEED
-    return _seed_for(seed, dropout_p)
-
 
 def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     """The call on checked arguments `a` (attn/_sdpa.py) through attn::sdpa,
@@ -274,13 +275,10 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
             mask = mask.reshape(1)
     slopes = None if a.alibi is None else _tensor(alibi_slopes, a.alibi)
     sink_logits = None if a.sinks is None else _tensor(sinks, a.sinks)
-    if _operator_needed():
-        call, seed = sdpa_op, _seed_for(a.seed, a.dropout_p)
-    else:
-        call, seed = AttnSdpa.apply, _eager_seed(a.seed, a.dropout_p)
+    call = sdpa_op if _operator_needed() else AttnSdpa.apply
     out, w, lse = call(
         _tensor(query, a.q), _tensor(key, a.k), _tensor(value, a.v), mask, a.dropout_p,
-        a.causal, a.scale, a.gqa, seed, a.want_w,
+        a.causal, a.scale, a.gqa, _seed_for(a.seed, a.dropout_p), a.want_w,
         a.window[0], a.window[1], slopes, a.softcap, sink_logits,
     )
     return results(a, out, w, lse)

@@ -200,6 +200,56 @@ def test_eager_route_and_operator_agree_bitwise(rng, dtype):
             assert torch.equal(a, b), kw
 
 
+def test_second_derivatives_raise_on_the_eager_route(rng):
+    """attn has no double backward: asking for one raises torch's error, as
+    the operator does, instead of a silently first-order result (a gradient
+    penalty through create_graph=True)."""
+    q = leaf(rng, 1, 2, 4, 3)
+    out = attn.scaled_dot_product_attention(q, q, q)
+    (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        g.square().sum().backward()
+
+
+def test_batched_gradients_and_jacobian(rng):
+    """vmap over the backward (is_grads_batched, jacobian(vectorize=True))
+    goes through the operator attn::sdpa_backward: the same as a loop."""
+    q = leaf(rng, 1, 1, 3, 2)
+
+    def f(x):
+        return attn.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    looped = torch.autograd.functional.jacobian(f, q.detach())
+    batched = torch.autograd.functional.jacobian(f, q.detach(), vectorize=True)
+    torch.testing.assert_close(batched, looped, rtol=0, atol=1e-14)
+
+
+def test_jit_trace_records_the_operator(rng):
+    q = leaf(rng, 1, 2, 4, 3).detach()
+    traced = torch.jit.trace(lambda x: attn.scaled_dot_product_attention(x, x, x), (q,))
+    assert "attn::sdpa" in str(traced.graph)
+    assert torch.equal(traced(q * 2), attn.scaled_dot_product_attention(q * 2, q * 2, q * 2))
+
+
+def test_first_call_under_inference_mode_then_training(rng):
+    """Nothing of the first call's context (inference mode, torch.device)
+    stays behind for later calls (a cached seed tensor once did)."""
+    code = textwrap.dedent("""
+        import torch, attn
+        x = torch.randn(1, 2, 4, 3)
+        with torch.inference_mode():
+            attn.scaled_dot_product_attention(x, x, x)
+        with torch.device("meta"):
+            pass
+        q = x.clone().requires_grad_()
+        attn.scaled_dot_product_attention(q, q, q).sum().backward()
+        print(q.grad.shape == q.shape)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.stdout.strip() == "True", run.stderr
+
+
 # ---- torch.compile ----
 
 def test_torch_compile_fullgraph_matches_eager_and_trains(rng):
