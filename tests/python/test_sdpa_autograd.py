@@ -198,6 +198,9 @@ def test_eager_route_and_operator_agree_bitwise(rng, dtype):
         assert "attn.sdpa.default" in mode.ops and "attn.sdpa_backward.default" in mode.ops
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b), kw
+        with torch.no_grad():  # nothing to record: the function without autograd
+            untracked = attn.scaled_dot_product_attention(q, k, v, **kw)
+        assert untracked.grad_fn is None and torch.equal(untracked, eager.detach()), kw
 
 
 def test_second_derivatives_raise_on_the_eager_route(rng):
