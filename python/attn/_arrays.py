@@ -163,8 +163,6 @@ def dtype_name(a):
 # holding its bits (NumPy has no bfloat16; _attn reads them as bfloat16).
 _OUTPUT_DTYPES = {name: np.dtype(np.int16 if name == "bfloat16" else name)
                   for name in ("float16", "bfloat16", "float32", "float64", "bool", "int32")}
-# bytes: the sizes the output pool keeps (_attn_blocks.c KEEP_MIN, KEEP_MAX)
-_RECYCLED_FROM, _RECYCLED_TO = 256 << 10, 32 << 20
 
 
 def empty(shape, dtype_name):
@@ -176,7 +174,7 @@ def empty(shape, dtype_name):
     nbytes = dt.itemsize
     for n in shape:
         nbytes *= n
-    if not _RECYCLED_FROM <= nbytes <= _RECYCLED_TO:
+    if not _attn.OUTPUT_BLOCK_MIN <= nbytes <= _attn.OUTPUT_BLOCK_MAX:  # not kept: NumPy's
         return np.empty(shape, dt)
     return np.frombuffer(_attn.output_block(nbytes), dt).reshape(shape)
 

@@ -264,7 +264,6 @@ def _seed_for(seed, dropout_p):
     return seed_tensor(seed)
 
 
-
 def _recorded(*inputs):
     """Whether autograd records a call on these inputs."""
     return torch.is_grad_enabled() and any(
@@ -272,8 +271,10 @@ def _recorded(*inputs):
 
 
 def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
-    """The call on checked arguments `a` (attn/_sdpa.py) through attn::sdpa,
-    so autograd records it when an input requires grad."""
+    """The call on checked arguments `a` (attn/_sdpa.py): through attn::sdpa
+    when a mode or tracer should see the operator, through AttnSdpa when
+    autograd records it (an input requires grad), else the function alone.
+    The three run the same code."""
     mask = None
     if a.mask is not None:
         mask = _tensor(attn_mask, a.mask)

@@ -52,19 +52,24 @@ static void *block_alloc(size_t size) {
     return posix_memalign(&p, BLOCK_ALIGN, size) == 0 ? p : NULL;
 }
 
+/* Takes slot i out of the pool (the lock held): its block, the later slots
+ * moved down one. */
+static void *pool_remove(int i) {
+    void *p = pool.data[i];
+    pool.bytes -= pool.size[i];
+    pool.count--;
+    for (int j = i; j < pool.count; j++) {
+        pool.data[j] = pool.data[j + 1];
+        pool.size[j] = pool.size[j + 1];
+    }
+    return p;
+}
+
 static void *pool_take(size_t size) {
     void *p = NULL;
     pthread_mutex_lock(&pool_lock);
-    for (int i = pool.count - 1; i >= 0 && p == NULL; i--) {
-        if (pool.size[i] != size) continue;
-        p = pool.data[i];
-        for (int j = i; j + 1 < pool.count; j++) {
-            pool.data[j] = pool.data[j + 1];
-            pool.size[j] = pool.size[j + 1];
-        }
-        pool.count--;
-        pool.bytes -= size;
-    }
+    for (int i = pool.count - 1; i >= 0 && p == NULL; i--)
+        if (pool.size[i] == size) p = pool_remove(i);
     pthread_mutex_unlock(&pool_lock);
     if (p == NULL) p = block_alloc(size);
     return p;
@@ -82,15 +87,8 @@ static void pool_give(void *p, size_t size) {
     pool.size[pool.count] = size;
     pool.count++;
     pool.bytes += size;
-    while (pool.count > 0 && (pool.bytes > KEEP_BYTES || pool.count == KEEP_SLOTS)) {
-        evicted[n_evicted++] = pool.data[0];
-        pool.bytes -= pool.size[0];
-        pool.count--;
-        for (int j = 0; j < pool.count; j++) {
-            pool.data[j] = pool.data[j + 1];
-            pool.size[j] = pool.size[j + 1];
-        }
-    }
+    while (pool.count > 0 && (pool.bytes > KEEP_BYTES || pool.count == KEEP_SLOTS))
+        evicted[n_evicted++] = pool_remove(0); /* the oldest */
     pthread_mutex_unlock(&pool_lock);
     for (int i = 0; i < n_evicted; i++) free(evicted[i]);
 }
@@ -168,7 +166,13 @@ static PyMethodDef block_methods[] = {
      "(blocks, bytes) the output pool keeps now"},
     {NULL, NULL, 0, NULL}};
 
+/* The functions, and the sizes the pool keeps (OUTPUT_BLOCK_MIN/MAX, bytes:
+ * python/attn/_arrays.py empty() makes blocks only for those). */
 int output_blocks_add(PyObject *module) {
-    if (PyType_Ready(&BlockType) < 0) return -1;
-    return PyModule_AddFunctions(module, block_methods);
+    if (PyType_Ready(&BlockType) < 0 || PyModule_AddFunctions(module, block_methods) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(module, "OUTPUT_BLOCK_MIN", (long)KEEP_MIN) < 0 ||
+        PyModule_AddIntConstant(module, "OUTPUT_BLOCK_MAX", (long)KEEP_MAX) < 0)
+        return -1;
+    return 0;
 }
