@@ -110,6 +110,17 @@ bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b);
 attn_status attn__check_output_layout(const attn_tensor *t, const char *name);
 
 /* Whether dtype is float32 or float64. */
+/* A request for the cache line at p into L2, for reads ahead of a walk.
+ * On x86 an asm statement: GCC treats __builtin_prefetch as free of side
+ * effects, and drops a call to a static function made only of them. */
+static inline void attn__prefetch_l2(const void *p) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 static inline bool attn__is_float(attn_dtype d) {
     return d == ATTN_DTYPE_F32 || d == ATTN_DTYPE_F64;
 }

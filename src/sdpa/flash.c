@@ -132,6 +132,19 @@ static int64_t gang_size(const attn__problem *p, const flash_work *w) {
  * groups, so each key's score is the same sum as in one call. */
 enum { GANG_STEP = 8 };
 
+/* Rows ganged decoding requests ahead of its walk (gang_prefetch). The walk
+ * reads each head's slice of GANG_STEP rows, a pattern the prefetchers
+ * follow poorly (attn_bench kv-read, Zen 4: 24 GB/s against a 33 GB/s
+ * stream); whole rows requested in walk order make the misses one stream.
+ * A/B on Zen 4: 16, 32 and 64 rows ahead alike, 96 slower. */
+enum { GANG_AHEAD = 32 };
+
+/* Pages shorter than this many rows are not requested ahead: in blocks of
+ * 16 rows the requests made decoding 2-13% slower (AVX-512, AVX2), where
+ * 32 rows and more gained as a contiguous cache does; the cause is not
+ * known (the addresses were checked, and blocks in order did no better). */
+enum { PAGE_AHEAD_MIN = 32 };
+
 /* Keys per block of ganged decoding: the gang's K and V rows of a block in
  * half the L2, at most the context's block, at least one column step. */
 static int64_t gang_keys(const attn__problem *p, const attn__ukernel *kern, int64_t gang,
