@@ -139,12 +139,6 @@ enum { GANG_STEP = 8 };
  * A/B on Zen 4: 16, 32 and 64 rows ahead alike, 96 slower. */
 enum { GANG_AHEAD = 32 };
 
-/* Pages shorter than this many rows are not requested ahead: in blocks of
- * 16 rows the requests made decoding 2-13% slower (AVX-512, AVX2), where
- * 32 rows and more gained as a contiguous cache does; the cause is not
- * known (the addresses were checked, and blocks in order did no better). */
-enum { PAGE_AHEAD_MIN = 32 };
-
 /* Keys per block of ganged decoding: the gang's K and V rows of a block in
  * half the L2, at most the context's block, at least one column step. */
 static int64_t gang_keys(const attn__problem *p, const attn__ukernel *kern, int64_t gang,
