@@ -109,7 +109,6 @@ bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b);
  * to one address; NULL passes. */
 attn_status attn__check_output_layout(const attn_tensor *t, const char *name);
 
-/* Whether dtype is float32 or float64. */
 /* A request for the cache line at p into L2, for reads ahead of a walk.
  * On x86 an asm statement: GCC treats __builtin_prefetch as free of side
  * effects, and drops a call to a static function made only of them. */
@@ -121,6 +120,7 @@ static inline void attn__prefetch_l2(const void *p) {
 #endif
 }
 
+/* Whether dtype is float32 or float64. */
 static inline bool attn__is_float(attn_dtype d) {
     return d == ATTN_DTYPE_F32 || d == ATTN_DTYPE_F64;
 }
