@@ -305,7 +305,9 @@ typedef struct attn_sdpa_params {
      * exp(sink), which carries no value: out = Σ_j exp(s_j - lse) v_j with
      * lse = log(exp(sink) + Σ_j exp(s_j)), and the weights are
      * exp(s_j - lse) (a row sums to less than 1). A row that sees no key
-     * gives out = 0 and lse = sink. In a slice (k_offset, k_total) the sink
+     * gives out = 0 and lse = sink. A sink is finite, or -inf (none there);
+     * +inf is refused (ATTN_ERR_INVALID); NaN gives NaN rows. In a slice
+     * (k_offset, k_total) the sink
      * belongs to the slice holding key 0 (k_offset = 0), as if it were one
      * more key there, so merged slices give the whole call's result. Its
      * gradient: attn_sdpa_sinks_backward. NULL: none. */

@@ -2,6 +2,8 @@
 #ifndef ATTN_CLI_H
 #define ATTN_CLI_H
 
+#include <stdio.h>
+
 #include "attn.h"
 
 /* Exit codes: 0 success, 1 runtime error (with the library's message),
@@ -31,6 +33,9 @@ const char *cli_ring_support(void);
 
 /* Prints "attn: <what>: <library message>" and returns CLI_RUNTIME. */
 int cli_fail(const char *what, attn_status status);
+/* fopen(path, "rb") that never waits for a writer: a FIFO with none reads
+ * as empty (pipes with one, `<(...)`, read as usual). NULL with errno. */
+FILE *cli_open_input(const char *path);
 
 /* Prints "attn <command>: <message>" and where to find the command's help,
  * and returns CLI_USAGE. */
@@ -53,6 +58,10 @@ int cli_parse_u64(const char *s, unsigned long long *out);
  * all over their targets; outputs_abort removes them. Each failure is
  * reported on stderr and returns CLI_RUNTIME. */
 int outputs_add(const char *option, const char *path);
+/* Registers an input file (NULL or not a regular file: nothing to keep);
+ * an output naming it, added before or after, is refused (CLI_USAGE): the
+ * run would replace what it reads. */
+int outputs_input(const char *option, const char *path);
 int outputs_stage(const char *option, const attn_tensor *t);
 /* The same for any file format: write(fd, ctx) writes the whole file to fd
  * and returns NULL, or a message saying what failed. ctx must stay valid

@@ -1,12 +1,30 @@
 /* cli_util.c — helpers the attn tool's commands share. */
+#define _POSIX_C_SOURCE 200809L /* fdopen, O_CLOEXEC */
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "cli.h"
+
+FILE *cli_open_input(const char *path) {
+    /* O_NONBLOCK for the open only: a FIFO with no writer then opens at
+     * once, and reads as empty, instead of holding the tool forever */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    const int flags = fcntl(fd, F_GETFL);
+    FILE *f = flags >= 0 && fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0 ? fdopen(fd, "rb") : NULL;
+    if (f == NULL) {
+        const int err = errno;
+        close(fd);
+        errno = err;
+    }
+    return f;
+}
 
 int cli_fail(const char *what, attn_status status) {
     const char *detail = attn_last_error();

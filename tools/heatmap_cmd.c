@@ -275,6 +275,9 @@ static int run(const hm_args *a, attn_tensor *w, hm_tokens *rows, hm_tokens *col
     memset(&p, 0, sizeof p);
     int rc = check_header(a, &rank, dims);
     if (rc == CLI_OK) rc = select_heads(a, rank, dims, &p);
+    if (rc == CLI_OK) rc = outputs_input("-w", a->weights);
+    if (rc == CLI_OK) rc = outputs_input("--tokens", a->tokens);
+    if (rc == CLI_OK) rc = outputs_input("--key-tokens", a->key_tokens);
     if (rc == CLI_OK) rc = outputs_add("-o", a->out); /* a missing folder fails now */
     if (rc == CLI_OK) rc = read_tokens(a, &p, rows, cols);
     attn_status st = rc == CLI_OK ? attn_npy_load(a->weights, w) : ATTN_OK;

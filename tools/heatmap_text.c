@@ -66,7 +66,7 @@ static size_t clean_line(const unsigned char *line, size_t len, char *out) {
 
 /* The whole file, NUL-terminated; NULL with a message printed. */
 static unsigned char *read_all(const char *option, const char *path, size_t *size) {
-    FILE *f = fopen(path, "rb");
+    FILE *f = cli_open_input(path);
     if (f == NULL) {
         fprintf(stderr, "attn heatmap: reading %s '%s': %s\n", option, path, strerror(errno));
         return NULL;

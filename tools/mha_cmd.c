@@ -465,7 +465,11 @@ static int compute(const mha_args *a, mha_run *r) {
 }
 
 static int run(const mha_args *a, mha_run *r) {
-    int rc = outputs_add("-o", a->out);
+    const char *in_opts[6] = {"--weights", "-q", "-k", "-v", "--key-padding-mask", "--attn-mask"};
+    const char *ins[6] = {a->weights, a->q, a->k, a->v, a->kpm, a->mask};
+    int rc = CLI_OK;
+    for (int i = 0; i < 6 && rc == CLI_OK; i++) rc = outputs_input(in_opts[i], ins[i]);
+    if (rc == CLI_OK) rc = outputs_add("-o", a->out);
     if (rc == CLI_OK && a->attn_weights) rc = outputs_add("--attn-weights", a->attn_weights);
     if (rc == CLI_OK) rc = load_npy("-q", a->q, &r->q);
     if (rc == CLI_OK && a->k) rc = load_npy("-k", a->k, &r->k);

@@ -84,6 +84,11 @@ int cli_modifiers_load(cli_modifiers *m, attn_sdpa_params *p) {
     return CLI_OK;
 }
 
+int cli_modifiers_inputs(const cli_modifiers *m) {
+    const int rc = outputs_input("--alibi-slopes", m->alibi_path);
+    return rc == CLI_OK ? outputs_input("--sinks", m->sinks_path) : rc;
+}
+
 void cli_modifiers_free(cli_modifiers *m) {
     attn_npy_free(&m->alibi);
     attn_npy_free(&m->sinks);
@@ -98,7 +103,7 @@ void cli_modifiers_free(cli_modifiers *m) {
 /* Reads a whole file into a new buffer (pipes too: no size is trusted);
  * NULL with errno set (EFBIG above MAX_INDEX_FILE). */
 static unsigned char *read_file(const char *path, size_t *size) {
-    FILE *f = fopen(path, "rb");
+    FILE *f = cli_open_input(path);
     if (f == NULL) return NULL;
     unsigned char *buf = NULL;
     size_t used = 0, cap = 0;

@@ -41,6 +41,9 @@ int cli_modifier_option(const char *opt, const char *val, attn_sdpa_params *p,
  * CLI_RUNTIME with the reason printed. */
 int cli_modifiers_load(cli_modifiers *m, attn_sdpa_params *p);
 void cli_modifiers_free(cli_modifiers *m);
+/* Registers the files given as inputs no output may replace
+ * (outputs_input): CLI_OK or CLI_USAGE. */
+int cli_modifiers_inputs(const cli_modifiers *m);
 
 /* An index file as a C-contiguous int32 tensor (free it with
  * attn_npy_free): .npy int32, or int64 whose values fit. CLI_OK, or

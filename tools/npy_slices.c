@@ -45,7 +45,7 @@ int npy_source_open(npy_source *src, const char *option, const char *path, char 
     memset(src, 0, sizeof *src);
     src->option = option;
     src->path = path;
-    src->fd = open(path, O_RDONLY | O_CLOEXEC);
+    src->fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC); /* a FIFO: never a wait */
     if (src->fd < 0) {
         snprintf(err, err_size, "attn: reading %s: cannot open '%s': %s", option, path,
                  strerror(errno));

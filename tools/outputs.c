@@ -8,7 +8,8 @@
  * outputs_commit renames every temporary over its target, but only once all
  * are complete; outputs_abort removes them. SIGINT, SIGTERM and SIGHUP
  * remove them too before the tool dies of the signal, so a failed or
- * interrupted run leaves every target as it was.
+ * interrupted run leaves every target as it was. outputs_input registers
+ * the command's input files, which no output may replace.
  *
  * Like attn_npy_save, a symbolic link is followed (the file it points to is
  * replaced) and an existing target that is not a regular file (/dev/null, a
@@ -54,6 +55,17 @@ typedef struct output {
 static output outputs[MAX_OUTPUTS];
 static volatile sig_atomic_t count;
 
+/* The command's input files (outputs_input): an output over one of them
+ * would replace what the command reads, so the pair is refused. */
+enum { MAX_INPUTS = 24 };
+typedef struct input {
+    const char *option, *path;
+    dev_t dev;
+    ino_t ino;
+} input;
+static input inputs[MAX_INPUTS];
+static int ninputs;
+
 /* Where messages go: stderr, or the ring's collector (outputs_set_reporter). */
 static void (*reporter)(const char *message);
 
@@ -95,6 +107,10 @@ static void on_signal(int sig) {
 
 static void install_handlers(void) {
     main_thread = pthread_self();
+    /* A write past the file-size limit (ulimit -f) then fails with EFBIG,
+     * which is reported and removes the temporaries, instead of killing the
+     * tool with SIGXFSZ and leaving them (as Python does) */
+    signal(SIGXFSZ, SIG_IGN);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
@@ -169,6 +185,35 @@ static bool same_file(const output *a, const output *b) {
            a->ino == b->ino && (a->exists || strcmp(a->name, b->name) == 0);
 }
 
+/* Whether output o would replace input file in (an existing regular file:
+ * devices and FIFOs are written in place, and reading one loses nothing). */
+static bool replaces(const output *o, const input *in) {
+    return o->exists && !o->in_place && o->dev == in->dev && o->ino == in->ino;
+}
+
+static int refuse_over_input(const output *o, const input *in) {
+    say("attn: %s '%s' is the file of %s ('%s'); outputs go to new files, an input is never "
+        "overwritten\n(see attn --help)\n",
+        o->option, o->path, in->option, in->path);
+    return CLI_USAGE;
+}
+
+int outputs_input(const char *option, const char *path) {
+    struct stat st;
+    if (path == NULL || stat(path, &st) != 0 || !S_ISREG(st.st_mode))
+        return CLI_OK; /* not there: reading it fails and says so */
+    if (ninputs == MAX_INPUTS) {
+        say("attn: more than %d input files\n", MAX_INPUTS);
+        return CLI_USAGE;
+    }
+    input *in = &inputs[ninputs];
+    *in = (input){option, path, st.st_dev, st.st_ino};
+    for (int i = 0; i < count; i++)
+        if (replaces(&outputs[i], in)) return refuse_over_input(&outputs[i], in);
+    ninputs++;
+    return CLI_OK;
+}
+
 int outputs_add(const char *option, const char *path) {
     if (count == 0) install_handlers();
     if (count == MAX_OUTPUTS) {
@@ -185,6 +230,11 @@ int outputs_add(const char *option, const char *path) {
         if (o->dir_fd >= 0) close(o->dir_fd);
         say("attn: writing %s '%s': %s\n", option, path, strerror(err));
         return CLI_RUNTIME;
+    }
+    for (int i = 0; i < ninputs; i++) {
+        if (!replaces(o, &inputs[i])) continue;
+        close(o->dir_fd);
+        return refuse_over_input(o, &inputs[i]);
     }
     for (int i = 0; i < count; i++) {
         if (!same_file(&outputs[i], o)) continue;

@@ -169,7 +169,10 @@ static void set_threads(ring *r, const sdpa_args *a) {
 /* Every rank resolves the outputs' folders (outputs_add): each must see
  * the folder in which rank 0 will create the temporaries. */
 static int add_outputs(ring *r, const sdpa_args *a) {
-    int rc = outputs_add("-o", a->out);
+    int rc = outputs_input("-q", a->q);
+    if (rc == CLI_OK) rc = outputs_input("-k", a->k);
+    if (rc == CLI_OK) rc = outputs_input("-v", a->v);
+    if (rc == CLI_OK) rc = outputs_add("-o", a->out);
     if (rc == CLI_OK && a->lse) rc = outputs_add("--lse", a->lse);
     const char *opts[2] = {"-o", "--lse"}, *paths[2] = {a->out, a->lse};
     for (int i = 0; i < 2 && rc == CLI_OK; i++)

@@ -274,7 +274,12 @@ static int compute(sdpa_args *a, sdpa_run *r) {
 /* Resolves the output files before any work, so that a missing folder or
  * two options naming one file fail at once. */
 static int add_outputs(const sdpa_args *a) {
-    int rc = outputs_add("-o", a->out);
+    int rc = cli_modifiers_inputs(&a->mods);
+    if (rc == CLI_OK) rc = outputs_input("-q", a->q);
+    if (rc == CLI_OK) rc = outputs_input("-k", a->k);
+    if (rc == CLI_OK) rc = outputs_input("-v", a->v);
+    if (rc == CLI_OK) rc = outputs_input("--mask", a->mask);
+    if (rc == CLI_OK) rc = outputs_add("-o", a->out);
     if (rc == CLI_OK && a->weights) rc = outputs_add("--weights", a->weights);
     if (rc == CLI_OK && a->lse) rc = outputs_add("--lse", a->lse);
     return rc;

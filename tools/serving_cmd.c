@@ -9,7 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 
 #include "cli.h"
@@ -215,12 +214,6 @@ static int parse_args(int argc, char **argv, serving_args *a) {
 /* ---- files ---- */
 
 /* Whether two paths name one existing file (links, "./x", hard links). */
-static bool same_existing_file(const char *x, const char *y) {
-    struct stat sx, sy;
-    return stat(x, &sx) == 0 && stat(y, &sy) == 0 && sx.st_dev == sy.st_dev &&
-           sx.st_ino == sy.st_ino && S_ISREG(sx.st_mode);
-}
-
 /* Every output resolved, none of them an input file: the outputs replace
  * their targets, and an input must stay as it was (kvcache's updated caches
  * go to new files, never over --k-cache). */
@@ -231,17 +224,11 @@ static int add_outputs(const serving_args *a) {
                               "--k-cache", "--v-cache", "--cache-seqlens", "--block-table"};
     const char *ins[9] = {a->q, a->k, a->v, a->cu_q, a->cu_k,
                           a->k_cache, a->v_cache, a->seqlens, a->table};
-    for (int o = 0; o < 4; o++) {
-        if (outs[o] == NULL) continue;
-        for (int i = 0; i < 9; i++)
-            if (ins[i] != NULL && same_existing_file(outs[o], ins[i]))
-                return usage_error("%s '%s' is the input file of %s; outputs go to new files "
-                                   "(an input is never overwritten)",
-                                   out_opts[o], outs[o], in_opts[i]);
-        const int rc = outputs_add(out_opts[o], outs[o]);
-        if (rc != CLI_OK) return rc;
-    }
-    return CLI_OK;
+    int rc = cli_modifiers_inputs(&a->mods);
+    for (int i = 0; i < 9 && rc == CLI_OK; i++) rc = outputs_input(in_opts[i], ins[i]);
+    for (int o = 0; o < 4 && rc == CLI_OK; o++)
+        if (outs[o] != NULL) rc = outputs_add(out_opts[o], outs[o]);
+    return rc;
 }
 
 static int load(const char *option, const char *path, attn_tensor *t) {
@@ -256,7 +243,13 @@ static int load_index(const char *option, const char *path, attn_tensor *t) {
     return path == NULL ? CLI_OK : cli_load_index(option, path, t);
 }
 
-/* A zero-filled C-contiguous tensor; every element set to `fill` unless 0. */
+/* lse is float32, float64 for float64 queries (attn.h: never 16-bit). */
+static attn_dtype lse_dtype(attn_dtype q) {
+    return q == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+}
+
+/* A zero-filled C-contiguous tensor; every element set to `fill` unless 0
+ * (a fill only for float32 and float64 tensors: lse). */
 static int make_output(attn_tensor *t, attn_dtype dtype, int rank, const int64_t *shape,
                        double fill) {
     int64_t n = 1;
@@ -268,7 +261,7 @@ static int make_output(attn_tensor *t, attn_dtype dtype, int rank, const int64_t
     }
     for (int64_t i = 0; fill != 0 && i < n; i++) {
         if (dtype == ATTN_DTYPE_F32) ((float *)data)[i] = (float)fill;
-        else ((double *)data)[i] = fill;
+        else if (dtype == ATTN_DTYPE_F64) ((double *)data)[i] = fill;
     }
     return CLI_OK;
 }
@@ -314,7 +307,7 @@ static int varlen_compute(serving_args *a, varlen_run *r, double *ms) {
     const int64_t lshape[2] = {r->q.shape[1], r->q.shape[0]};
     /* Rows no sequence holds are left as they are: out 0, lse -inf. */
     rc = make_output(&r->out, r->q.dtype, 3, oshape, 0.0);
-    if (rc == CLI_OK && a->lse) rc = make_output(&r->lse, r->q.dtype, 2, lshape, -INFINITY);
+    if (rc == CLI_OK && a->lse) rc = make_output(&r->lse, lse_dtype(r->q.dtype), 2, lshape, -INFINITY);
     if (rc != CLI_OK) return rc;
     const long long max_q = a->max_q >= 0 ? a->max_q : longest(&r->cu_q);
     const long long max_k = a->max_k >= 0 ? a->max_k : longest(&r->cu_k);
@@ -383,7 +376,7 @@ static int kvcache_compute(serving_args *a, kvcache_run *r, double *ms) {
     const int64_t oshape[4] = {r->q.shape[0], r->q.shape[1], r->q.shape[2], r->v_cache.shape[3]};
     const int64_t lshape[3] = {r->q.shape[0], r->q.shape[2], r->q.shape[1]};
     rc = make_output(&r->out, r->q.dtype, 4, oshape, 0.0);
-    if (rc == CLI_OK && a->lse) rc = make_output(&r->lse, r->q.dtype, 3, lshape, 0.0);
+    if (rc == CLI_OK && a->lse) rc = make_output(&r->lse, lse_dtype(r->q.dtype), 3, lshape, 0.0);
     if (rc != CLI_OK) return rc;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);

@@ -13,6 +13,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* fstat, fileno, pread */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -279,10 +280,16 @@ attn_status attn_npy_parse(const void *bytes, size_t size, attn_tensor *out) {
 static attn_status read_start(const char *path, size_t limit, unsigned char **buf, size_t *got) {
     char shown[ATTN__MESSAGE_PATH]; /* a path too long to quote whole */
     *buf = NULL;
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
+    /* O_NONBLOCK: opening a FIFO with no writer would wait forever; it is
+     * refused below like any file that is not regular */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    FILE *f = fd < 0 ? NULL : fdopen(fd, "rb");
+    if (f == NULL) {
+        const int err = errno;
+        if (fd >= 0) close(fd);
         return attn__fail(ATTN_ERR_IO, "cannot open '%s': %s", attn__message_path(path, shown),
-                          strerror(errno));
+                          strerror(err));
+    }
     attn_status st = ATTN_OK;
     struct stat info;
     long long file_size = -1;

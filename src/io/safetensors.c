@@ -635,7 +635,9 @@ static int read_all(int fd, unsigned char *buf, size_t n) {
 
 static attn_status open_file(const char *path, bool use_map, attn_safetensors **file) {
     char shown[ATTN__MESSAGE_PATH];
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO with no writer would wait forever; it is
+     * refused below like any file that is not regular */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0)
         return attn__fail(ATTN_ERR_IO, "cannot open '%s': %s", attn__message_path(path, shown),
                           strerror(errno));

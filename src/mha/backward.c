@@ -233,23 +233,13 @@ static attn_status check_inputs(bwd_call *c, const attn_tensor *const in[3],
 }
 
 /* A view covering a module's parameter storage, to test overlaps against. */
-static attn_tensor storage_view(const attn_mha *m) {
-    const attn__mha_param *last = &m->param[m->nparam - 1];
-    int64_t count = 1;
-    for (int d = 0; d < last->rank; d++) count *= last->shape[d];
-    count += last->offset;
-    attn_tensor t;
-    attn_tensor_init(&t, m->storage, m->cfg.dtype, 1, &count);
-    return t;
-}
-
 /* dquery, dkey, dvalue: optional outputs shaped like their inputs, sharing
  * no memory with what the backward reads or writes. */
 static attn_status check_grads(bwd_call *c, const attn_tensor *const in[3],
                                const attn_tensor *dout, attn_tensor *const d[3]) {
     attn_status st = ATTN_OK;
-    attn_tensor params = storage_view(c->m), gparams;
-    if (c->grads != NULL) gparams = storage_view(c->grads);
+    attn_tensor params = attn__mha_storage_view(c->m), gparams;
+    if (c->grads != NULL) gparams = attn__mha_storage_view(c->grads);
     const attn_tensor *reads[6] = {in[0], in[1], in[2], dout, &params,
                                    c->grads ? &gparams : NULL};
     const char *read_names[6] = {"query", "key", "value", "dout", "mha's parameters",

@@ -314,20 +314,23 @@ static attn_status mask_views(const attn_mha *m, const mha_shapes *s,
     return st;
 }
 
-/* out and weights must not share memory with an input or each other (the
- * masks are read while weights are written). */
-static attn_status check_output_overlaps(const attn_tensor *query, const attn_tensor *key,
-                                         const attn_tensor *value,
+/* out and weights must not share memory with an input, the module's
+ * parameters or each other (the masks are read while weights are written,
+ * out_proj's weight after out is). */
+static attn_status check_output_overlaps(const attn_mha *m, const attn_tensor *query,
+                                         const attn_tensor *key, const attn_tensor *value,
                                          const attn_mha_forward_params *p,
                                          const attn_tensor *out, const attn_tensor *weights) {
-    const attn_tensor *ins[5] = {query, key, value, p->attn_mask, p->key_padding_mask};
-    const char *names[5] = {"query", "key", "value", "attn_mask", "key_padding_mask"};
+    const attn_tensor params = attn__mha_storage_view(m);
+    const attn_tensor *ins[6] = {query, key, value, p->attn_mask, p->key_padding_mask, &params};
+    const char *names[6] = {"query", "key", "value", "attn_mask", "key_padding_mask",
+                            "the module's parameters"};
     const attn_tensor *outs[2] = {out, weights};
     for (int o = 0; o < 2; o++) {
         const char *name = o ? "weights" : "out";
         attn_status st = attn__check_output_layout(outs[o], name);
         if (st != ATTN_OK) return st;
-        for (int i = 0; i < 5; i++)
+        for (int i = 0; i < 6; i++)
             if (attn__views_overlap(outs[o], ins[i]))
                 return attn__fail_arg(ATTN_ERR_OVERLAP, name,
                                       "%s overlaps %s in memory: give %s a buffer of its own",
@@ -726,7 +729,7 @@ static attn_status check_call(const attn_mha *m, const attn_tensor *query,
     if (st == ATTN_OK)
         st = check_outputs(m, s, p->average_attn_weights != 0, query, out, weights);
     if (st == ATTN_OK) st = mask_views(m, s, p, &w->am, &w->kpm);
-    if (st == ATTN_OK) st = check_output_overlaps(query, key, value, p, out, weights);
+    if (st == ATTN_OK) st = check_output_overlaps(m, query, key, value, p, out, weights);
     w->am_use = p->attn_mask != NULL ? &w->am : NULL;
     w->kpm_use = p->key_padding_mask != NULL ? &w->kpm : NULL;
     return st;

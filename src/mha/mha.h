@@ -31,6 +31,9 @@ struct attn_mha {
 /* The storage of the parameter called `name` (contiguous, in the module's
  * dtype), or NULL when this module has none by that name. */
 void *attn__mha_param_data(const attn_mha *m, const char *name);
+/* Every parameter of m as one 1-D view (the last one's end): what an
+ * output must not overlap. */
+attn_tensor attn__mha_storage_view(const attn_mha *m);
 
 /* The draws of the parameters' initialisation: Philox-4x32-10 keyed by
  * init_seed, one counter per draw, on a stream of its own per module kind

@@ -117,6 +117,16 @@ void *attn__mha_param_data(const attn_mha *m, const char *name) {
     return p != NULL ? param_data(m, p) : NULL;
 }
 
+attn_tensor attn__mha_storage_view(const attn_mha *m) {
+    const attn__mha_param *last = &m->param[m->nparam - 1];
+    int64_t count = 1;
+    for (int d = 0; d < last->rank; d++) count *= last->shape[d];
+    count += last->offset;
+    attn_tensor t;
+    attn_tensor_init(&t, m->storage, m->cfg.dtype, 1, &count);
+    return t;
+}
+
 /* ---- initialisation, as torch's _reset_parameters draws it ---- */
 
 double attn__init_uniform01(attn__init_rng *r) { /* (0, 1), 53 bits */

@@ -161,16 +161,25 @@ static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char
 static attn_status check_overlaps(const attn__problem_request *r) {
     const attn_tensor *outs[3] = {r->out, r->weights, r->lse};
     const char *out_names[3] = {NAME(r, ATTN__OUT), NAME(r, ATTN__WEIGHTS), NAME(r, ATTN__LSE)};
-    const attn_tensor *ins[3 + ATTN__MAX_MASKS] = {r->q, r->k, r->v};
-    const char *in_names[3 + ATTN__MAX_MASKS] = {NAME(r, ATTN__Q), NAME(r, ATTN__K), NAME(r, ATTN__V)};
-    for (int i = 0; i < r->nmask; i++) {
-        ins[3 + i] = r->mask[i];
-        in_names[3 + i] = r->mask_name[i];
+    /* (the modifiers' tensors are read as the rows run: an output over
+     * them would change the slopes and sinks of later rows) */
+    const attn_tensor *ins[5 + ATTN__MAX_MASKS] = {r->q, r->k, r->v};
+    const char *in_names[5 + ATTN__MAX_MASKS] = {NAME(r, ATTN__Q), NAME(r, ATTN__K), NAME(r, ATTN__V)};
+    int nin = 3;
+    for (int i = 0; i < r->nmask; i++, nin++) {
+        ins[nin] = r->mask[i];
+        in_names[nin] = r->mask_name[i];
+    }
+    if (r->modifiers != NULL) {
+        ins[nin] = r->modifiers->alibi_slopes;
+        in_names[nin++] = "params.alibi_slopes";
+        ins[nin] = r->modifiers->sinks;
+        in_names[nin++] = "params.sinks";
     }
     for (int o = 0; o < 3; o++) {
         attn_status st = attn__check_output_layout(outs[o], out_names[o]);
         if (st != ATTN_OK) return st;
-        for (int i = 0; i < 3 + r->nmask; i++)
+        for (int i = 0; i < nin; i++)
             if (attn__views_overlap(outs[o], ins[i]))
                 return attn__fail_arg(ATTN_ERR_OVERLAP, out_names[o],
                                   "%s overlaps %s in memory: attention is not computed in place; "
@@ -383,6 +392,23 @@ attn_status attn__per_head_operand(const attn__problem *p, const attn_tensor *t,
     return ATTN_OK;
 }
 
+/* The first +inf among the sinks' logits, as a flat index, or -1. A sink of
+ * +inf would take the whole denominator (every weight 0, lse +inf), which
+ * the kernels' exp(sink - max) turns into NaN: refused instead. */
+static int64_t infinite_sink(const attn_tensor *t) {
+    const int64_t n = attn_tensor_numel(t);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = 0, rest = i;
+        for (int d = t->rank - 1; d >= 0; d--) {
+            at += rest % t->shape[d] * t->strides[d];
+            rest /= t->shape[d];
+        }
+        const double x = attn__load(t->data, t->dtype, at);
+        if (isinf(x) && x > 0) return i;
+    }
+    return -1;
+}
+
 attn_status attn__problem_modifiers(attn__problem *p, const attn_sdpa_params *m) {
     p->window_left = p->window_right = -1;
     p->softcap = 0;
@@ -409,6 +435,12 @@ attn_status attn__problem_modifiers(attn__problem *p, const attn_sdpa_params *m)
     }
     if (m->sinks != NULL) {
         if ((st = attn__per_head_operand(p, m->sinks, "params.sinks", &p->sinks)) != ATTN_OK) return st;
+        const int64_t at = infinite_sink(m->sinks);
+        if (at >= 0)
+            return attn__fail_arg(ATTN_ERR_INVALID, "params.sinks",
+                                  "params.sinks holds +inf (element %lld): a sink's logit must be "
+                                  "finite, or -inf for no sink",
+                                  (long long)at);
         p->has_sinks = true;
     }
     return ATTN_OK;
@@ -630,11 +662,11 @@ static attn_status check_grad(const attn__problem *p, attn_tensor *g, const char
  * each other. */
 static attn_status check_backward_overlaps(const attn_tensor *const grads[4],
                                            const char *const grad_names[4],
-                                           const attn_tensor *const ins[7],
-                                           const char *const in_names[7]) {
+                                           const attn_tensor *const *ins,
+                                           const char *const *in_names, int nin) {
     for (int g = 0; g < 4; g++) {
         if (grads[g] == NULL) continue;
-        for (int i = 0; i < 7; i++)
+        for (int i = 0; i < nin; i++)
             if (attn__views_overlap(grads[g], ins[i]))
                 return attn__fail_arg(ATTN_ERR_OVERLAP, grad_names[g],
                                       "%s overlaps %s in memory: give each gradient a buffer "
@@ -682,9 +714,22 @@ attn_status attn__problem_build_backward(attn__problem *p, const attn__problem_r
         return st;
     const attn_tensor *const grads[4] = {g->dq, g->dk, g->dv, g->dmask};
     const char *const grad_names[4] = {"dq", "dk", "dv", "dmask"};
-    const attn_tensor *const ins[7] = {g->dout, r->q, r->k, r->v, g->out, g->lse, mask};
-    const char *const in_names[7] = {"dout", qn, kn, vn, out_name, lse_name, mask_name};
-    return check_backward_overlaps(grads, grad_names, ins, in_names);
+    /* everything the backward reads: the forward's inputs and outputs, every
+     * mask and the modifiers' tensors */
+    const attn_tensor *ins[8 + ATTN__MAX_MASKS] = {g->dout, r->q, r->k, r->v, g->out, g->lse};
+    const char *in_names[8 + ATTN__MAX_MASKS] = {"dout", qn, kn, vn, out_name, lse_name};
+    int nin = 6;
+    for (int i = 0; i < r->nmask; i++, nin++) {
+        ins[nin] = r->mask[i];
+        in_names[nin] = r->mask_name[i];
+    }
+    if (r->modifiers != NULL) {
+        ins[nin] = r->modifiers->alibi_slopes;
+        in_names[nin++] = "params.alibi_slopes";
+        ins[nin] = r->modifiers->sinks;
+        in_names[nin++] = "params.sinks";
+    }
+    return check_backward_overlaps(grads, grad_names, ins, in_names, nin);
 }
 
 attn_status attn__problem_from_sdpa_backward(attn__problem *p, const attn_tensor *dout,

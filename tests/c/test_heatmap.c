@@ -614,6 +614,17 @@ static void failed_run_keeps_the_old_file(void) {
     bytes = tt_read_file(path, &n);
     CHECK(bytes && n > 8 && memcmp(bytes, "\x89PNG", 4) == 0, "keep.png is not a PNG");
     free(bytes);
+    /* Hostile test: -o over -w or --tokens turned the input into the PNG. */
+    CHECK(run("heatmap -w keep.npy -o keep.npy") == 2 && strstr(log_, "is the file of -w"),
+          "%s", log_);
+    CHECK(run("heatmap -w keep.npy -o keep.txt --tokens keep.txt") == 2 &&
+              strstr(log_, "is the file of --tokens"),
+          "%s", log_);
+    path_of(path, sizeof path, "keep.txt");
+    bytes = tt_read_file(path, &n);
+    CHECK(bytes && n == 6 && memcmp(bytes, "a\nb\nc\n", 6) == 0 && temporaries() == 0,
+          "keep.txt changed");
+    free(bytes);
 }
 
 /* The README's example: attn sdpa on docs/heatmap's inputs, its weights

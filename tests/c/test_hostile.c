@@ -304,6 +304,45 @@ static void overlapping_outputs(void) {
     flipped.data = p.out + 7 * 8;
     CHECK_OK(attn_sdpa(&p.tq, &p.tk, &p.tv, NULL, &flipped, &tw, &tl));
 
+    /* Outputs over the modifiers' tensors, which are read as rows run: the
+     * sinks and slopes of later rows changed under them (a wrong result). */
+    const int64_t hs[1] = {2};
+    attn_tensor sinks_on_out, slopes_on_lse;
+    attn_tensor_init(&sinks_on_out, p.out + 5, ATTN_DTYPE_F32, 1, hs);
+    attn_tensor_init(&slopes_on_lse, lse + 1, ATTN_DTYPE_F32, 1, hs);
+    attn_sdpa_params mods;
+    attn_sdpa_params_init(&mods);
+    mods.sinks = &sinks_on_out;
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, &mods, &p.tout, NULL, NULL), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "out overlaps params.sinks") != NULL, "message: %s",
+          attn_last_error());
+    mods.sinks = NULL;
+    mods.alibi_slopes = &slopes_on_lse;
+    CHECK_STATUS(attn_sdpa(&p.tq, &p.tk, &p.tv, &mods, &p.tout, NULL, &tl), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "lse overlaps params.alibi_slopes") != NULL, "message: %s",
+          attn_last_error());
+    /* and a gradient over them */
+    float slopes[2 * 8 * 8] = {0.5f, 0.25f}; /* room for dq, were it written */
+    attn_tensor ts;
+    attn_tensor_init(&ts, slopes, ATTN_DTYPE_F32, 1, hs);
+    mods.alibi_slopes = &ts;
+    CHECK_OK(attn_sdpa(&p.tq, &p.tk, &p.tv, &mods, &p.tout, NULL, &tl));
+    float *grads = calloc(3 * 2 * 8 * 8, sizeof(float));
+    attn_tensor dq = p.tq, dk = p.tk, dv = p.tv;
+    dq.data = grads;
+    dk.data = grads + 128;
+    dv.data = grads + 256;
+    attn_tensor dq_on_slopes = dq;
+    dq_on_slopes.data = slopes;
+    CHECK_OK(attn_sdpa_backward(&p.tout, &p.tq, &p.tk, &p.tv, &p.tout, &tl, &mods, &dq, &dk, &dv,
+                                NULL));
+    CHECK_STATUS(attn_sdpa_backward(&p.tout, &p.tq, &p.tk, &p.tv, &p.tout, &tl, &mods,
+                                    &dq_on_slopes, &dk, &dv, NULL),
+                 ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "dq overlaps params.alibi_slopes") != NULL, "message: %s",
+          attn_last_error());
+    free(grads);
+
     /* MHA: out over the query (self-attention in place) */
     attn_mha_config cfg;
     attn_mha_config_init(&cfg, 8, 2);
@@ -317,6 +356,14 @@ static void overlapping_outputs(void) {
     CHECK(strstr(attn_last_error(), "out overlaps query") != NULL, "message: %s",
           attn_last_error());
     CHECK_OK(attn_mha_forward(m, &tx, &tx, &tx, NULL, &ty, NULL));
+    /* out over the module's own out_proj.weight, read after out is written */
+    const char *name = NULL;
+    attn_tensor param, on_param = ty;
+    CHECK_OK(attn_mha_param_at(m, 2, &name, &param));
+    on_param.data = param.data;
+    CHECK_STATUS(attn_mha_forward(m, &tx, &tx, &tx, NULL, &on_param, NULL), ATTN_ERR_OVERLAP);
+    CHECK(strstr(attn_last_error(), "out overlaps the module's parameters") != NULL,
+          "message: %s (%s)", attn_last_error(), name);
     attn_mha_destroy(m);
     problem_free(&p);
 }

@@ -773,6 +773,23 @@ static void hostile_modifiers(void) {
     CHECK_OK(attn_sdpa(&t, &k2, &k2, &p, &out, NULL, &tl));
     CHECK(lse[0] == 1.0f && lse[4] == 2.0f && o[0] == 0.0f, "rows that see no key: lse %g %g",
           (double)lse[0], (double)lse[4]);
+    /* Hostile test: a sink of +inf gave NaN rows from finite inputs; it is
+     * refused by name. -inf is no sink: the same bits as without one. */
+    attn_sdpa_params_init(&p);
+    sv[1] = INFINITY;
+    p.sinks = &slopes;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_INVALID);
+    CHECK(strcmp(attn_last_error_arg(), "params.sinks") == 0 &&
+              strstr(attn_last_error(), "+inf (element 1)") != NULL,
+          "%s", attn_last_error());
+    for (int i = 0; i < 2 * 4 * 8; i++) q[i] = (float)((i * 37) % 11) / 7.0f - 0.6f;
+    float plain[2 * 4 * 8];
+    attn_tensor tp = out;
+    tp.data = plain;
+    CHECK_OK(attn_sdpa(&t, &t, &t, NULL, &tp, NULL, NULL));
+    sv[0] = sv[1] = -INFINITY;
+    CHECK_OK(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL));
+    CHECK(memcmp(o, plain, sizeof plain) == 0, "sinks of -inf changed the output");
 }
 
 /* A sink far above a row's only score: lse is the sink's (0 here), not

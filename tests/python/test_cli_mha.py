@@ -280,3 +280,21 @@ def test_errors(tmp_path):
         assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
     # Failed runs leave no output and no temporary (".o.npy.XXXXXXXX.tmp").
     assert sorted(os.listdir(tmp_path)) == ["bad.safetensors", "m.safetensors", "q.npy"]
+
+
+def test_no_output_replaces_an_input_file(tmp_path):
+    """Hostile test: --attn-weights over the checkpoint turned it into an
+    .npy, -o over -q replaced the query; both are refused before any work."""
+    torch_case(tmp_path, masks=True)
+    before = {n: (tmp_path / n).read_bytes() for n in ("m.safetensors", "q.npy", "am.npy")}
+    common = ["--weights", tmp_path / "m.safetensors", "--prefix", "blocks.0.attn.",
+              "--num-heads", 4, "-q", tmp_path / "q.npy", "--attn-mask", tmp_path / "am.npy"]
+    for extra, match in ((["-o", tmp_path / "out2.npy", "--attn-weights",
+                           tmp_path / "m.safetensors"], "is the file of --weights"),
+                         (["-o", tmp_path / "q.npy"], "is the file of -q"),
+                         (["-o", tmp_path / "am.npy"], "is the file of --attn-mask")):
+        r = run(*common, *extra)
+        assert r.returncode == 2 and match in r.stderr and "never overwritten" in r.stderr, r.stderr
+    assert not (tmp_path / "out2.npy").exists()
+    for n, b in before.items():
+        assert (tmp_path / n).read_bytes() == b, n

@@ -161,6 +161,79 @@ def test_varlen_usage_errors(args, match):
     assert r.returncode == 2 and match in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_varlen_lse_is_float32_or_float64(tmp_path, rng, dtype):
+    """Hostile test: float16 queries with --lse built the lse in float16,
+    and filled it through a double pointer: a heap overflow."""
+    a, f = varlen_files(tmp_path, rng)
+    for n in ("q", "k", "v"):
+        a[n] = a[n].astype(dtype)
+        f[n] = save(tmp_path, n, a[n])
+    out, lse = tmp_path / "out.npy", tmp_path / "lse.npy"
+    ok("varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q", f["cu_q"],
+       "--cu-seqlens-k", f["cu_k"], "-o", out, "--lse", lse, "--causal")
+    assert np.load(out).dtype == dtype
+    assert np.load(lse).dtype == (np.float64 if dtype == np.float64 else np.float32)
+    wide = {n: a[n].astype(np.float64) for n in ("q", "k", "v")}  # the same rounded values
+    ref_out, ref_lse = varlen_reference(wide["q"], wide["k"], wide["v"], a["cu_q"], a["cu_k"],
+                                        causal=True)
+    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    close(np.load(out).astype(np.float64), ref_out, tol)
+    close(np.load(lse), ref_lse, tol)
+
+
+def test_no_output_replaces_a_modifier_or_index_file(tmp_path, rng):
+    """Hostile test: the output-over-input check left out --alibi-slopes and
+    --sinks (and attn sdpa had none): -o over --sinks replaced it."""
+    _, f = varlen_files(tmp_path, rng)
+    sinks = save(tmp_path, "sinks", np.array([0.1, 0.2, 0.3, 0.4]))
+    slopes = save(tmp_path, "slopes", np.array([0.5, 0.25, 0.125, 0.0625]))
+    before = {p: p.read_bytes() for p in (sinks, slopes, f["cu_q"], f["q"])}
+    varlen = ["varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q", f["cu_q"],
+              "--cu-seqlens-k", f["cu_k"], "--sinks", sinks, "--alibi-slopes", slopes]
+    q3 = save(tmp_path, "q3", rng.standard_normal((4, 3, 8)))
+    sdpa = ["sdpa", "-q", q3, "-k", q3, "-v", q3, "--sinks", sinks]
+    for args, match in ((varlen + ["-o", sinks], "-o '%s' is the file of --sinks" % sinks),
+                        (varlen + ["-o", tmp_path / "o.npy", "--lse", slopes],
+                         "is the file of --alibi-slopes"),
+                        (varlen + ["-o", tmp_path / "o.npy", "--lse", f["cu_q"]],
+                         "is the file of --cu-seqlens-q"),
+                        (sdpa + ["-o", sinks], "is the file of --sinks"),
+                        (sdpa + ["-o", q3], "is the file of -q")):
+        r = run(*args)
+        assert r.returncode == 2 and match in r.stderr and "never overwritten" in r.stderr, r.stderr
+    assert not (tmp_path / "o.npy").exists()
+    for p, b in before.items():
+        assert p.read_bytes() == b, p
+
+
+def test_an_index_fifo_without_a_writer_is_refused_not_waited_on(tmp_path, rng):
+    _, f = varlen_files(tmp_path, rng)
+    fifo = tmp_path / "cu.npy"
+    os.mkfifo(fifo)
+    r = run("varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q", fifo,
+            "--cu-seqlens-k", f["cu_k"], "-o", tmp_path / "o.npy")
+    assert r.returncode == 1 and "--cu-seqlens-q" in r.stderr, r.stderr
+
+
+def test_a_file_size_limit_fails_cleanly_and_leaves_nothing(tmp_path, rng):
+    """Hostile test: under `ulimit -f` the tool died of SIGXFSZ with no
+    message and left its temporary beside the target."""
+    import resource
+
+    _, f = varlen_files(tmp_path, rng)
+    out = tmp_path / "out.npy"
+
+    def limit():  # the child's SIGXFSZ is the default again (restore_signals)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+
+    r = subprocess.run([CLI, "varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"],
+                        "--cu-seqlens-q", f["cu_q"], "--cu-seqlens-k", f["cu_k"], "-o", out],
+                       capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 1 and "File too large" in r.stderr, (r.returncode, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in f.values())
+
+
 # ---- attn kvcache ----
 
 
@@ -232,6 +305,20 @@ def test_kvcache_refuses_an_output_over_an_input(tmp_path, rng):
         assert r.returncode == 2 and "--k-cache-out" in r.stderr and "never" in r.stderr
     assert f["k_cache"].read_bytes() == before
     assert not (tmp_path / "o.npy").exists()
+
+
+def test_kvcache_float16_queries_write_a_float32_lse(tmp_path, rng):
+    a, f = kvcache_files(tmp_path, rng)
+    half = {n: a[n].astype(np.float16) for n in ("q", "k_cache", "v_cache")}
+    files = {n: save(tmp_path, n + "16", x) for n, x in half.items()}
+    out, lse = tmp_path / "out.npy", tmp_path / "lse.npy"
+    ok("kvcache", "-q", files["q"], "--k-cache", files["k_cache"], "--v-cache",
+       files["v_cache"], "--cache-seqlens", f["seqlens"], "-o", out, "--lse", lse)
+    assert np.load(out).dtype == np.float16 and np.load(lse).dtype == np.float32
+    wide = {n: x.astype(np.float64) for n, x in half.items()}  # the same rounded values
+    ref = kvcache_reference(wide["q"], wide["k_cache"], wide["v_cache"], a["seqlens"])
+    close(np.load(lse), ref[1], 1e-5)
+    close(np.load(out).astype(np.float64), ref[0], 2e-3)
 
 
 def test_kvcache_overflow_is_refused_and_nothing_written(tmp_path, rng):
