@@ -1012,7 +1012,10 @@ ATTN_API attn_status attn_safetensors_write_fd(int fd, size_t count, const char 
  * process when it cannot start a thread; a bound keeps a mistyped count from
  * doing that.) An ATTN_NUM_THREADS that is not a whole number >= 1, or is
  * above the bound, is reported once on stderr and the default or the bound
- * used instead. */
+ * used instead. In a virtual machine, a call after ~20 ms of idle threads
+ * can wait 5-10 ms for OpenMP's sleeping worker; OMP_PROC_BIND=true or
+ * OMP_WAIT_POLICY=passive avoids it (docs/python.md, "Threads and
+ * kernels"). */
 ATTN_API void attn_set_num_threads(int n);
 ATTN_API int attn_get_num_threads(void);
 /* The largest thread count calls use: 4 per processor (at most 1024); 1 in
