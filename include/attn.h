@@ -294,7 +294,8 @@ typedef struct attn_sdpa_params {
     int64_t window_left, window_right;
     /* ALiBi (FlashAttention's alibi_slopes): slopes of any float dtype, one
      * per query head, broadcastable to the batch dimensions of out (shape
-     * (Hq,) or (B, Hq) for out (B, Hq, L, Ev)). NULL: none. */
+     * (Hq,) or (B, Hq) for out (B, Hq, L, Ev)); finite (an infinite slope is
+     * ATTN_ERR_INVALID; NaN gives NaN rows). NULL: none. */
     const attn_tensor *alibi_slopes;
     /* Logit soft-capping (FlashAttention's softcap, Gemma 2's): > 0 caps,
      * 0 (the default) does not; finite, >= 0. */

@@ -58,6 +58,29 @@ def _refuse_grad(fn, **tensors):
             )
 
 
+def _refuse_inference_write(**caches):
+    """torch refuses an in-place write to an inference tensor outside
+    inference mode; the append is one, so it is refused the same way."""
+    for name, x in caches.items():
+        if _is_torch_tensor(x) and x.is_inference():
+            torch = sys.modules["torch"]
+            if not torch.is_inference_mode_enabled():
+                raise RuntimeError(
+                    f"{name} is an inference tensor (made under torch.inference_mode()) and "
+                    f"attention_with_kvcache writes the new rows into it in place, which torch "
+                    f"allows only inside inference mode: call it under torch.inference_mode(), "
+                    f"or pass a cache made outside it")
+
+
+def _bump_versions(*caches):
+    """The append wrote into torch caches through NumPy views: their
+    version counters move as a torch in-place write's would, so autograd
+    refuses a graph that saved the old values instead of using the new."""
+    for x in caches:
+        if _is_torch_tensor(x):
+            sys.modules["torch"].autograd.graph.increment_version(x)
+
+
 def _require_rank(a, name, rank, layout):
     if a.ndim != rank:
         raise ValueError(f"{name} has {a.ndim} dimensions, shape {a.shape}; expected {rank}: "
@@ -299,6 +322,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         raise ValueError(f"{'k' if v is None else 'v'} is given without "
                          f"{'v' if v is None else 'k'}: new rows come as both k and v, or neither")
     appending = k is not None
+    if appending:
+        _refuse_inference_write(k_cache=k_cache, v_cache=v_cache)
     kc, kc_bf16 = _cache(k_cache, "k_cache", appending)
     vc, vc_bf16 = _cache(v_cache, "v_cache", appending)
     if kc_bf16 != vc_bf16:
@@ -321,4 +346,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         )
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e, _RENAME) from None
+    if appending:
+        _bump_versions(k_cache, v_cache)
     return _finish(torch_call, out, lse, want_lse, q)

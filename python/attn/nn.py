@@ -179,6 +179,22 @@ class _MHAFunction(torch.autograd.Function):
 # ---- the forward, for any torch-like MHA module ----
 
 
+def _shape_problem(m):
+    """A parameter whose shape is not its module's (torch's module refuses
+    the call; the copy into the C module would take the wrong values), as a
+    message naming it, or None."""
+    E = m.embed_dim
+    want = {"in_proj_weight": (3 * E, E), "q_proj_weight": (E, E), "k_proj_weight": (E, m.kdim),
+            "v_proj_weight": (E, m.vdim), "in_proj_bias": (3 * E,), "bias_k": (1, 1, E),
+            "bias_v": (1, 1, E), "out_proj.weight": (E, E), "out_proj.bias": (E,)}
+    for name in _param_names(m):
+        p = _param(m, name)
+        if isinstance(p, torch.Tensor) and tuple(p.shape) != want[name]:
+            return (f"{name} has shape {tuple(p.shape)}; expected {want[name]} for embed_dim "
+                    f"{E}, kdim {m.kdim}, vdim {m.vdim}")
+    return None
+
+
 def _unsupported(m, query, key, value, key_padding_mask, attn_mask):
     """Why attn cannot run this call (None when it can)."""
     tensors = [query, key, value] + [p for p in (key_padding_mask, attn_mask) if p is not None]
@@ -197,6 +213,8 @@ def _unsupported(m, query, key, value, key_padding_mask, attn_mask):
         return "num_heads dividing embed_dim"
     if (m.in_proj_bias is None) != (m.out_proj.bias is None):
         return "in_proj_bias and out_proj.bias both present or both absent"
+    if _shape_problem(m) is not None:
+        return "parameters of the module's shapes"
     return None
 
 
@@ -317,6 +335,9 @@ class MultiheadAttention(torch.nn.Module):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
+        shapes = _shape_problem(self)
+        if shapes is not None:  # torch's module raises RuntimeError here too
+            raise RuntimeError(f"attn.nn.MultiheadAttention: {shapes}")
         why = _unsupported(self, query, key, value, key_padding_mask, attn_mask)
         if why is not None:
             raise TypeError(f"attn.nn.MultiheadAttention runs on {why}")

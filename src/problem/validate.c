@@ -392,10 +392,11 @@ attn_status attn__per_head_operand(const attn__problem *p, const attn_tensor *t,
     return ATTN_OK;
 }
 
-/* The first +inf among the sinks' logits, as a flat index, or -1. A sink of
- * +inf would take the whole denominator (every weight 0, lse +inf), which
- * the kernels' exp(sink - max) turns into NaN: refused instead. */
-static int64_t infinite_sink(const attn_tensor *t) {
+/* The first infinite element of t (only +inf when `plus_only`), as a flat
+ * index, or -1. A sink of +inf would take the whole denominator (every
+ * weight 0, lse +inf), which the kernels' exp(sink - max) turns into NaN;
+ * an infinite ALiBi slope times the distance 0 is NaN too: both refused. */
+static int64_t first_infinite(const attn_tensor *t, bool plus_only) {
     const int64_t n = attn_tensor_numel(t);
     for (int64_t i = 0; i < n; i++) {
         int64_t at = 0, rest = i;
@@ -404,7 +405,7 @@ static int64_t infinite_sink(const attn_tensor *t) {
             rest /= t->shape[d];
         }
         const double x = attn__load(t->data, t->dtype, at);
-        if (isinf(x) && x > 0) return i;
+        if (isinf(x) && (x > 0 || !plus_only)) return i;
     }
     return -1;
 }
@@ -431,11 +432,17 @@ attn_status attn__problem_modifiers(attn__problem *p, const attn_sdpa_params *m)
     if (m->alibi_slopes != NULL) {
         if ((st = attn__per_head_operand(p, m->alibi_slopes, "params.alibi_slopes", &p->alibi)) != ATTN_OK)
             return st;
+        const int64_t at = first_infinite(m->alibi_slopes, false);
+        if (at >= 0)
+            return attn__fail_arg(ATTN_ERR_INVALID, "params.alibi_slopes",
+                                  "params.alibi_slopes holds an infinite slope (element %lld); "
+                                  "slopes must be finite",
+                                  (long long)at);
         p->has_alibi = true;
     }
     if (m->sinks != NULL) {
         if ((st = attn__per_head_operand(p, m->sinks, "params.sinks", &p->sinks)) != ATTN_OK) return st;
-        const int64_t at = infinite_sink(m->sinks);
+        const int64_t at = first_infinite(m->sinks, true);
         if (at >= 0)
             return attn__fail_arg(ATTN_ERR_INVALID, "params.sinks",
                                   "params.sinks holds +inf (element %lld): a sink's logit must be "

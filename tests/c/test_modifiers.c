@@ -790,6 +790,13 @@ static void hostile_modifiers(void) {
     sv[0] = sv[1] = -INFINITY;
     CHECK_OK(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL));
     CHECK(memcmp(o, plain, sizeof plain) == 0, "sinks of -inf changed the output");
+    /* an infinite ALiBi slope gave NaN (inf times the distance 0) */
+    attn_sdpa_params_init(&p);
+    p.alibi_slopes = &slopes;
+    CHECK_STATUS(attn_sdpa(&t, &t, &t, &p, &out, NULL, NULL), ATTN_ERR_INVALID);
+    CHECK(strcmp(attn_last_error_arg(), "params.alibi_slopes") == 0 &&
+              strstr(attn_last_error(), "infinite slope (element 0)") != NULL,
+          "%s", attn_last_error());
 }
 
 /* A sink far above a row's only score: lse is the sink's (0 here), not

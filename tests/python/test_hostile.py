@@ -382,3 +382,70 @@ def test_max_threads_bounds_set_num_threads():
             attn.set_num_threads(-1)
     finally:
         attn.set_num_threads(0)
+
+
+# ---- found by a hostile tester, 2026-11-27 ----
+
+
+@pytest.mark.parametrize("name, shape", [("in_proj_weight", (10, 8)), ("in_proj_weight", (24, 9)),
+                                         ("in_proj_bias", (5,)), ("out_proj.weight", (8, 4))])
+def test_mha_parameter_of_the_wrong_shape_is_refused(name, shape):
+    """A parameter replaced by one of another shape was copied into the C
+    module element by element: a result from the wrong (or a previous
+    call's) values, where torch's module raises."""
+    x = torch.randn(2, 3, 8)
+    ours = attn.nn.MultiheadAttention(8, 2, batch_first=True)
+    theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    for m in (ours, theirs):
+        owner, attr = (m.out_proj, "weight") if name == "out_proj.weight" else (m, name)
+        setattr(owner, attr, torch.nn.Parameter(torch.randn(shape)))
+    with pytest.raises(RuntimeError, match=rf"{name} has shape \(.*expected"):
+        ours(x, x, x)
+    with pytest.raises(RuntimeError):  # torch's own error
+        theirs(x, x, x)
+    with attn.patch_torch(), pytest.raises(RuntimeError):  # falls back to torch's forward
+        theirs(x, x, x)
+
+
+def test_kvcache_append_moves_the_torch_version_counter():
+    """The append wrote through NumPy views: a graph that saved the cache
+    computed its gradient from the new rows instead of raising."""
+    B, S, H, E = 1, 4, 1, 2
+    k_cache, v_cache = torch.zeros(B, S, H, E), torch.zeros(B, S, H, E)
+    w = torch.ones(B, S, H, E, requires_grad=True)
+    y = (w * k_cache).sum()  # saves k_cache
+    q, k, v = torch.randn(B, 1, H, E), torch.ones(B, 1, H, E), torch.ones(B, 1, H, E)
+    attn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=0)
+    assert k_cache._version == 1 and v_cache._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=1)  # no append: no write
+    assert k_cache._version == 1
+
+
+def test_kvcache_inference_tensors_are_written_only_in_inference_mode():
+    B, S, H, E = 1, 4, 1, 2
+    with torch.inference_mode():
+        kc, vc = torch.zeros(B, S, H, E), torch.zeros(B, S, H, E)
+    q, k, v = torch.randn(B, 1, H, E), torch.ones(B, 1, H, E), torch.ones(B, 1, H, E)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        attn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=0)
+    assert not kc.any()
+    with torch.inference_mode():
+        attn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=0)
+    assert torch.equal(kc[0, 0], k[0, 0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_infinite_sinks_and_slopes_are_refused(dtype):
+    """+inf sinks gave NaN in float32 (out 0, lse +inf in float64); an
+    infinite ALiBi slope gave NaN (inf times the distance 0)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 3, 4)).astype(dtype) for _ in range(3))
+    with pytest.raises(ValueError, match=r"sinks holds \+inf"):
+        attn.scaled_dot_product_attention(q, k, v, sinks=np.array([np.inf, 0.0]))
+    with pytest.raises(ValueError, match="infinite slope"):
+        attn.scaled_dot_product_attention(q, k, v, alibi_slopes=np.array([0.5, -np.inf]))
+    plain = attn.scaled_dot_product_attention(q, k, v)
+    no_sink = attn.scaled_dot_product_attention(q, k, v, sinks=np.array([-np.inf, -np.inf]))
+    np.testing.assert_array_equal(plain, no_sink)
