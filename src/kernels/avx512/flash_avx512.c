@@ -415,8 +415,8 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
 }
 
 #define PV_CALL(R, NV) \
-    (tail ? pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, true, HK) \
-          : pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, false, HK))
+    (tail ? pv_tile(p, P1 ? 1 : p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, true, HK) \
+          : pv_tile(p, P1 ? 1 : p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, false, HK))
 #define PV_CASE(R)                                    \
     case R:                                           \
         switch (nv) {                                 \
@@ -428,10 +428,14 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
         break;
 
 /* Feature chunks outside, row tiles inside: one chunk of the V block
- * (keys x 64 features) stays in L1 while every row tile reads it. */
+ * (keys x 64 features) stays in L1 while every row tile reads it. P1: the
+ * weights of a tile's rows lie side by side (p_rs == 1, the queries-in-lanes
+ * layout), so one pointer reaches all six; with p_rs a variable, GCC kept
+ * six row pointers and moved the loop's counter and V pointer to the stack,
+ * a load and store per key beside the 24 multiply-adds. */
 ALWAYS_INLINE void pv_chunks(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v,
                              int64_t ldv, int rows_all, int64_t nk, int64_t Ev, float *o_all,
-                             int64_t ldo, const float *alpha_all, const int HK) {
+                             int64_t ldo, const float *alpha_all, const int HK, const bool P1) {
     const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 16 * VECS) {
         const void *ve = (const char *)v + (size_t)e * es;
@@ -471,7 +475,10 @@ ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void
                       int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
                       const float *alpha_all, const int HK) {
     if (rows_all > ROWS || Ev <= 16 * VECS || nk <= PV_KEYS) {
-        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK);
+        if (p_rs == 1) /* the lanes layout: a tile's weights side by side, one pointer */
+            pv_chunks(p_all, 1, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, true);
+        else
+            pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, false);
         return;
     }
     static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
@@ -479,7 +486,7 @@ ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void
     for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
         pv_chunks(p_all + j0 * p_cs, p_rs, p_cs, (const char *)v + (size_t)(j0 * ldv) * es, ldv,
                   rows_all, nk - j0 < PV_KEYS ? nk - j0 : PV_KEYS, Ev, o_all, ldo,
-                  j0 == 0 ? alpha_all : ones, HK);
+                  j0 == 0 ? alpha_all : ones, HK, false);
 }
 
 static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
