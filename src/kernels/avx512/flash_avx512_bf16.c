@@ -93,17 +93,34 @@ static void pack_qt_bf(const uint16_t *q, int64_t rs, int64_t cs, int64_t nr, in
 
 /* ---- St = K · Qt ---- */
 
-/* K's pair p of row `row`, broadcast: features 2p and 2p+1, or 2p and a
- * zero when 2p is the last feature (nothing past the row is read). */
-ALWAYS_INLINE __m512i k_pair(const uint16_t *row, int64_t p, int64_t E) {
+/* K's pair p of row `row`, broadcast: features 2p and 2p+1, or (ODD, the
+ * last step of an odd E) 2p and a zero, nothing past the row read. */
+ALWAYS_INLINE __m512i k_pair(const uint16_t *row, int64_t p, const bool ODD) {
     uint32_t x;
-    if (2 * p + 1 < E)
-        memcpy(&x, row + 2 * p, sizeof x);
-    else
+    if (ODD)
         x = row[2 * p];
+    else
+        memcpy(&x, row + 2 * p, sizeof x);
     return _mm512_set1_epi32((int)x);
 }
 
+/* One pair of features for the tile's keys: JK x NV products. */
+ALWAYS_INLINE void qkt_pair(__m512 acc[KEYS][QVECS], const uint32_t *qtp_p, const uint16_t *k,
+                            int64_t ldk, int64_t p, const bool ODD, const int JK, const int NV) {
+    __m512i q[QVECS];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) q[v] = _mm512_loadu_si512(qtp_p + 16 * v);
+#pragma GCC unroll 8
+    for (int j = 0; j < JK; j++) {
+        const __m512i kb = k_pair(k + j * ldk, p, ODD);
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], as_bh(kb), as_bh(q[v]));
+    }
+}
+
+/* The whole pairs in a loop without a branch, an odd E's last feature
+ * after it: with the test inside, GCC broadcast each pair from a general
+ * register and spilled a Q vector to the stack. */
 ALWAYS_INLINE void qkt_tile(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk,
                             int64_t E, float *st, int64_t ldst, const int JK, const int NV) {
     __m512 acc[KEYS][QVECS];
@@ -111,19 +128,9 @@ ALWAYS_INLINE void qkt_tile(const uint32_t *qtp, int64_t ldqt, const uint16_t *k
     for (int j = 0; j < JK; j++)
 #pragma GCC unroll 3
         for (int v = 0; v < NV; v++) acc[j][v] = _mm512_setzero_ps();
-    const int64_t pairs = (E + 1) / 2;
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512i q[QVECS];
-#pragma GCC unroll 3
-        for (int v = 0; v < NV; v++) q[v] = _mm512_loadu_si512(qtp + p * ldqt + 16 * v);
-#pragma GCC unroll 8
-        for (int j = 0; j < JK; j++) {
-            const __m512i kb = k_pair(k + j * ldk, p, E);
-#pragma GCC unroll 3
-            for (int v = 0; v < NV; v++)
-                acc[j][v] = _mm512_dpbf16_ps(acc[j][v], as_bh(kb), as_bh(q[v]));
-        }
-    }
+    const int64_t whole = E / 2;
+    for (int64_t p = 0; p < whole; p++) qkt_pair(acc, qtp + p * ldqt, k, ldk, p, false, JK, NV);
+    if (E % 2) qkt_pair(acc, qtp + whole * ldqt, k, ldk, whole, true, JK, NV);
 #pragma GCC unroll 8
     for (int j = 0; j < JK; j++)
 #pragma GCC unroll 3
