@@ -155,27 +155,33 @@ static attn_status check_mask(attn__problem *p, const attn_tensor *m, const char
     return ATTN_OK;
 }
 
+/* Appends r's masks and modifier tensors to ins / in_names from index n;
+ * returns the new count. (The modifiers' tensors are read as the rows run:
+ * an output over them would change the slopes and sinks of later rows.) */
+static int masks_and_modifiers(const attn__problem_request *r, const attn_tensor **ins,
+                               const char **in_names, int n) {
+    for (int i = 0; i < r->nmask; i++, n++) {
+        ins[n] = r->mask[i];
+        in_names[n] = r->mask_name[i];
+    }
+    if (r->modifiers != NULL) {
+        ins[n] = r->modifiers->alibi_slopes;
+        in_names[n++] = "params.alibi_slopes";
+        ins[n] = r->modifiers->sinks;
+        in_names[n++] = "params.sinks";
+    }
+    return n;
+}
+
 /* Outputs must not share memory with an input or with each other: the
  * kernels write out, weights and lse while they still read q, k, v and the
  * masks. Tested on address ranges (attn__views_overlap). */
 static attn_status check_overlaps(const attn__problem_request *r) {
     const attn_tensor *outs[3] = {r->out, r->weights, r->lse};
     const char *out_names[3] = {NAME(r, ATTN__OUT), NAME(r, ATTN__WEIGHTS), NAME(r, ATTN__LSE)};
-    /* (the modifiers' tensors are read as the rows run: an output over
-     * them would change the slopes and sinks of later rows) */
     const attn_tensor *ins[5 + ATTN__MAX_MASKS] = {r->q, r->k, r->v};
     const char *in_names[5 + ATTN__MAX_MASKS] = {NAME(r, ATTN__Q), NAME(r, ATTN__K), NAME(r, ATTN__V)};
-    int nin = 3;
-    for (int i = 0; i < r->nmask; i++, nin++) {
-        ins[nin] = r->mask[i];
-        in_names[nin] = r->mask_name[i];
-    }
-    if (r->modifiers != NULL) {
-        ins[nin] = r->modifiers->alibi_slopes;
-        in_names[nin++] = "params.alibi_slopes";
-        ins[nin] = r->modifiers->sinks;
-        in_names[nin++] = "params.sinks";
-    }
+    const int nin = masks_and_modifiers(r, ins, in_names, 3);
     for (int o = 0; o < 3; o++) {
         attn_status st = attn__check_output_layout(outs[o], out_names[o]);
         if (st != ATTN_OK) return st;
@@ -725,17 +731,7 @@ attn_status attn__problem_build_backward(attn__problem *p, const attn__problem_r
      * mask and the modifiers' tensors */
     const attn_tensor *ins[8 + ATTN__MAX_MASKS] = {g->dout, r->q, r->k, r->v, g->out, g->lse};
     const char *in_names[8 + ATTN__MAX_MASKS] = {"dout", qn, kn, vn, out_name, lse_name};
-    int nin = 6;
-    for (int i = 0; i < r->nmask; i++, nin++) {
-        ins[nin] = r->mask[i];
-        in_names[nin] = r->mask_name[i];
-    }
-    if (r->modifiers != NULL) {
-        ins[nin] = r->modifiers->alibi_slopes;
-        in_names[nin++] = "params.alibi_slopes";
-        ins[nin] = r->modifiers->sinks;
-        in_names[nin++] = "params.sinks";
-    }
+    const int nin = masks_and_modifiers(r, ins, in_names, 6);
     return check_backward_overlaps(grads, grad_names, ins, in_names, nin);
 }
 
