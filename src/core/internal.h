@@ -108,6 +108,9 @@ bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b);
 /* ATTN_ERR_OVERLAP when an output view (already checked) maps two elements
  * to one address; NULL passes. */
 attn_status attn__check_output_layout(const attn_tensor *t, const char *name);
+/* Offset, in elements, of element i of a view counted in C order over its
+ * first nd dimensions. */
+int64_t attn__linear_offset(const attn_tensor *t, int nd, int64_t i);
 
 /* A request for the cache line at p into L2, for reads ahead of a walk.
  * On x86 an asm statement: GCC treats __builtin_prefetch as free of side

@@ -214,6 +214,15 @@ static void byte_span(const attn_tensor *t, uintptr_t *lo, uintptr_t *hi) {
     *hi = (uintptr_t)t->data + (uintptr_t)((above + 1) * es);
 }
 
+int64_t attn__linear_offset(const attn_tensor *t, int nd, int64_t i) {
+    int64_t off = 0;
+    for (int d = nd - 1; d >= 0; d--) {
+        off += i % t->shape[d] * t->strides[d];
+        i /= t->shape[d];
+    }
+    return off;
+}
+
 bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b) {
     if (a == NULL || b == NULL) return false;
     uintptr_t alo, ahi, blo, bhi;

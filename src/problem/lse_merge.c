@@ -107,16 +107,6 @@ static attn_status check_merge(attn_tensor *out, attn_tensor *lse, const attn_te
     return ATTN_OK;
 }
 
-/* Offset of row `row` (linear over dims [0, nd)) in a view. */
-static int64_t row_offset(const attn_tensor *t, int nd, int64_t row) {
-    int64_t off = 0;
-    for (int d = nd - 1; d >= 0; d--) {
-        off += row % t->shape[d] * t->strides[d];
-        row /= t->shape[d];
-    }
-    return off;
-}
-
 attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse, const attn_tensor *part_out,
                             const attn_tensor *part_lse) {
     attn__clear_error();
@@ -127,8 +117,10 @@ attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse, const attn_tenso
     for (int d = 0; d < nd; d++) rows *= out->shape[d];
     const int64_t Ev = out->shape[nd], ocs = out->strides[nd], pcs = part_out->strides[nd];
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t lo = row_offset(lse, nd, r), plo = row_offset(part_lse, nd, r);
-        const int64_t oo = row_offset(out, nd, r), po = row_offset(part_out, nd, r);
+        const int64_t lo = attn__linear_offset(lse, nd, r);
+        const int64_t plo = attn__linear_offset(part_lse, nd, r);
+        const int64_t oo = attn__linear_offset(out, nd, r);
+        const int64_t po = attn__linear_offset(part_out, nd, r);
         const double parts[2] = {attn__load(lse->data, lse->dtype, lo),
                                  attn__load(part_lse->data, part_lse->dtype, plo)};
         double max, sum;

@@ -405,12 +405,7 @@ attn_status attn__per_head_operand(const attn__problem *p, const attn_tensor *t,
 static int64_t first_infinite(const attn_tensor *t, bool plus_only) {
     const int64_t n = attn_tensor_numel(t);
     for (int64_t i = 0; i < n; i++) {
-        int64_t at = 0, rest = i;
-        for (int d = t->rank - 1; d >= 0; d--) {
-            at += rest % t->shape[d] * t->strides[d];
-            rest /= t->shape[d];
-        }
-        const double x = attn__load(t->data, t->dtype, at);
+        const double x = attn__load(t->data, t->dtype, attn__linear_offset(t, t->rank, i));
         if (isinf(x) && (x > 0 || !plus_only)) return i;
     }
     return -1;
