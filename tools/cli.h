@@ -36,6 +36,9 @@ int cli_fail(const char *what, attn_status status);
 /* fopen(path, "rb") that never waits for a writer: a FIFO with none reads
  * as empty (pipes with one, `<(...)`, read as usual). NULL with errno. */
 FILE *cli_open_input(const char *path);
+/* The dtype of an lse output for queries of dtype q (attn_sdpa's rule):
+ * float64 for float64, else float32 (never 16-bit). */
+attn_dtype cli_lse_dtype(attn_dtype q);
 
 /* Prints "attn <command>: <message>" and where to find the command's help,
  * and returns CLI_USAGE. */

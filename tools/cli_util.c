@@ -11,6 +11,10 @@
 
 #include "cli.h"
 
+attn_dtype cli_lse_dtype(attn_dtype q) {
+    return q == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+}
+
 FILE *cli_open_input(const char *path) {
     /* O_NONBLOCK for the open only: a FIFO with no writer then opens at
      * once, and reads as empty, instead of holding the tool forever */

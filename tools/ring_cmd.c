@@ -286,16 +286,14 @@ static int make_outputs(ring *r, const sdpa_args *a, ring_job *j) {
         ATTN_OK)
         return fail(r, "attn: sdpa: %s", attn_last_error());
     const attn_dtype dtype = j->in[0].dtype;
-    /* lse: float32, or float64 for float64 queries (attn_sdpa's rule) */
-    const attn_dtype lse_dtype = dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
     if (alloc_tensor(&j->out, dtype, rank, shape) != 0 ||
-        (a->lse && alloc_tensor(&j->lse, lse_dtype, rank - 1, shape) != 0))
+        (a->lse && alloc_tensor(&j->lse, cli_lse_dtype(dtype), rank - 1, shape) != 0))
         return fail(r, "attn: allocating outputs: out of memory");
     /* The files hold every query: the shards' shapes with L whole. */
     shape[rank - 2] = j->src[0].shape[j->src[0].rank - 2];
     j->out_frame = (npy_frame){dtype, rank, {0}};
     memcpy(j->out_frame.shape, shape, sizeof shape);
-    j->lse_frame = (npy_frame){lse_dtype, rank - 1, {0}};
+    j->lse_frame = (npy_frame){cli_lse_dtype(dtype), rank - 1, {0}};
     memcpy(j->lse_frame.shape, shape, sizeof shape);
     return CLI_OK;
 }

@@ -258,9 +258,8 @@ static int compute(sdpa_args *a, sdpa_run *r) {
     wshape[rank - 1] = r->k.shape[r->k.rank - 2];
     if ((st = make_output(&r->out, r->q.dtype, rank, shape)) != ATTN_OK ||
         (a->weights && (st = make_output(&r->w, r->q.dtype, rank, wshape)) != ATTN_OK) ||
-        (a->lse && (st = make_output(&r->lse, r->q.dtype == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64
-                                                                            : ATTN_DTYPE_F32,
-                                     rank - 1, shape)) != ATTN_OK)) /* lse: attn_sdpa's rule */
+        (a->lse && (st = make_output(&r->lse, cli_lse_dtype(r->q.dtype), rank - 1, shape)) !=
+                       ATTN_OK))
         return cli_fail("allocating outputs", st);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);

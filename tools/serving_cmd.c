@@ -243,11 +243,6 @@ static int load_index(const char *option, const char *path, attn_tensor *t) {
     return path == NULL ? CLI_OK : cli_load_index(option, path, t);
 }
 
-/* lse is float32, float64 for float64 queries (attn.h: never 16-bit). */
-static attn_dtype lse_dtype(attn_dtype q) {
-    return q == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
-}
-
 /* A zero-filled C-contiguous tensor; every element set to `fill` unless 0
  * (a fill only for float32 and float64 tensors: lse). */
 static int make_output(attn_tensor *t, attn_dtype dtype, int rank, const int64_t *shape,
@@ -307,7 +302,8 @@ static int varlen_compute(serving_args *a, varlen_run *r, double *ms) {
     const int64_t lshape[2] = {r->q.shape[1], r->q.shape[0]};
     /* Rows no sequence holds are left as they are: out 0, lse -inf. */
     rc = make_output(&r->out, r->q.dtype, 3, oshape, 0.0);
-    if (rc == CLI_OK && a->lse) rc = make_output(&r->lse, lse_dtype(r->q.dtype), 2, lshape, -INFINITY);
+    if (rc == CLI_OK && a->lse)
+        rc = make_output(&r->lse, cli_lse_dtype(r->q.dtype), 2, lshape, -INFINITY);
     if (rc != CLI_OK) return rc;
     const long long max_q = a->max_q >= 0 ? a->max_q : longest(&r->cu_q);
     const long long max_k = a->max_k >= 0 ? a->max_k : longest(&r->cu_k);
@@ -376,7 +372,8 @@ static int kvcache_compute(serving_args *a, kvcache_run *r, double *ms) {
     const int64_t oshape[4] = {r->q.shape[0], r->q.shape[1], r->q.shape[2], r->v_cache.shape[3]};
     const int64_t lshape[3] = {r->q.shape[0], r->q.shape[2], r->q.shape[1]};
     rc = make_output(&r->out, r->q.dtype, 4, oshape, 0.0);
-    if (rc == CLI_OK && a->lse) rc = make_output(&r->lse, lse_dtype(r->q.dtype), 3, lshape, 0.0);
+    if (rc == CLI_OK && a->lse)
+        rc = make_output(&r->lse, cli_lse_dtype(r->q.dtype), 3, lshape, 0.0);
     if (rc != CLI_OK) return rc;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
