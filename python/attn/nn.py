@@ -335,11 +335,11 @@ class MultiheadAttention(torch.nn.Module):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
-        shapes = _shape_problem(self)
-        if shapes is not None:  # torch's module raises RuntimeError here too
-            raise RuntimeError(f"attn.nn.MultiheadAttention: {shapes}")
         why = _unsupported(self, query, key, value, key_padding_mask, attn_mask)
         if why is not None:
+            shapes = _shape_problem(self)
+            if shapes is not None:  # torch's module raises RuntimeError here too
+                raise RuntimeError(f"attn.nn.MultiheadAttention: {shapes}")
             raise TypeError(f"attn.nn.MultiheadAttention runs on {why}")
         return _mha_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                          average_attn_weights, is_causal)
