@@ -57,6 +57,10 @@
  * the same way (the ring sets MPI_ERRORS_RETURN on its own duplicate of
  * comm, never on the caller's). After ATTN_ERR_COMM the job is broken: call
  * MPI_Abort. Under mpirun a rank that dies also makes mpirun end the job.
+ * The duplicate is made by the first call on comm and kept as an attribute
+ * of comm (freed when comm is freed), so only that first call has a
+ * collective wait (MPI_Comm_idup), whose timeout cannot say which rank is
+ * missing; every later wait is on one peer and names it.
  *
  * Threads: each rank computes with libattn's threads (attn_set_num_threads;
  * give each rank its share of the cores). MPI must be initialised; a

@@ -1,7 +1,9 @@
 /* comm.c — the ring's messages. Every wait has a deadline: a peer that is
  * killed, hung or cut off makes the call fail with ATTN_ERR_COMM, never hang
  * (MPI's own blocking calls would wait forever for a stopped process). */
+#include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -60,6 +62,35 @@ static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, 
                           rc->rank, rc->step, to, what, rc->timeout);
 }
 
+/* ---- the ring's own communicator, one per caller's communicator ---- */
+
+/* The duplicate is made on the first call on a communicator and cached on it
+ * (an attribute), so later calls start with point-to-point waits that name
+ * the silent peer: a duplication is collective, and a rank that hangs between
+ * two calls would leave the next one's MPI_Comm_idup unable to say who. */
+static _Atomic int g_keyval = MPI_KEYVAL_INVALID;
+
+static int free_cached(MPI_Comm comm, int keyval, void *attr, void *extra) {
+    (void)comm, (void)keyval, (void)extra;
+    MPI_Comm *own = attr;
+    if (*own != MPI_COMM_NULL) MPI_Comm_free(own);
+    free(own);
+    return MPI_SUCCESS;
+}
+
+static int cache_keyval(void) {
+    int kv = atomic_load(&g_keyval);
+    if (kv != MPI_KEYVAL_INVALID) return kv;
+    if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, free_cached, &kv, NULL) != MPI_SUCCESS)
+        return MPI_KEYVAL_INVALID;
+    int none = MPI_KEYVAL_INVALID;
+    if (!atomic_compare_exchange_strong(&g_keyval, &none, kv)) { /* another thread won */
+        MPI_Comm_free_keyval(&kv);
+        kv = none;
+    }
+    return kv;
+}
+
 attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
     memset(rc, 0, sizeof *rc);
     rc->comm = MPI_COMM_NULL;
@@ -76,21 +107,44 @@ attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
     int err = MPI_Comm_rank(comm, &rc->rank);
     if (err == MPI_SUCCESS) err = MPI_Comm_size(comm, &rc->n);
     if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Comm_rank");
+    const int kv = cache_keyval();
+    if (kv != MPI_KEYVAL_INVALID) {
+        MPI_Comm *cached = NULL;
+        int found = 0;
+        if (MPI_Comm_get_attr(comm, kv, &cached, &found) == MPI_SUCCESS && found) {
+            rc->comm = *cached;
+            return ATTN_OK;
+        }
+    }
+    MPI_Comm *own = malloc(sizeof *own);
+    if (own == NULL)
+        return attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (communicator)");
     MPI_Request req;
-    err = MPI_Comm_idup(comm, &rc->comm, &req);
-    if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Comm_idup");
+    err = MPI_Comm_idup(comm, own, &req);
+    if (err != MPI_SUCCESS) {
+        free(own);
+        return mpi_failed(rc, err, "MPI_Comm_idup");
+    }
     attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + timeout, "duplicating comm", NULL);
-    if (st != ATTN_OK) {
-        rc->comm = MPI_COMM_NULL; /* unusable; MPI owns it now */
+    if (st != ATTN_OK) { /* unusable, and MPI owns it now: leave it */
+        free(own);
         return st;
     }
     /* Errors on our own communicator come back as codes, not aborts. */
-    MPI_Comm_set_errhandler(rc->comm, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(*own, MPI_ERRORS_RETURN);
+    rc->comm = *own;
+    if (kv == MPI_KEYVAL_INVALID || MPI_Comm_set_attr(comm, kv, own) != MPI_SUCCESS)
+        rc->owned = own; /* not cached: this call frees it */
     return ATTN_OK;
 }
 
 void ring_comm_close(ring_comm *rc) {
-    if (rc->comm != MPI_COMM_NULL) MPI_Comm_free(&rc->comm);
+    if (rc->owned != NULL) {
+        MPI_Comm_free(rc->owned);
+        free(rc->owned);
+        rc->owned = NULL;
+    }
+    rc->comm = MPI_COMM_NULL;
 }
 
 enum { PIECE = 1 << 30 }; /* bytes per message piece: counts are ints */
@@ -146,12 +200,21 @@ void ring_desc_put(ring_desc *d, int *count, const char *name, int64_t value) {
 }
 
 attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_desc *all) {
-    MPI_Request req;
-    int err = MPI_Iallgather(mine, (int)sizeof *mine, MPI_BYTE, all, (int)sizeof *mine, MPI_BYTE,
-                             rc->comm, &req);
-    if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Iallgather");
-    attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + rc->timeout, "the agreement", NULL);
-    if (st != ATTN_OK) return st;
+    /* A ring allgather, not MPI_Iallgather: hop h passes on the description
+     * that arrived at hop h - 1, so every wait is on one peer, and a timeout
+     * names it (a collective's cannot). */
+    const int n = rc->n, next = (rc->rank + 1) % n, prev = (rc->rank + n - 1) % n;
+    all[rc->rank] = *mine;
+    for (int hop = 0; hop < n - 1; hop++) {
+        ring_msgs m;
+        memset(&m, 0, sizeof m);
+        m.what = "call description";
+        const int out = (rc->rank - hop + n) % n, in = (prev - hop + n) % n;
+        attn_status st = ring_recv(rc, &all[in], sizeof *all, prev, 1 << 21 | hop, &m);
+        if (st == ATTN_OK) st = ring_send(rc, &all[out], sizeof *all, next, 1 << 21 | hop, &m);
+        if (st == ATTN_OK) st = ring_wait(rc, &m);
+        if (st != ATTN_OK) return st;
+    }
     if (mine->status != ATTN_OK) /* our own message is already set */
         return attn_set_error((attn_status)mine->status, mine->arg, "%s", mine->msg);
     for (int r = 0; r < rc->n; r++)
@@ -174,7 +237,7 @@ attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_des
     return ATTN_OK;
 }
 
-attn_status ring_finish(ring_comm *rc, attn_status mine) {
+attn_status ring_finish(ring_comm *rc, attn_status mine, const char *what) {
     /* the worst status and the first rank that failed, passed round the
      * ring (N - 1 hops): a wait that times out names the rank before */
     int acc[2] = {(int)mine, mine != ATTN_OK ? rc->rank : rc->n}, in[2];
@@ -183,7 +246,7 @@ attn_status ring_finish(ring_comm *rc, attn_status mine) {
     for (int hop = 0; hop < rc->n - 1 && st == ATTN_OK; hop++) {
         ring_msgs m;
         memset(&m, 0, sizeof m);
-        m.what = "final status";
+        m.what = what;
         st = ring_recv(rc, in, sizeof in, prev, 1 << 20 | hop, &m);
         if (st == ATTN_OK) st = ring_send(rc, acc, sizeof acc, next, 1 << 20 | hop, &m);
         if (st == ATTN_OK) st = ring_wait(rc, &m);

@@ -265,7 +265,7 @@ static attn_status agree(ring_call *c, attn_status local, int kind, const attn_t
     attn_status room = ATTN_OK;
     if (all == NULL || c->Ls == NULL || c->Ss == NULL)
         room = attn_set_error(ATTN_ERR_NOMEM, NULL, "attn_ring: out of memory (agreement)");
-    attn_status st = ring_finish(&c->rc, room);
+    attn_status st = ring_finish(&c->rc, room, "agreement message");
     if (st != ATTN_OK) {
         attn_free(all);
         return st;
@@ -494,12 +494,12 @@ static attn_status run(ring_call *c, attn_status local, int kind, const attn_ten
     if (st == ATTN_OK) {
         attn_status mine = alloc_kv(c);
         if (mine == ATTN_OK) mine = alloc(c, ctx);
-        st = ring_finish(&c->rc, mine);
+        st = ring_finish(&c->rc, mine, "buffers-ready message");
     }
     if (st == ATTN_OK) {
         pack_own(c);
         st = steps(c, ctx);
-        if (st == ATTN_OK) st = ring_finish(&c->rc, c->status);
+        if (st == ATTN_OK) st = ring_finish(&c->rc, c->status, "final status");
     }
     return st;
 }

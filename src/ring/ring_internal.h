@@ -45,6 +45,7 @@ size_t ring_bytes(const attn_tensor *t, attn_dtype dtype);
 
 typedef struct ring_comm {
     MPI_Comm comm;        /* the ring's own duplicate, MPI_ERRORS_RETURN */
+    MPI_Comm *owned;      /* the duplicate when it could not be cached, else NULL */
     int rank, n;
     double timeout;       /* seconds per wait */
     int step;             /* for messages: the ring step under way */
@@ -58,7 +59,8 @@ typedef struct ring_msgs {
     const char *what;     /* "K/V shard", "dK/dV sums", ... for messages */
 } ring_msgs;
 
-/* Duplicates comm (non-blocking, within the timeout) and sets it up. */
+/* The ring's duplicate of comm: made (non-blocking, within the timeout) on
+ * the first call on comm and cached on it, freed with comm. */
 attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc);
 void ring_comm_close(ring_comm *rc);
 
@@ -91,7 +93,8 @@ void ring_desc_put(ring_desc *d, int *count, const char *name, int64_t value);
  * entry that differs fails naming the first rank that differs. */
 attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_desc *all);
 
-/* Every rank's status after the ring: all fail when one did. */
-attn_status ring_finish(ring_comm *rc, attn_status mine);
+/* Every rank's status, passed round the ring: all fail when one did.
+ * `what` names the exchange in a timeout's message. */
+attn_status ring_finish(ring_comm *rc, attn_status mine, const char *what);
 
 #endif /* ATTN_RING_INTERNAL_H */

@@ -10,6 +10,10 @@
 #              MPI_Abort); the stopped process is killed afterwards. Where
 #              the stop lands (a K/V wait, the final status) varies: every
 #              wait must name the rank it waits on
+#   stop-between  rank 1 stops itself (SIGSTOP) once its first call has
+#              returned: the others' next call must fail the same way, its
+#              first wait naming rank 1 (the ring's communicator is cached,
+#              so no collective stands before that wait)
 #   mismatch-seq | mismatch-heads | mismatch-E | mismatch-causal
 #              one rank calls with a different shard length / head count /
 #              feature size / causal flag: every rank must be refused
@@ -104,33 +108,10 @@ wait_pids() { # every rank has written its PID file: it is in the ring call
 big=(check --no-check -H 4 -L 16384 -E 64 --repeat 40 --pid-dir "$tmp")
 victim=1
 
-case $case in
-kill)
-    start_job "${big[@]}" --timeout 20
-    wait_pids
-    sleep 1
-    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
-    kill -KILL "$pid"
-    t0=$SECONDS
-    echo "faults.sh: killed rank $victim (pid $pid) with SIGKILL"
-    # Open MPI notices a dead rank at once; our timeout (20 s) is the bound.
-    wait_job 45 || fail "the job still runs 45 s after rank $victim was killed (a hang)"
-    [ "$status" != 0 ] || fail "the job exited 0 although rank $victim was killed"
-    # mpirun's or attn's message (not the driver's own "rank R: ring call")
-    named=$(grep -v "^rank [0-9]*: ring call" "$log" |
-        grep -E "rank $victim\b|peer $victim\b|\[\[[0-9]+,1\],$victim\]" || true)
-    [ -n "$named" ] || fail "no message names rank $victim"
-    echo "faults.sh: the job ended with status $status $((SECONDS - t0)) s after the kill:"
-    echo "$named" | head -5
-    ;;
-stop)
-    start_job "${big[@]}" --timeout 3
-    wait_pids
-    sleep 1
-    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
-    kill -STOP "$pid"
-    t0=$SECONDS
-    echo "faults.sh: stopped rank $victim (pid $pid) with SIGSTOP"
+# After rank $victim ($pid) was stopped at $t0: the job must end within 40 s,
+# non-zero, with ATTN_ERR_COMM messages that name the stopped rank, a step
+# and the 3 s timeout.
+check_stopped_peer() {
     # 3 s timeout + at most one step's compute, then MPI_Abort ends the job.
     if ! wait_job 40; then
         kill -KILL "$pid" 2>/dev/null || true
@@ -164,6 +145,44 @@ stop)
     echo "faults.sh: the job ended with status $status $((SECONDS - t0)) s after the stop" \
         "(the stopped rank outlived the job: $still); the errors:"
     grep "ATTN_ERR_COMM" "$log"
+}
+
+case $case in
+kill)
+    start_job "${big[@]}" --timeout 20
+    wait_pids
+    sleep 1
+    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
+    kill -KILL "$pid"
+    t0=$SECONDS
+    echo "faults.sh: killed rank $victim (pid $pid) with SIGKILL"
+    # Open MPI notices a dead rank at once; our timeout (20 s) is the bound.
+    wait_job 45 || fail "the job still runs 45 s after rank $victim was killed (a hang)"
+    [ "$status" != 0 ] || fail "the job exited 0 although rank $victim was killed"
+    # mpirun's or attn's message (not the driver's own "rank R: ring call")
+    named=$(grep -v "^rank [0-9]*: ring call" "$log" |
+        grep -E "rank $victim\b|peer $victim\b|\[\[[0-9]+,1\],$victim\]" || true)
+    [ -n "$named" ] || fail "no message names rank $victim"
+    echo "faults.sh: the job ended with status $status $((SECONDS - t0)) s after the kill:"
+    echo "$named" | head -5
+    ;;
+stop)
+    start_job "${big[@]}" --timeout 3
+    wait_pids
+    sleep 1
+    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
+    kill -STOP "$pid"
+    t0=$SECONDS
+    echo "faults.sh: stopped rank $victim (pid $pid) with SIGSTOP"
+    check_stopped_peer
+    ;;
+stop-between)
+    start_job "${big[@]}" --timeout 3 --stop-after-call 1 --stop-rank $victim
+    wait_pids
+    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
+    t0=$SECONDS
+    echo "faults.sh: rank $victim (pid $pid) stops itself after its first call"
+    check_stopped_peer
     ;;
 mismatch-*)
     what=${case#mismatch-}

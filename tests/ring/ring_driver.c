@@ -20,7 +20,9 @@
  * knows the ranks are computing), --mismatch seq|E|heads|causal with
  * --mismatch-rank R (rank R calls with that one thing different) and
  * --expect-error NAME[,NAME] (pass only if the call fails with ATTN_ERR_<NAME>
- * before any compute: sooner than half of one step's local compute).
+ * before any compute: sooner than half of one step's local compute),
+ * --stop-after-call N with --stop-rank R (rank R stops itself with SIGSTOP
+ * once its call N has returned: a peer hung between two calls).
  * After ATTN_ERR_COMM the driver calls MPI_Abort, as attn_ring.h says.
  */
 #define _GNU_SOURCE /* getopt_long, gethostname */
@@ -30,6 +32,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -49,6 +52,7 @@ typedef struct opts {
     const char *mismatch;
     int mismatch_rank;
     const char *expect_error;
+    int stop_after, stop_rank;
 } opts;
 
 static int g_rank, g_size;
@@ -224,13 +228,16 @@ static int run_check(const opts *o) {
         t_step = MPI_Wtime() - t0;
     }
 
+    /* All ranks start together: a refusal's time is then the call's own.
+     * Only here: between the calls a barrier would be a wait with no
+     * deadline, where a rank stopped at the end of one call hangs the job
+     * (tests/ring/faults.sh stop); the next call's bounded waits find it. */
+    MPI_Barrier(MPI_COMM_WORLD);
     if (o->pid_dir)
         write_pid(o->pid_dir);
     int fails = 0;
     for (int it = 0; it < o->repeat; it++) {
         memset(out, 0xff, (size_t)(B * H * Lr * Ev) * sizeof(float)); /* NaN: no stale rows */
-        /* all ranks start together: a refusal's time is then the call's own */
-        MPI_Barrier(MPI_COMM_WORLD);
         double t0 = MPI_Wtime();
         attn_status st = attn_ring_sdpa(MPI_COMM_WORLD, &tq, &tk, &tv, &p, &tout, NULL);
         double dt = MPI_Wtime() - t0;
@@ -267,6 +274,11 @@ static int run_check(const opts *o) {
                    "%lld bytes sent)\n",
                    r, dt, stats.compute, stats.wait, stats.agree, stats.steps,
                    (long long)stats.bytes_sent);
+        if (it + 1 == o->stop_after && r == o->stop_rank) {
+            printf("rank %d: call %d returned; stopping (SIGSTOP)\n", r, it + 1);
+            fflush(stdout);
+            raise(SIGSTOP);
+        }
     }
 
     if (o->check) {
@@ -399,7 +411,7 @@ int main(int argc, char **argv) {
 
     opts o = {.B = 1, .H = 2, .Hkv = 0, .L = 512, .S = 0, .E = 64, .Ev = 0, .seed = 1,
               .timeout = 60, .threads = 1, .repeat = 1, .check = 1, .tol = 1e-5,
-              .layout = ATTN_RING_ZIGZAG, .mismatch_rank = -1};
+              .layout = ATTN_RING_ZIGZAG, .mismatch_rank = -1, .stop_rank = -1};
     int mode_pingpong = 0, reps = 5;
     if (argc > 1 && argv[1][0] != '-') {
         if (!strcmp(argv[1], "pingpong"))
@@ -414,7 +426,8 @@ int main(int argc, char **argv) {
         {"timeout", 1, 0, 't'},  {"threads", 1, 0, 'T'}, {"repeat", 1, 0, 'r'},
         {"tol", 1, 0, 'o'},      {"no-check", 0, 0, 'n'}, {"pid-dir", 1, 0, 'p'},
         {"mismatch", 1, 0, 'm'}, {"mismatch-rank", 1, 0, 'R'}, {"expect-error", 1, 0, 'x'},
-        {"reps", 1, 0, 'e'},     {0, 0, 0, 0}};
+        {"reps", 1, 0, 'e'},     {"stop-after-call", 1, 0, 'a'}, {"stop-rank", 1, 0, 'b'},
+        {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "B:H:L:S:E:", lo, NULL)) != -1) {
         switch (c) {
@@ -446,6 +459,8 @@ int main(int argc, char **argv) {
         case 'R': o.mismatch_rank = atoi(optarg); break;
         case 'x': o.expect_error = optarg; break;
         case 'e': reps = atoi(optarg); break;
+        case 'a': o.stop_after = atoi(optarg); break;
+        case 'b': o.stop_rank = atoi(optarg); break;
         default: die("bad option (see the comment at the top of ring_driver.c)");
         }
     }

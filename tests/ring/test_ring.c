@@ -292,6 +292,37 @@ static void test_disagreement_fails_everywhere(void) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->data);
 }
 
+/* The ring's own communicator is made on the first call on a communicator
+ * and kept on it: calls on MPI_COMM_WORLD, on a duplicate, and on a new
+ * duplicate after that one was freed (its cached communicator freed with it)
+ * give the same bits. */
+static void test_communicators_are_cached_and_freed(void) {
+    const int64_t shape[3] = {2, 16 * NRANKS, 16};
+    buf q = make(ATTN_DTYPE_F32, 3, shape, 11, 1), k = make(ATTN_DTYPE_F32, 3, shape, 12, 1);
+    buf v = make(ATTN_DTYPE_F32, 3, shape, 13, 1);
+    buf qs = shard_of(&q, 1, ATTN_RING_ZIGZAG, NULL), ks = shard_of(&k, 1, ATTN_RING_ZIGZAG, NULL);
+    buf vs = shard_of(&v, 1, ATTN_RING_ZIGZAG, NULL);
+    buf first = make(ATTN_DTYPE_F32, 3, qs.t.shape, 0, 0), out = make(ATTN_DTYPE_F32, 3, qs.t.shape, 0, 0);
+    const size_t bytes = (size_t)(qs.t.shape[0] * qs.t.shape[1] * qs.t.shape[2]) * sizeof(float);
+    attn_ring_params rp;
+    attn_ring_params_init(&rp);
+    rp.sdpa.causal = ATTN_CAUSAL_TOP_LEFT;
+    CHECK_STATUS(attn_ring_sdpa(MPI_COMM_WORLD, &qs.t, &ks.t, &vs.t, &rp, &first.t, NULL), ATTN_OK);
+    for (int round = 0; round < 2; round++) {
+        MPI_Comm c;
+        MPI_Comm_dup(MPI_COMM_WORLD, &c);
+        for (int call = 0; call < 2; call++) {
+            memset(out.data, 0xff, bytes);
+            CHECK_STATUS(attn_ring_sdpa(c, &qs.t, &ks.t, &vs.t, &rp, &out.t, NULL), ATTN_OK);
+            CHECK(memcmp(out.data, first.data, bytes) == 0,
+                  "round %d, call %d on a duplicate: other bits than on MPI_COMM_WORLD", round, call);
+        }
+        MPI_Comm_free(&c); /* frees the ring's communicator cached on c */
+    }
+    buf *all[] = {&q, &k, &v, &qs, &ks, &vs, &first, &out};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->data);
+}
+
 /* The shard helpers: runs cover the sequence once; shard + unshard is the
  * identity. */
 static void test_shard_helpers(void) {
@@ -471,6 +502,7 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &NRANKS);
     static const harness_test tests[] = {T(test_shard_helpers), T(test_ring_matches_single_process),
                                          T(test_disagreement_fails_everywhere),
+                                         T(test_communicators_are_cached_and_freed),
                                          T(test_allocation_failures), T(test_hostile_arguments)};
     if (RANK != 0) { /* one summary, from rank 0; the others speak on failure */
         if (freopen("/dev/null", "w", stdout) == NULL) return 1;
