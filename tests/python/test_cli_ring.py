@@ -408,9 +408,12 @@ def cpu_seconds(pid):
 
 def stop_rank_mid_ring(tmp_path, sig, *extra):
     """Runs 2 ranks on a problem of seconds, sends rank 1 `sig` once it is
-    computing; returns (exit code, stderr, seconds from the signal)."""
+    computing; returns (exit code, stderr, seconds from the signal).
+    The problem keeps each rank computing for seconds on the fastest CPU
+    seen (Zen 5: ~3 s; at (1, 8, 8192, 64) the job ended in 0.4 s, before
+    rank 1 had used the 0.5 s of CPU that marks it as computing)."""
     g = np.random.default_rng(2)
-    q = save(tmp_path / "q.npy", g.standard_normal((1, 8, 8192, 64)).astype(np.float32))
+    q = save(tmp_path / "q.npy", g.standard_normal((1, 16, 16384, 64)).astype(np.float32))
     target = old_target(tmp_path)
     cmd = [MPIRUN, "-np", "2", CLI, "sdpa", "--ring", "-q", q, "-k", q, "-v", q, "-o", target,
            "--threads", "1", *extra]
