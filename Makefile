@@ -146,7 +146,8 @@ test-tsan:
 	@cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DATTN_WERROR=ON -DATTN_TSAN=ON \
 		-DATTN_OPENMP=OFF -DATTN_BUILD_BENCH=OFF $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(TSAN_BUILD) -j $(JOBS) --target test_concurrency
-	@cd $(TSAN_BUILD) && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 $(TSAN_OPTIONS)" \
+	@cd $(TSAN_BUILD) && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 \
+		suppressions=$(CURDIR)/tests/tsan/attn.supp $(TSAN_OPTIONS)" \
 		ATTN_CONCURRENCY_ITERS=200 ctest --output-on-failure -R '^test_concurrency$$'
 
 # Valgrind tier: the attn tool, built as users get it (Release, OpenMP,
