@@ -124,7 +124,8 @@ ATTN_API void attn_ring_params_init(attn_ring_params *params);
  *   lse (B..., Hq, L_shard)       optional: float32 (float64 queries:
  *                                 float64) or float64; the whole
  *                                 row's log-sum-exp (for the backward)
- * Collective over comm: every rank must call it. */
+ * Collective over comm (an intracommunicator; an intercommunicator is
+ * ATTN_ERR_INVALID naming comm): every rank must call it. */
 ATTN_API attn_status attn_ring_sdpa(MPI_Comm comm, const attn_tensor *q, const attn_tensor *k,
                                     const attn_tensor *v, const attn_ring_params *params,
                                     attn_tensor *out, attn_tensor *lse);

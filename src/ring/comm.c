@@ -104,7 +104,13 @@ attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
                               fin ? "finalized" : "not initialised");
     if (comm == MPI_COMM_NULL)
         return attn_set_error(ATTN_ERR_INVALID, "comm", "attn_ring: comm is MPI_COMM_NULL");
-    int err = MPI_Comm_rank(comm, &rc->rank);
+    int inter = 0;
+    int err = MPI_Comm_test_inter(comm, &inter);
+    if (err == MPI_SUCCESS && inter)
+        return attn_set_error(ATTN_ERR_INVALID, "comm",
+                              "attn_ring: comm is an intercommunicator; the ring runs over the "
+                              "ranks of one group (an intracommunicator)");
+    if (err == MPI_SUCCESS) err = MPI_Comm_rank(comm, &rc->rank);
     if (err == MPI_SUCCESS) err = MPI_Comm_size(comm, &rc->n);
     if (err != MPI_SUCCESS) return mpi_failed(rc, err, "MPI_Comm_rank");
     const int kv = cache_keyval();

@@ -477,6 +477,17 @@ static void test_hostile_arguments(void) {
     }
     CHECK_ARG(attn_ring_sdpa(MPI_COMM_NULL, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
               "comm");
+    if (NRANKS >= 2) { /* an intercommunicator (even ranks against odd ones) is refused */
+        MPI_Comm half, inter;
+        MPI_Comm_split(W, RANK % 2, RANK, &half);
+        MPI_Intercomm_create(half, 0, W, RANK % 2 == 0 ? 1 : 0, 77, &inter);
+        CHECK_ARG(attn_ring_sdpa(inter, &q.t, &k.t, &v.t, &rp, &out.t, NULL), ATTN_ERR_INVALID,
+                  "comm");
+        CHECK(strstr(attn_last_error(), "intercommunicator") != NULL, "message: %s",
+              attn_last_error());
+        MPI_Comm_free(&inter);
+        MPI_Comm_free(&half);
+    }
     /* the backward's own */
     CHECK_ARG(attn_ring_sdpa_backward(W, &out.t, &q.t, &k.t, &v.t, &out.t, NULL, &rp, NULL, NULL,
                                       NULL), ATTN_ERR_NULL, "lse");
