@@ -14,12 +14,20 @@ static void pause_briefly(void) { /* waiting: leave the core to others */
     nanosleep(&ts, NULL);
 }
 
+/* "ring step t", or, outside the steps (rc->step < 0: the agreement, the
+ * buffers' check), "before the ring steps". */
+static const char *phase(const ring_comm *rc, char *buf, size_t size) {
+    if (rc->step < 0) return "before the ring steps";
+    snprintf(buf, size, "ring step %d", rc->step);
+    return buf;
+}
+
 static attn_status mpi_failed(const ring_comm *rc, int err, const char *what) {
-    char text[MPI_MAX_ERROR_STRING];
+    char text[MPI_MAX_ERROR_STRING], at[32];
     int len = 0;
     if (MPI_Error_string(err, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "code %d", err);
-    return attn_set_error(ATTN_ERR_COMM, NULL, "attn_ring: rank %d, step %d: %s failed: %s",
-                          rc->rank, rc->step, what, text);
+    return attn_set_error(ATTN_ERR_COMM, NULL, "attn_ring: rank %d, %s: %s failed: %s", rc->rank,
+                          phase(rc, at, sizeof at), what, text);
 }
 
 /* Tests `req` until it completes or `deadline` (MPI_Wtime) passes.
@@ -51,15 +59,19 @@ static attn_status wait_until(const ring_comm *rc, int count, MPI_Request *req, 
     /* Withdraw what is open: the buffers are about to be freed. */
     for (int i = 0; i < count; i++)
         if (req[i] != MPI_REQUEST_NULL) MPI_Cancel(&req[i]);
+    /* The peer waited on may itself be waiting on its own neighbour: a
+     * message names the one this rank saw fall silent, not the culprit. */
+    char at[32];
     if (from >= 0)
         return attn_set_error(ATTN_ERR_COMM, NULL,
-                              "attn_ring: rank %d, ring step %d: no %s from rank %d within "
-                              "%g s; rank %d is dead, hung or cut off (params.timeout)",
-                              rc->rank, rc->step, what, from, rc->timeout, from);
+                              "attn_ring: rank %d, %s: no %s from rank %d within %g s; rank %d, "
+                              "or a rank it waits on in turn, is dead, hung or cut off "
+                              "(params.timeout)",
+                              rc->rank, phase(rc, at, sizeof at), what, from, rc->timeout, from);
     return attn_set_error(ATTN_ERR_COMM, NULL,
-                          "attn_ring: rank %d, ring step %d: rank %d took no %s within %g s; "
-                          "it is dead, hung or cut off (params.timeout)",
-                          rc->rank, rc->step, to, what, rc->timeout);
+                          "attn_ring: rank %d, %s: rank %d took no %s within %g s; it, or a rank "
+                          "it waits on in turn, is dead, hung or cut off (params.timeout)",
+                          rc->rank, phase(rc, at, sizeof at), to, what, rc->timeout);
 }
 
 /* ---- the ring's own communicator, one per caller's communicator ---- */
@@ -95,6 +107,7 @@ attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
     memset(rc, 0, sizeof *rc);
     rc->comm = MPI_COMM_NULL;
     rc->timeout = timeout;
+    rc->step = -1; /* the steps set it */
     int init = 0, fin = 0;
     MPI_Initialized(&init);
     MPI_Finalized(&fin);
@@ -132,10 +145,9 @@ attn_status ring_comm_open(MPI_Comm comm, double timeout, ring_comm *rc) {
         return mpi_failed(rc, err, "MPI_Comm_idup");
     }
     attn_status st = wait_until(rc, 1, &req, MPI_Wtime() + timeout, "duplicating comm", NULL);
-    if (st != ATTN_OK) { /* unusable, and MPI owns it now: leave it */
-        free(own);
+    if (st != ATTN_OK) /* own is not freed: the abandoned request may still write the new
+                          communicator there (8 bytes, after an error that ends the job) */
         return st;
-    }
     /* Errors on our own communicator come back as codes, not aborts. */
     MPI_Comm_set_errhandler(*own, MPI_ERRORS_RETURN);
     rc->comm = *own;

@@ -401,7 +401,8 @@ static void compute_step(ring_call *c, int o, const kv_layout *m, piece_fn piece
         }
     const double dt = MPI_Wtime() - t0;
     c->t_compute += dt;
-    if (c->prm.stats != NULL && c->rc.step < 64) c->prm.stats->step_compute[c->rc.step] = dt;
+    if (c->prm.stats != NULL && c->rc.step >= 0 && c->rc.step < 64)
+        c->prm.stats->step_compute[c->rc.step] = dt;
 }
 
 /* Waits for the step's messages, timing it. */
@@ -411,7 +412,8 @@ static attn_status wait_step(ring_call *c, ring_msgs *msgs, int n) {
     for (int i = 0; i < n && st == ATTN_OK; i++) st = ring_wait(&c->rc, &msgs[i]);
     const double dt = MPI_Wtime() - t0;
     c->t_wait += dt;
-    if (c->prm.stats != NULL && c->rc.step < 64) c->prm.stats->step_wait[c->rc.step] += dt;
+    if (c->prm.stats != NULL && c->rc.step >= 0 && c->rc.step < 64)
+        c->prm.stats->step_wait[c->rc.step] += dt;
     return st;
 }
 
@@ -429,12 +431,22 @@ static attn_status post_kv(ring_call *c, int t, ring_msgs *m) {
     return st;
 }
 
-/* Packs this rank's K, V and mask into the first message buffer. */
+/* Packs this rank's K, V and mask into the first message buffer. A mask
+ * broadcast over the keys (last dimension 1, as attn_sdpa takes it) is
+ * spelled out: the message holds one entry per key of the shard. */
 static void pack_own(ring_call *c) {
     const kv_layout m = kv_layout_of(c, c->rc.rank, c->kv[0]);
     ring_copy(c->k, &m.k);
     ring_copy(c->v, &m.v);
-    if (c->mask != NULL) ring_copy(c->mask, &m.mask);
+    if (c->mask != NULL) {
+        attn_tensor mask = *c->mask;
+        const int last = mask.rank - 1;
+        if (mask.shape[last] == 1) {
+            mask.shape[last] = m.mask.shape[last];
+            mask.strides[last] = 0;
+        }
+        ring_copy(&mask, &m.mask);
+    }
 }
 
 /* ---- set-up shared by both passes ---- */

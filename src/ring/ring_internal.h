@@ -48,7 +48,7 @@ typedef struct ring_comm {
     MPI_Comm *owned;      /* the duplicate when it could not be cached, else NULL */
     int rank, n;
     double timeout;       /* seconds per wait */
-    int step;             /* for messages: the ring step under way */
+    int step;             /* for messages: the ring step under way; -1 before the steps */
 } ring_comm;
 
 /* A set of outstanding non-blocking operations. */

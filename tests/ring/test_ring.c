@@ -121,7 +121,7 @@ typedef struct ring_case {
     attn_causal causal;
     double dropout;
     attn_ring_layout layout;
-    int key_mask, uneven, backward;
+    int key_mask, uneven, backward; /* key_mask: 0 none, 1 (B,1,1,S), 2 (B,1,1,1) */
 } ring_case;
 
 /* The whole call and the ring on this rank's shard; out, lse (and the
@@ -130,7 +130,8 @@ static void run_case(const ring_case *c) {
     const uint64_t seed = harness_seed() ^ (uint64_t)(c->L * 131 + c->S * 7 + c->causal);
     const int64_t qs[4] = {c->B, c->Hq, c->L, c->E}, ks[4] = {c->B, c->H, c->S, c->E};
     const int64_t vs[4] = {c->B, c->H, c->S, c->Ev}, os[4] = {c->B, c->Hq, c->L, c->Ev};
-    const int64_t ls[3] = {c->B, c->Hq, c->L}, ms[4] = {c->B, 1, 1, c->S};
+    /* key_mask 2: one value per batch entry, broadcast over the keys */
+    const int64_t ls[3] = {c->B, c->Hq, c->L}, ms[4] = {c->B, 1, 1, c->key_mask == 2 ? 1 : c->S};
     buf q = make(c->dt, 4, qs, seed, 1.0), k = make(c->dt, 4, ks, seed + 1, 1.0);
     buf v = make(c->dt, 4, vs, seed + 2, 1.0), dout = make(c->dt, 4, os, seed + 3, 1.0);
     buf mask = make(ATTN_DTYPE_BOOL, 4, ms, seed + 4, 1.0);
@@ -165,7 +166,9 @@ static void run_case(const ring_case *c) {
     }
     const int64_t *ql = c->uneven ? lq : NULL, *kl = c->uneven ? lk : NULL;
     buf sq = shard_of(&q, -2, c->layout, ql), sk = shard_of(&k, -2, c->layout, kl);
-    buf sv = shard_of(&v, -2, c->layout, kl), sm = shard_of(&mask, -1, c->layout, kl);
+    buf sv = shard_of(&v, -2, c->layout, kl);
+    buf sm = c->key_mask == 2 ? make(ATTN_DTYPE_BOOL, 4, ms, seed + 4, 1.0) /* the same values */
+                              : shard_of(&mask, -1, c->layout, kl);
     buf so_ref = shard_of(&out, -2, c->layout, ql), sl_ref = shard_of(&lse, -1, c->layout, ql);
     buf so = make(c->dt, 4, so_ref.t.shape, 0, 0), sl = make(ATTN_DTYPE_F64, 3, sl_ref.t.shape, 0, 0);
     buf so2 = make(c->dt, 4, so_ref.t.shape, 0, 0);
@@ -232,6 +235,7 @@ static const ring_case CASES[] = {
     {"gqa",            ATTN_DTYPE_F32, 1, 6, 2, 200, 180, 32, 16, ATTN_CAUSAL_TOP_LEFT,     0,   ATTN_RING_ZIGZAG,      0, 0, 1},
     {"dropout",        ATTN_DTYPE_F32, 1, 2, 2, 150, 170, 16, 16, ATTN_CAUSAL_TOP_LEFT,     0.2, ATTN_RING_ZIGZAG,      0, 0, 1},
     {"key mask",       ATTN_DTYPE_F32, 2, 2, 2, 120, 140, 16, 16, ATTN_CAUSAL_NONE,         0,   ATTN_RING_ZIGZAG,      1, 0, 1},
+    {"mask over keys", ATTN_DTYPE_F64, 3, 2, 2, 64,  72,  8,  8,  ATTN_CAUSAL_NONE,         0,   ATTN_RING_ZIGZAG,      2, 0, 1},
     {"uneven",         ATTN_DTYPE_F32, 1, 2, 2, 211, 199, 16, 16, ATTN_CAUSAL_TOP_LEFT,     0.1, ATTN_RING_CONTIGUOUS,  1, 1, 1},
     {"contiguous",     ATTN_DTYPE_F32, 1, 2, 2, 256, 256, 64, 64, ATTN_CAUSAL_TOP_LEFT,     0,   ATTN_RING_CONTIGUOUS,  0, 0, 1},
     {"float64",        ATTN_DTYPE_F64, 1, 2, 1, 90,  110, 8,  8,  ATTN_CAUSAL_TOP_LEFT,     0.3, ATTN_RING_ZIGZAG,      1, 0, 1},
