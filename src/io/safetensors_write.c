@@ -80,6 +80,11 @@ static attn_status check_tensors(st_plan *p) {
         int64_t numel;
         if ((st = attn__st_check_view(&p->tensors[i], arg, ATTN__INPUT, &numel)) != ATTN_OK)
             return st;
+        if (attn__st_dtype_name(p->tensors[i].dtype) == NULL) /* int32: an index dtype */
+            return attn__fail_arg(ATTN_ERR_DTYPE, arg,
+                                  "%s is %s; a tensor is saved as float32, float64, float16, "
+                                  "bfloat16 or bool",
+                                  arg, attn_dtype_name(p->tensors[i].dtype));
     }
     const char *repeat;
     attn_status st = find_repeat(p->names, p->count, 1, &repeat);

@@ -9,6 +9,7 @@
  */
 #define _GNU_SOURCE /* mkdtemp, RLIMIT_FSIZE */
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -735,6 +736,13 @@ static void save_errors(void) {
     t[1] = t[0];
     t[1].dtype = (attn_dtype)9;
     CHECK_STATUS(attn_safetensors_save(path, 2, ok, t, NULL), ATTN_ERR_DTYPE);
+    t[1] = t[0]; /* int32 (index tensors): the file format has I32, the saver does not take it */
+    t[1].dtype = ATTN_DTYPE_I32;
+    CHECK_STATUS(attn_safetensors_save(path, 2, ok, t, NULL), ATTN_ERR_DTYPE);
+    CHECK(strcmp(attn_last_error_arg(), "tensors[1]") == 0, "arg %s", attn_last_error_arg());
+    const int devnull = open("/dev/null", O_WRONLY);
+    CHECK_STATUS(attn_safetensors_write_fd(devnull, 2, ok, t, NULL), ATTN_ERR_DTYPE);
+    close(devnull);
     t[1] = t[0];
     t[1].rank = 9;
     CHECK_STATUS(attn_safetensors_save(path, 2, ok, t, NULL), ATTN_ERR_SHAPE);
