@@ -357,22 +357,27 @@ static const attn__st_dtype *find_dtype(const char *name) {
     return NULL;
 }
 
-/* "shape": [d0, d1, ...]; the product is checked later. */
+/* "shape": [d0, d1, ...]. The product of the nonzero dimensions must fit
+ * in 64 bits, whatever their order and even when a zero makes the tensor
+ * empty: its C strides are those products. */
 static attn_status parse_shape(parser *ps, st_entry *e) {
     attn_status st = expect(ps, '[', "to start 'shape'");
     if (st != ATTN_OK) return st;
     e->rank = 0;
     if (accept(ps, ']')) return ATTN_OK;
-    e->numel = 1;
+    int64_t nonzero = 1;
+    bool empty = false;
     do {
         uint64_t d;
         if ((st = parse_uint(ps, &d, "a 'shape' entry")) != ATTN_OK) return st;
-        if (d > INT64_MAX || attn__mul_overflows(e->numel, (int64_t)d, &e->numel))
-            return syntax(ps, "tensor '%.*s': its element count overflows 64 bits", SHOWN,
+        if (d > INT64_MAX || attn__mul_overflows(nonzero, d > 0 ? (int64_t)d : 1, &nonzero))
+            return syntax(ps, "tensor '%.*s': its dimensions' product overflows 64 bits", SHOWN,
                           e->name);
+        empty = empty || d == 0;
         if (e->rank < ATTN_MAX_RANK) e->shape[e->rank] = (int64_t)d;
         e->rank++;
     } while (accept(ps, ','));
+    e->numel = empty ? 0 : nonzero;
     return expect(ps, ']', "to end 'shape'");
 }
 
@@ -994,15 +999,18 @@ attn_status attn__st_check_view(const attn_tensor *t, const char *name, attn__ro
     if (attn_dtype_size(t->dtype) == 0)
         return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s has an unknown dtype code %d", name,
                               (int)t->dtype);
-    *numel = 1;
+    int64_t nonzero = 1; /* the parser's rule (parse_shape): zeros aside, in any order */
+    bool empty = false;
     for (int d = 0; d < t->rank; d++) {
         if (t->shape[d] < 0)
             return attn__fail_arg(ATTN_ERR_SHAPE, name, "%s.shape[%d] is %lld; it must be >= 0",
                                   name, d, (long long)t->shape[d]);
-        if (attn__mul_overflows(*numel, t->shape[d], numel))
+        if (attn__mul_overflows(nonzero, t->shape[d] > 0 ? t->shape[d] : 1, &nonzero))
             return attn__fail_arg(ATTN_ERR_OVERFLOW, name,
-                                  "%s: its element count overflows 64 bits", name);
+                                  "%s: its dimensions' product overflows 64 bits", name);
+        empty = empty || t->shape[d] == 0;
     }
+    *numel = empty ? 0 : nonzero;
     if (*numel == 0) return ATTN_OK; /* nothing is read or written */
     if (t->rank == 0)
         return t->data != NULL ? ATTN_OK

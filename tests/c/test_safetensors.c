@@ -545,6 +545,11 @@ static void malformed_headers(void) {
          ATTN_ERR_FORMAT, "overflows"},
         {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,8]}}", 8,
          ATTN_ERR_FORMAT, "overflows"},
+        /* empty, but its strides would overflow: refused in either order */
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[0,1099511627776,1099511627776],\"data_offsets\":[0,0]}}",
+         0, ATTN_ERR_FORMAT, "overflows"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1099511627776,1099511627776,0],\"data_offsets\":[0,0]}}",
+         0, ATTN_ERR_FORMAT, "overflows"},
         {"{\"a\":{\"dtype\":\"F64\",\"shape\":[2305843009213693952],\"data_offsets\":[0,8]}}", 8,
          ATTN_ERR_FORMAT, "byte count overflows"},
         {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,9]}}", 9, ATTN_ERR_FORMAT,
@@ -594,6 +599,27 @@ static void malformed_headers(void) {
         CHECK(st == cases[i].want, "case %zu %s: status %d (%s), expected %d", i, cases[i].json,
               (int)st, attn_last_error(), (int)cases[i].want);
         CHECK_MESSAGE(cases[i].needle);
+    }
+    /* Empty tensors whose other dimensions fit, a zero first or last: read
+     * as empty, the same either way (a zero first once overflowed the
+     * reader's strides, UBSan) */
+    const char *empties[2] = {
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[0,1048576,1048576],\"data_offsets\":[0,0]}}",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[1048576,1048576,0],\"data_offsets\":[0,0]}}"};
+    for (int i = 0; i < 2; i++) {
+        const size_t len = strlen(empties[i]);
+        unsigned char *eb = calloc(8 + len, 1);
+        eb[0] = (unsigned char)len;
+        memcpy(eb + 8, empties[i], len);
+        attn_safetensors *ef = NULL;
+        CHECK_OK(attn_safetensors_parse(eb, 8 + len, &ef));
+        attn_tensor et;
+        CHECK_OK(attn_safetensors_read(ef, "a", 0, &et));
+        CHECK(et.rank == 3 && et.shape[0] * et.shape[1] * et.shape[2] == 0 && et.shape[1] == 1048576,
+              "empty tensor %d read with rank %d", i, et.rank);
+        attn_safetensors_free(&et);
+        attn_safetensors_close(ef);
+        free(eb);
     }
     CHECK_OK(nested(62));
     CHECK_STATUS(nested(63), ATTN_ERR_FORMAT); /* levels: header 1, entry 2, arrays 3.. */
