@@ -133,8 +133,9 @@ typedef enum attn_dtype {
      * attn_sdpa_backward, attn_sdpa_varlen and attn_sdpa_kvcache compute
      * with them (see "Dtypes" below); files carry them (safetensors, .npy
      * float16), and attn_mha_set_param and the safetensors reader convert
-     * them exactly to float32/float64. The MHA computations (attn_mha_*,
-     * attn_encoder_layer_*) refuse them with ATTN_ERR_DTYPE. */
+     * them exactly to float32/float64. MHA modules and encoder layers
+     * compute in them when their config.dtype is float16 / bfloat16; each
+     * takes inputs and outputs of its own config.dtype only. */
     ATTN_DTYPE_F16 = 4,  /* IEEE 754 binary16: 1 sign, 5 exponent, 10 bits  */
     ATTN_DTYPE_BF16 = 5, /* bfloat16: the top half of a float32             */
     /* Index tensors only (varlen's cu_seqlens, a KV cache's cache_seqlens and
@@ -618,8 +619,9 @@ ATTN_API attn_status attn_mha_get_config(const attn_mha *mha, attn_mha_config *c
  * destroy), for index 0 .. count-1. attn_mha_param() looks up by name;
  * attn_mha_set_param() copies from any strided float tensor (float32,
  * float64, or the storage dtypes float16 and bfloat16, converted exactly) of
- * the right shape. Writing a parameter while a forward runs on another thread is
- * a data race. */
+ * the right shape, a view of the parameter itself too (a transposed view is
+ * read whole before it is written). Writing a parameter while a forward runs
+ * on another thread is a data race. */
 ATTN_API int attn_mha_param_count(const attn_mha *mha);
 ATTN_API attn_status attn_mha_param_at(attn_mha *mha, int index, const char **name,
                                        attn_tensor *view);
@@ -739,7 +741,9 @@ ATTN_API attn_status attn_mha_out_shapes(const attn_mha *mha, const attn_tensor 
  * masked attends to nothing (0), where torch gives NaN.
  *
  * LayerNorm statistics are computed in float64 (torch: in the input type),
- * eps = layer_norm_eps. activation: ReLU, GELU with erf, or GELU's tanh
+ * eps = layer_norm_eps; as in torch, eps = 0 gives NaN for a row whose
+ * values are all equal (d_model = 1 makes every row so). activation: ReLU,
+ * GELU with erf, or GELU's tanh
  * approximation (torch's F.gelu(approximate="tanh")).
  *
  * A float16 / bfloat16 layer rounds where torch's layer in that dtype does:
@@ -810,8 +814,10 @@ typedef struct attn_encoder_forward_params {
 
 ATTN_API void attn_encoder_forward_params_init(attn_encoder_forward_params *params);
 
-/* Runs the layer. Errors name the argument: "layer", "src", "out",
- * "src_mask", "src_key_padding_mask", "params.batch_first". */
+/* Runs the layer. out may be src (in place); out over the layer's
+ * parameters (its own or self_attn's) is ATTN_ERR_OVERLAP. Errors name the
+ * argument: "layer", "src", "out", "src_mask", "src_key_padding_mask",
+ * "params.batch_first". */
 ATTN_API attn_status attn_encoder_layer_forward(const attn_encoder_layer *layer,
                                                 const attn_tensor *src,
                                                 const attn_encoder_forward_params *params,

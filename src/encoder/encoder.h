@@ -25,6 +25,7 @@ struct attn_encoder_layer {
     int nown;            /* linear1/2, norm1/2 weights (and biases) */
     attn__enc_param own[ATTN__ENC_OWN_PARAMS];
     void *storage;       /* the own parameters, contiguous, in cfg.dtype */
+    int64_t storage_count; /* ... this many elements */
 };
 
 /* The storage of own parameter `name`, or NULL when the layer has none by

@@ -98,6 +98,22 @@ typedef struct enc_work {
     void *h;         /* (R, F) the feed-forward's hidden layer */
 } enc_work;
 
+/* out may be src (it is written after the layer has read it) but not the
+ * layer's parameters, which every later call reads. */
+static attn_status check_out_over_parameters(const attn_encoder_layer *l, const attn_tensor *out) {
+    attn_tensor own;
+    attn_tensor_init(&own, l->storage, l->cfg.dtype, 1, &l->storage_count);
+    const attn_tensor mha = attn__mha_storage_view(l->self_attn);
+    const attn_tensor *params[2] = {&own, &mha};
+    const char *names[2] = {"the layer's parameters", "self_attn's parameters"};
+    for (int i = 0; i < 2; i++)
+        if (attn__views_overlap(out, params[i]))
+            return attn__fail_arg(ATTN_ERR_OVERLAP, "out",
+                                  "out overlaps %s in memory: give out a buffer of its own",
+                                  names[i]);
+    return ATTN_OK;
+}
+
 static attn_status check_call(const attn_encoder_layer *l, const attn_tensor *src,
                               const attn_encoder_forward_params *user,
                               attn_encoder_forward_params *p, const attn_tensor *out) {
@@ -136,7 +152,8 @@ static attn_status check_call(const attn_encoder_layer *l, const attn_tensor *sr
         return attn__fail_arg(ATTN_ERR_SHAPE, "out", "out has shape %s; expected src's %s",
                               attn__shape_str(got, sizeof got, out->rank, out->shape),
                               attn__shape_str(want, sizeof want, src->rank, src->shape));
-    return attn__check_output_layout(out, "out");
+    st = attn__check_output_layout(out, "out");
+    return st == ATTN_OK ? check_out_over_parameters(l, out) : st;
 }
 
 static void work_free(enc_work *w) {

@@ -52,6 +52,16 @@ static attn_status resolve_config(const attn_encoder_layer_config *in,
         return attn__fail_arg(ATTN_ERR_INVALID, "config.dim_feedforward",
                               "dim_feedforward is %lld; it must be >= 1",
                               (long long)c->dim_feedforward);
+    /* the own parameters, two F x E weights and F + 5·E more, counted in
+     * bytes of the widest dtype */
+    int64_t ff, total;
+    if (attn__mul_overflows(c->dim_feedforward, c->d_model, &ff) ||
+        attn__mul_overflows(ff, 2, &total) || total > INT64_MAX / 8 - c->dim_feedforward ||
+        c->d_model > (INT64_MAX / 8 - c->dim_feedforward - total) / 6)
+        return attn__fail_arg(ATTN_ERR_OVERFLOW, "config.dim_feedforward",
+                              "dim_feedforward %lld with d_model %lld: the parameters' byte "
+                              "count overflows 64 bits",
+                              (long long)c->dim_feedforward, (long long)c->d_model);
     if (!(c->dropout >= 0.0 && c->dropout <= 1.0))
         return attn__fail_arg(ATTN_ERR_INVALID, "config.dropout",
                               "dropout is %g; it must be in [0, 1]", c->dropout);
@@ -156,6 +166,7 @@ attn_status attn_encoder_layer_create(const attn_encoder_layer_config *config,
     if (c.bias) add_param(l, "norm1.bias", 1, E, 0, &n);
     add_param(l, "norm2.weight", 1, E, 0, &n);
     if (c.bias) add_param(l, "norm2.bias", 1, E, 0, &n);
+    l->storage_count = n;
     l->storage = attn__alloc_array((size_t)n, attn_dtype_size(c.dtype));
     if (l->storage == NULL) {
         attn_encoder_layer_destroy(l);
@@ -283,6 +294,5 @@ attn_status attn_encoder_layer_set_param(attn_encoder_layer *l, const char *name
                               name, attn__shape_str(got, sizeof got, src->rank, src->shape),
                               attn__shape_str(want, sizeof want, view.rank, view.shape));
     }
-    attn__mha_copy_strided(src, view.data, view.dtype);
-    return ATTN_OK;
+    return attn__mha_set_from(src, view.data, view.dtype);
 }

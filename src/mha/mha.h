@@ -49,6 +49,10 @@ double attn__init_uniform01(attn__init_rng *r);
  * converting float32 <-> float64 and widening float16/bfloat16 (bool stays
  * bool). */
 void attn__mha_copy_strided(const attn_tensor *src, void *dst, attn_dtype dst_dtype);
+/* attn__mha_copy_strided into a parameter's storage: a src that shares memory
+ * with it (a transposed view of the parameter itself) is staged through a
+ * buffer first, so the copy reads it whole before writing. */
+attn_status attn__mha_set_from(const attn_tensor *src, void *dst, attn_dtype dst_dtype);
 /* The reverse: a contiguous buffer of dst's shape and dtype into the view dst. */
 void attn__mha_copy_dense(const void *src, const attn_tensor *dst);
 

@@ -282,6 +282,24 @@ void attn__mha_copy_strided(const attn_tensor *src, void *dst, attn_dtype dst_dt
     attn__tensor_copy(src, &d);
 }
 
+attn_status attn__mha_set_from(const attn_tensor *src, void *dst, attn_dtype dst_dtype) {
+    attn_tensor d;
+    attn_tensor_init(&d, dst, dst_dtype, src->rank, src->shape); /* src's shape is valid */
+    if (!attn__views_overlap(src, &d)) {
+        attn__tensor_copy(src, &d);
+        return ATTN_OK;
+    }
+    int64_t n = 1;
+    for (int i = 0; i < src->rank; i++) n *= src->shape[i];
+    const size_t es = attn_dtype_size(dst_dtype);
+    void *staged = attn__alloc_array((size_t)n, es);
+    if (staged == NULL) return ATTN_ERR_NOMEM;
+    attn__mha_copy_strided(src, staged, dst_dtype);
+    memcpy(dst, staged, (size_t)n * es);
+    attn__free(staged);
+    return ATTN_OK;
+}
+
 void attn__mha_copy_dense(const void *src, const attn_tensor *dst) {
     attn_tensor d;
     attn_tensor_init(&d, (void *)src, dst->dtype, dst->rank, dst->shape); /* dst's shape is valid */
@@ -309,8 +327,7 @@ attn_status attn_mha_set_param(attn_mha *m, const char *name, const attn_tensor 
                               name, attn__shape_str(got, sizeof got, src->rank, src->shape),
                               attn__shape_str(want, sizeof want, p->rank, p->shape));
     }
-    attn__mha_copy_strided(src, param_data(m, p), m->cfg.dtype);
-    return ATTN_OK;
+    return attn__mha_set_from(src, param_data(m, p), m->cfg.dtype);
 }
 
 

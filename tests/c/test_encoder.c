@@ -202,6 +202,28 @@ static void parameters_in_state_dict_order(void) {
     CHECK(((float *)v.data)[1] == 16.0f, "set_param copied the strided source");
     CHECK_STATUS(attn_encoder_layer_set_param(l, "linear2.weight", &src), ATTN_ERR_SHAPE);
     CHECK(strcmp(attn_last_error_arg(), "linear2.weight") == 0, "arg %s", attn_last_error_arg());
+    /* A source that is a view of the parameter itself, reversed: read whole
+     * before it is written (it was copied over itself, element by element) */
+    attn_tensor n1, rev;
+    CHECK_OK(attn_encoder_layer_param(l, "norm1.weight", &n1));
+    float *g = n1.data;
+    for (int i = 0; i < 8; i++) g[i] = (float)i;
+    rev = n1;
+    rev.data = g + 7;
+    rev.strides[0] = -1;
+    CHECK_OK(attn_encoder_layer_set_param(l, "norm1.weight", &rev));
+    for (int i = 0; i < 8; i++) CHECK(g[i] == (float)(7 - i), "norm1.weight[%d] is %g", i, g[i]);
+    attn_tensor w2, w2t; /* a square weight of the attention: out_proj, transposed in place */
+    CHECK_OK(attn_encoder_layer_param(l, "self_attn.out_proj.weight", &w2));
+    float *o = w2.data;
+    for (int i = 0; i < 64; i++) o[i] = (float)i;
+    w2t = w2;
+    CHECK_OK(attn_tensor_transpose(&w2t, 0, 1));
+    CHECK_OK(attn_encoder_layer_set_param(l, "self_attn.out_proj.weight", &w2t));
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++)
+            CHECK(o[i * 8 + j] == (float)(j * 8 + i), "out_proj.weight[%d][%d] is %g", i, j,
+                  o[i * 8 + j]);
     attn_encoder_layer_destroy(l);
 
     attn_encoder_layer_config c;
@@ -237,6 +259,13 @@ static void errors_name_the_argument(void) {
     CHECK(strcmp(attn_last_error_arg(), "config.activation") == 0, "activation");
     CHECK_STATUS(attn_encoder_layer_create(NULL, &l), ATTN_ERR_NULL);
     CHECK_STATUS(attn_encoder_layer_create(&c, NULL), ATTN_ERR_NULL);
+    attn_encoder_layer_config_init(&c, 3, 1); /* 2·F·E overflows (UBSan once) */
+    c.dim_feedforward = INT64_MAX / 4;
+    CHECK_STATUS(attn_encoder_layer_create(&c, &l), ATTN_ERR_OVERFLOW);
+    CHECK(strcmp(attn_last_error_arg(), "config.dim_feedforward") == 0 && l == NULL, "huge F");
+    attn_encoder_layer_config_init(&c, 1, 1);
+    c.dim_feedforward = INT64_MAX / 2;
+    CHECK_STATUS(attn_encoder_layer_create(&c, &l), ATTN_ERR_OVERFLOW);
 
     l = make_layer(8, 2, 16, ATTN_ACTIVATION_GELU, 0, 0, ATTN_DTYPE_F32);
     float x[3 * 2 * 8] = {0}, y[3 * 2 * 8];
@@ -276,6 +305,19 @@ static void errors_name_the_argument(void) {
     attn_tensor_init(&srcd, xd, ATTN_DTYPE_F64, 3, (int64_t[]){3, 2, 8});
     CHECK_STATUS(attn_encoder_layer_forward(l, &srcd, &p, &out), ATTN_ERR_DTYPE);
     CHECK(strcmp(attn_last_error_arg(), "src") == 0, "src dtype");
+    /* out over the layer's parameters, its own or its attention's: refused,
+     * nothing written (the weights were overwritten with ATTN_OK) */
+    const char *targets[2] = {"linear1.weight", "self_attn.in_proj_weight"};
+    for (int t = 0; t < 2; t++) {
+        attn_tensor pv, over;
+        CHECK_OK(attn_encoder_layer_param(l, targets[t], &pv));
+        const float before = ((float *)pv.data)[0];
+        attn_tensor_init(&over, pv.data, ATTN_DTYPE_F32, 3, (int64_t[]){3, 2, 8});
+        CHECK_STATUS(attn_encoder_layer_forward(l, &src, &p, &over), ATTN_ERR_OVERLAP);
+        CHECK(strcmp(attn_last_error_arg(), "out") == 0, "out over %s: arg %s", targets[t],
+              attn_last_error_arg());
+        CHECK(((float *)pv.data)[0] == before, "%s was written", targets[t]);
+    }
     attn_encoder_layer_destroy(l);
 }
 
