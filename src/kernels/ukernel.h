@@ -163,8 +163,9 @@ typedef struct attn__ukernel {
     void (*qkt_bf)(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
                    int64_t nk, int64_t lanes, float *st, int64_t ldst, const int64_t *keys);
     /* vp[p·ldvp + e] = (v[2p·ldv + e], v[(2p+1)·ldv + e]) for p < ceil(nk/2),
-     * e < Ev: V rows in key pairs */
-    void (*pack_v_bf)(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, uint32_t *vp,
+     * e < Ev: V rows in key pairs. Returns whether every value is finite
+     * (the driver then handles NaN/Inf values itself: v_pairs). */
+    bool (*pack_v_bf)(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, uint32_t *vp,
                       int64_t ldvp);
     /* pp[p·ldpp + r] = the pair of st[2p·ldst + r], st[(2p+1)·ldst + r]
      * rounded to bfloat16, for p < ceil(nk/2), r < lanes (a multiple of

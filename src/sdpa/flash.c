@@ -445,6 +445,7 @@ typedef struct flash_scratch_size {
  * index and first key of the block, and its key count; nk 0: empty. */
 typedef struct v_pairs_tag {
     int64_t b, j0, nk;
+    bool special; /* V held NaN/Inf, packed as 0 (v_pairs) */
 } v_pairs_tag;
 
 static flash_scratch_size scratch_size(const attn__problem *p, const flash_work *w,

@@ -528,7 +528,72 @@ static void output_rows_round_as_attn_store(void) {
     printf("  %d rows compared\n", checked);
 }
 
+/* ---- bfloat16: a hidden NaN/Inf value row, any thread count ---- */
+
+/* A bfloat16 call, (1, L, 16), whose last value row holds NaN or ±Inf that
+ * every other row weighs 0 (causal, or a bool mask hiding that key from
+ * all): those rows give the same bits for 1-4 threads on every path, and
+ * on avx512_bf16 (bfloat16 products) the bits of the same call with that
+ * row finite. The products there once sent every row of a tile that met
+ * the NaN (weight 0 times NaN) to the reference kernel, and the tiles,
+ * hence the rows, differed between 1 and 3 threads. */
+static void bf16_hidden_special_values(void) {
+    enum { L = 200, E = 16 };
+    rng r = {harness_seed() ^ 0xbf1e};
+    static uint16_t q[L * E], k[L * E], v[L * E], finite_v[L * E], out[4][L * E], base[L * E];
+    for (int i = 0; i < L * E; i++) {
+        q[i] = tt_half_bits(rng_normal(&r), ATTN_DTYPE_BF16);
+        k[i] = tt_half_bits(rng_normal(&r), ATTN_DTYPE_BF16);
+        finite_v[i] = v[i] = tt_half_bits(rng_normal(&r), ATTN_DTYPE_BF16);
+    }
+    static unsigned char keep[L];
+    for (int j = 0; j < L; j++) keep[j] = j != L - 1;
+    const int64_t sh[3] = {1, L, E}, ms[2] = {1, L};
+    attn_tensor tq, tk, tv, tvf, to, tm;
+    CHECK_OK(attn_tensor_init(&tq, q, ATTN_DTYPE_BF16, 3, sh));
+    CHECK_OK(attn_tensor_init(&tk, k, ATTN_DTYPE_BF16, 3, sh));
+    CHECK_OK(attn_tensor_init(&tv, v, ATTN_DTYPE_BF16, 3, sh));
+    CHECK_OK(attn_tensor_init(&tvf, finite_v, ATTN_DTYPE_BF16, 3, sh));
+    CHECK_OK(attn_tensor_init(&tm, keep, ATTN_DTYPE_BOOL, 2, ms));
+    const uint16_t special[3] = {0x7fc0, 0x7f80, 0xff80}; /* NaN, +Inf, -Inf */
+    const int threads0 = attn_get_num_threads();
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)i));
+        for (int hide = 0; hide < 2; hide++) {
+            attn_sdpa_params p;
+            attn_sdpa_params_init(&p);
+            if (hide == 0) p.causal = ATTN_CAUSAL_TOP_LEFT;
+            else p.attn_mask = &tm;
+            attn_set_num_threads(1);
+            CHECK_OK(attn_tensor_init(&to, base, ATTN_DTYPE_BF16, 3, sh));
+            CHECK_OK(attn_sdpa(&tq, &tk, &tvf, &p, &to, NULL, NULL));
+            for (int sp = 0; sp < 3; sp++) {
+                for (int e = 0; e < E; e++) v[(L - 1) * E + e] = special[sp];
+                for (int t = 1; t <= 4; t++) {
+                    attn_set_num_threads(t);
+                    CHECK_OK(attn_tensor_init(&to, out[t - 1], ATTN_DTYPE_BF16, 3, sh));
+                    CHECK_OK(attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, NULL));
+                    CHECK(memcmp(out[t - 1], out[0], sizeof(uint16_t) * (L - 1) * E) == 0,
+                          "%s, %s, value %04x: rows 0..%d differ between 1 and %d threads",
+                          attn_isa_name((attn_isa)i), hide ? "mask" : "causal", special[sp],
+                          L - 2, t);
+                }
+                if (i == ATTN_ISA_AVX512_BF16)
+                    CHECK(memcmp(out[0], base, sizeof(uint16_t) * (L - 1) * E) == 0,
+                          "avx512_bf16, %s, value %04x: the rows that weigh it 0 differ from "
+                          "the call with a finite value there",
+                          hide ? "mask" : "causal", special[sp]);
+            }
+            memcpy(v, finite_v, sizeof v);
+        }
+    }
+    attn_set_num_threads(threads0);
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
-             T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store))
+             T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
+             T(bf16_hidden_special_values))

@@ -175,8 +175,10 @@ static void qkt_bf(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t
 
 /* Two rows interleaved 16 features at a time: word 2i of a pair vector is
  * row a's feature i, word 2i+1 row b's (vpermt2w). */
-static void pack_v_bf(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, uint32_t *vp,
+static bool pack_v_bf(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, uint32_t *vp,
                       int64_t ldvp) {
+    const __m512i exp_mask = _mm512_set1_epi16(0x7f80); /* NaN and ±Inf: all ones */
+    __mmask32 special = 0;
     __m512i lo_idx, hi_idx;
     {
         uint16_t lo[32], hi[32];
@@ -195,6 +197,8 @@ static void pack_v_bf(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, ui
             const __mmask32 mk = first_n32(Ev - e);
             const __m512i x = _mm512_maskz_loadu_epi16(mk, a + e);
             const __m512i y = has_b ? _mm512_maskz_loadu_epi16(mk, b + e) : _mm512_setzero_si512();
+            special |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, exp_mask), exp_mask) |
+                       _mm512_cmpeq_epi16_mask(_mm512_and_si512(y, exp_mask), exp_mask);
             _mm512_mask_storeu_epi32(dst + e, first_n16(Ev - e),
                                      _mm512_permutex2var_epi16(x, lo_idx, y));
             if (Ev - e > 16)
@@ -202,6 +206,7 @@ static void pack_v_bf(const uint16_t *v, int64_t ldv, int64_t nk, int64_t Ev, ui
                                          _mm512_permutex2var_epi16(x, hi_idx, y));
         }
     }
+    return special == 0;
 }
 
 /* vpermw's index that interleaves the two halves of a vector: words i and
