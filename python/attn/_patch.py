@@ -3,10 +3,21 @@ for the calls attn computes, torch's functions for everything else."""
 
 import functools
 import importlib
+import threading
 
 # float16 and bfloat16 too: attn computes them in float32, rounded once
 # (faster than torch's own bfloat16 kernel on the CPUs measured; README).
 _FLOATS = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
+
+
+# The patches in place, oldest first. Each saved what the one before it had
+# installed, so they come off newest first: an undo out of that order only
+# marks its patch, which comes off when every newer one has (restoring it at
+# once would leave the newer patch's saved functions, this one's wrappers,
+# to be put back by the newer undo: torch patched for good, and MHA's
+# fallback calling itself).
+_ACTIVE = []
+_LOCK = threading.Lock()
 
 
 class TorchPatch:
@@ -19,20 +30,34 @@ class TorchPatch:
         self.routed = 0
         self.fell_back = 0
         self._undo = []  # (object, attribute, had it, old value), newest last
+        self._undone = False
 
     def _set(self, obj, name, value):
         had = name in vars(obj)
         self._undo.append((obj, name, had, vars(obj).get(name)))
         setattr(obj, name, value)
 
-    def __call__(self):
-        """Restores exactly what was there before this patch."""
+    def _restore(self):
         while self._undo:
             obj, name, had, old = self._undo.pop()
             if had:
                 setattr(obj, name, old)
             else:
                 delattr(obj, name)
+
+    def __call__(self):
+        """Undoes this patch: at once when it is the newest in place, else
+        once every newer one is undone too; after the last undo torch's own
+        functions are back, whatever the order of the undos."""
+        with _LOCK:
+            if self._undone:
+                return
+            self._undone = True
+            if self not in _ACTIVE:  # never registered: restore what it set
+                self._restore()
+                return
+            while _ACTIVE and _ACTIVE[-1]._undone:
+                _ACTIVE.pop()._restore()
 
     def __enter__(self):
         return self
@@ -161,7 +186,9 @@ def patch_torch():
     from . import _torch  # noqa: F401  the operators, before any call
 
     patch = TorchPatch()
-    patch._set(F, "scaled_dot_product_attention",
-               _routed_sdpa(patch, F.scaled_dot_product_attention))
-    _patch_mha(patch, torch)
+    with _LOCK:
+        patch._set(F, "scaled_dot_product_attention",
+                   _routed_sdpa(patch, F.scaled_dot_product_attention))
+        _patch_mha(patch, torch)
+        _ACTIVE.append(patch)
     return patch

@@ -270,6 +270,18 @@ def _recorded(*inputs):
         isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
 
 
+def has_tangent(*inputs):
+    """Whether an input carries a forward-mode AD tangent (a dual tensor, which
+    does not require grad): such a call goes through AttnSdpa, whose missing
+    jvp makes torch raise, instead of dropping the tangent."""
+    from torch.autograd import forward_ad
+
+    if forward_ad._current_level < 0:  # no dual level entered: no tangent anywhere
+        return False
+    return any(isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent is not None
+               for x in inputs)
+
+
 def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     """The call on checked arguments `a` (attn/_sdpa.py): through attn::sdpa
     when a mode or tracer should see the operator, through AttnSdpa when
@@ -284,7 +296,8 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     sink_logits = None if a.sinks is None else _tensor(sinks, a.sinks)
     if _operator_needed():
         call = sdpa_op
-    elif _recorded(query, key, value, mask, slopes, sink_logits):
+    elif _recorded(query, key, value, mask, slopes, sink_logits) or has_tangent(
+            query, key, value, mask, slopes, sink_logits):
         call = AttnSdpa.apply
     else:  # nothing to record: the function itself (what the other two run), 20 us less
         call = _sdpa

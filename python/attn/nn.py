@@ -15,6 +15,7 @@ nn.MultiheadAttention on attn, for attn.patch_torch().
 This module needs PyTorch; `import attn` does not.
 """
 
+import inspect
 import threading
 
 import numpy as np
@@ -215,6 +216,11 @@ def _unsupported(m, query, key, value, key_padding_mask, attn_mask):
         return "in_proj_bias and out_proj.bias both present or both absent"
     if _shape_problem(m) is not None:
         return "parameters of the module's shapes"
+    if torch.is_grad_enabled():
+        for x, name in ((key_padding_mask, "key_padding_mask"), (attn_mask, "attn_mask")):
+            if x is not None and x.requires_grad:
+                return (f"masks that need no gradient ({name} requires grad, and attn gives "
+                        f"a mask none: pass {name}.detach(), or use torch's module)")
     return None
 
 
@@ -359,7 +365,7 @@ def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_we
     original = getattr(cls, "_attn_original_forward", None)
     if original is None:
         original = cls.forward
-    if original is _patched_mha_forward:
+    if inspect.unwrap(original) is _patched_mha_forward:  # (through the patch's wrappers)
         raise RuntimeError(
             "torch.nn.MultiheadAttention.forward is attn's patch and "
             "_attn_original_forward is missing: no torch forward to fall back to")
@@ -451,13 +457,42 @@ class TransformerEncoderLayer(torch.nn.Module):
         self.dropout2 = torch.nn.Dropout(dropout)
         self.activation = _activation_fn(activation)
 
+    def _c_params(self, bias):
+        """The parameters the C layer loads, in its order, read from the
+        submodules (so parametrizations and pruning apply), or None when one
+        is missing or of another shape than torch's layer has."""
+        a, E, F = self.self_attn, self.linear1.in_features, self.linear1.out_features
+        want = [(a, "in_proj_weight", (3 * E, E)), (a, "in_proj_bias", (3 * E,)),
+                (a.out_proj, "weight", (E, E)), (a.out_proj, "bias", (E,)),
+                (self.linear1, "weight", (F, E)), (self.linear1, "bias", (F,)),
+                (self.linear2, "weight", (E, F)), (self.linear2, "bias", (E,)),
+                (self.norm1, "weight", (E,)), (self.norm1, "bias", (E,)),
+                (self.norm2, "weight", (E,)), (self.norm2, "bias", (E,))]
+        params = []
+        for mod, name, shape in want:
+            if name.endswith("bias") and not bias:
+                continue
+            p = getattr(mod, name, None)
+            if not isinstance(p, torch.Tensor) or tuple(p.shape) != shape:
+                return None
+            params.append(p)
+        return params
+
     def _c_spec(self, src):
         """The _attn.EncoderLayer configuration for this call, or None when
         the call must go through torch."""
         params = list(self.parameters())
         if (torch.is_grad_enabled() and (src.requires_grad or any(p.requires_grad for p in params))):
             return None
+        if torch.jit.is_tracing():  # a trace must record torch's operations, not one result
+            return None
+        from ._torch import has_tangent
+        if has_tangent(src):  # forward-mode AD: torch's path, whose MHA raises
+            return None
         act = _activation_name(self.activation)
+        drops = (self.dropout, self.dropout1, self.dropout2)
+        if not all(isinstance(d, torch.nn.Dropout) for d in drops):
+            return None
         ps = {self.dropout.p, self.dropout1.p, self.dropout2.p, float(self.self_attn.dropout)}
         if act is None or len(ps) != 1 or self.norm1.eps != self.norm2.eps:
             return None
@@ -472,6 +507,8 @@ class TransformerEncoderLayer(torch.nn.Module):
                 return None
         else:
             bias = True
+        if self._c_params(bias) is None:
+            return None
         return dict(d_model=self.linear1.in_features, nhead=self.self_attn.num_heads,
                     dim_feedforward=self.linear1.out_features, dropout=ps.pop(),
                     activation=act, layer_norm_eps=float(self.norm1.eps),
@@ -491,7 +528,7 @@ class TransformerEncoderLayer(torch.nn.Module):
             c = _CEncoder()
             object.__setattr__(self, "_attn_c_encoder", c)  # not a torch attribute
         with c.lock:
-            layer = c.get(spec, [p for _, p in self.state_dict(keep_vars=True).items()])
+            layer = c.get(spec, self._c_params(spec["bias"]))
             out = layer.forward(
                 torch_array(src), empty=empty, src_mask=torch_array(mask),
                 src_key_padding_mask=torch_array(src_key_padding_mask), is_causal=causal,

@@ -449,3 +449,124 @@ def test_infinite_sinks_and_slopes_are_refused(dtype):
     plain = attn.scaled_dot_product_attention(q, k, v)
     no_sink = attn.scaled_dot_product_attention(q, k, v, sinks=np.array([-np.inf, -np.inf]))
     np.testing.assert_array_equal(plain, no_sink)
+
+
+# ---- found by a hostile tester, 2026-11-28 ----
+
+
+def test_a_mask_that_requires_grad_is_never_silently_left_without_one():
+    """attn.nn.MultiheadAttention (and torch's module patched, and the encoder
+    layer's training path) took a float mask requiring grad as a constant: no
+    gradient, no error. attn's module now refuses it by name; patched torch
+    falls back to torch's forward, which gives the mask its gradient."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    ours = attn.nn.MultiheadAttention(16, 2, batch_first=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, 16)
+    for kw in (dict(attn_mask=torch.zeros(5, 5, requires_grad=True)),
+               dict(key_padding_mask=torch.zeros(2, 5, requires_grad=True))):
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=f"{name} requires grad"):
+            ours(x, x, x, need_weights=False, **kw)
+        with torch.no_grad():  # nothing to give a gradient to: runs
+            ours(x, x, x, need_weights=False, **kw)
+    want = torch.zeros(5, 5, requires_grad=True)
+    ref(x, x, x, attn_mask=want, need_weights=False)[0].sum().backward()
+    got = torch.zeros(5, 5, requires_grad=True)
+    with attn.patch_torch() as p:
+        ref(x, x, x, attn_mask=got, need_weights=False)[0].sum().backward()
+    assert p.fell_back == 1 and got.grad is not None
+    torch.testing.assert_close(got.grad, want.grad)
+    layer = attn.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    with pytest.raises(TypeError, match="src_mask|attn_mask requires grad"):
+        layer(x.requires_grad_(), src_mask=torch.zeros(5, 5, requires_grad=True))
+
+
+def test_encoder_layer_reads_its_submodules_not_the_state_dict_order():
+    """The inference path loaded the C layer from state_dict() in order: a
+    parametrized norm1.weight put its bias where the weight goes (off by
+    3.8), pruning added a key (ValueError naming nothing), and a dropout
+    replaced by Identity raised AttributeError."""
+    import torch.nn.utils.parametrize as parametrize
+    import torch.nn.utils.prune as prune
+
+    kw = dict(d_model=16, nhead=4, dim_feedforward=24, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, 16)
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    ref = torch.nn.TransformerEncoderLayer(**kw).eval()
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.add_(torch.randn_like(prm) * 0.1)
+    ours = attn.nn.TransformerEncoderLayer(**kw).eval()
+    ours.load_state_dict(ref.state_dict())
+    for m in (ref, ours):
+        parametrize.register_parametrization(m.norm1, "weight", Double())
+    pruned = [attn.nn.TransformerEncoderLayer(**kw).eval(), torch.nn.TransformerEncoderLayer(**kw)]
+    pruned[1].load_state_dict(pruned[0].state_dict())
+    for m in pruned:
+        prune.l1_unstructured(m.linear1, "weight", amount=0.5)
+    identity = attn.nn.TransformerEncoderLayer(**kw).eval()
+    identity.dropout = torch.nn.Identity()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pruned[0](x), pruned[1].eval()(x), rtol=1e-5, atol=1e-5)
+        assert identity(x).shape == x.shape
+
+
+def test_forward_mode_tangents_are_refused_not_dropped():
+    """Dual tensors do not require grad, so the untracked shortcut ran and
+    the tangent was dropped (None) where torch's math path gives one."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, 3, 5, dtype=torch.float64)
+    layer = attn.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True,
+                                            dtype=torch.float64).eval()
+    with fwAD.dual_level():
+        dq = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            attn.scaled_dot_product_attention(dq, k, v)
+        want = fwAD.unpack_dual(F.scaled_dot_product_attention(dq, k, v)).tangent
+        with attn.patch_torch() as p:  # patched torch hands it to torch's own, tangent and all
+            got = fwAD.unpack_dual(F.scaled_dot_product_attention(dq, k, v)).tangent
+        assert p.fell_back == 1 and got is not None
+        torch.testing.assert_close(got, want)
+        with torch.no_grad(), pytest.raises(NotImplementedError, match="jvp"):
+            layer(fwAD.make_dual(q[0], torch.randn_like(q[0])))
+
+
+def test_patches_undone_out_of_order_restore_torch():
+    """p1 = patch; p2 = patch; p1(); p2() left torch patched with p1's
+    functions and no _attn_original_forward: every MHA fallback then called
+    itself (RecursionError)."""
+    mha_forward = torch.nn.MultiheadAttention.forward
+    p1 = attn.patch_torch()
+    p2 = attn.patch_torch()
+    p1()  # not the newest: comes off with p2
+    p2()
+    assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
+    assert torch.nn.MultiheadAttention.forward is mha_forward
+    assert "_attn_original_forward" not in vars(torch.nn.MultiheadAttention)
+    x = torch.randn(3, 2, 8)
+    torch.nn.MultiheadAttention(8, 2)(x, x, x)  # torch's own forward, once
+    p1()  # an undo done twice does nothing
+    assert torch.nn.MultiheadAttention.forward is mha_forward
+
+
+def test_a_traced_encoder_layer_records_torch_operations():
+    """torch.jit.trace under no_grad recorded the C path's output as a
+    constant: the traced layer answered every input with the traced one's
+    output."""
+    torch.manual_seed(0)
+    layer = attn.nn.TransformerEncoderLayer(16, 4, 24, dropout=0.0, batch_first=True).eval()
+    x1, x2 = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(layer, (x1,))
+        torch.testing.assert_close(traced(x2), layer(x2), rtol=1e-5, atol=1e-5)
