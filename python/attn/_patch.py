@@ -78,6 +78,8 @@ def _attn_computes(torch, query, key, value, attn_mask, is_causal):
     qkv = (query, key, value)
     if not all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in qkv):
         return False  # subclasses (FakeTensor, DTensor, nested, ...) are torch's
+    if torch.is_autocast_enabled("cpu"):
+        return False  # torch casts to the autocast dtype and returns it
     if any(x.device.type != "cpu" or x.layout != torch.strided or x.is_nested for x in qkv):
         return False
     if str(query.dtype) not in _FLOATS or not query.dtype == key.dtype == value.dtype:
@@ -85,6 +87,8 @@ def _attn_computes(torch, query, key, value, attn_mask, is_causal):
     if attn_mask is None or isinstance(attn_mask, CausalBias):
         return attn_mask is None or not is_causal
     if is_causal or type(attn_mask) is not torch.Tensor or attn_mask.device.type != "cpu":
+        return False
+    if attn_mask.dim() < 2:  # torch refuses a 0-d or 1-d mask; attn would broadcast it
         return False
     return attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype
 

@@ -351,6 +351,23 @@ class MultiheadAttention(torch.nn.Module):
                          average_attn_weights, is_causal)
 
 
+def _torch_decides(m, query, key, value, key_padding_mask, attn_mask):
+    """Calls a patched torch leaves to torch's own forward although attn could
+    run them, so that torch's answer (its result, or its error) stands:
+    autocast (torch computes in the autocast dtype), a float mask of another
+    dtype than the query (torch refuses it), inference tensors in grad mode
+    (torch trains on them; attn cannot save them for its backward)."""
+    if torch.is_autocast_enabled("cpu"):
+        return True
+    for x in (key_padding_mask, attn_mask):
+        if x is not None and x.is_floating_point() and x.dtype != query.dtype:
+            return True
+    if torch.is_grad_enabled():
+        tensors = [query, key, value] + [_param(m, n) for n in _param_names(m)]
+        return any(x.is_inference() for x in tensors) and any(x.requires_grad for x in tensors)
+    return False
+
+
 def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                          attn_mask=None, average_attn_weights=True, is_causal=False):
     """torch.nn.MultiheadAttention.forward's signature, for patching torch: runs
@@ -358,7 +375,8 @@ def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_we
     flowing to them) for CPU float32/float64/float16/bfloat16 inputs; anything else goes to
     torch.nn.MultiheadAttention._attn_original_forward when present, else to
     torch's own forward."""
-    if _unsupported(self, query, key, value, key_padding_mask, attn_mask) is None:
+    if (_unsupported(self, query, key, value, key_padding_mask, attn_mask) is None
+            and not _torch_decides(self, query, key, value, key_padding_mask, attn_mask)):
         return _mha_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                          average_attn_weights, is_causal)
     cls = torch.nn.MultiheadAttention

@@ -570,3 +570,31 @@ def test_a_traced_encoder_layer_records_torch_operations():
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(layer, (x1,))
         torch.testing.assert_close(traced(x2), layer(x2), rtol=1e-5, atol=1e-5)
+
+
+def test_patched_torch_leaves_to_torch_what_torch_decides():
+    """Patched torch answered where torch's own gives another answer: it
+    took a 1-d SDPA mask and an MHA float mask of another dtype (torch
+    raises), ignored autocast (float32 out where torch gives bfloat16), and
+    refused inference tensors that torch's MHA trains on."""
+    q = torch.randn(1, 2, 4, 8)
+    mask_1d = torch.tensor([True, False, True, True])
+    with pytest.raises(IndexError):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask_1d)
+    with attn.patch_torch(), pytest.raises(IndexError):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask_1d)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    kpm = torch.zeros(2, 5, dtype=torch.float64)
+    with attn.patch_torch(), pytest.raises(RuntimeError):
+        mha(x, x, x, key_padding_mask=kpm, need_weights=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(q, q, q)
+        with attn.patch_torch() as p:
+            got = F.scaled_dot_product_attention(q, q, q)
+    assert got.dtype == want.dtype == torch.bfloat16 and p.fell_back == 1
+    with torch.inference_mode():
+        xi = torch.randn(2, 5, 8)
+    with attn.patch_torch():
+        mha(xi, xi, xi)[0].sum().backward()
+    assert mha.in_proj_weight.grad is not None
