@@ -108,6 +108,19 @@ wait_pids() { # every rank has written its PID file: it is in the ring call
 big=(check --no-check -H 4 -L 16384 -E 64 --repeat 40 --pid-dir "$tmp")
 victim=1
 
+# The big job with the options given, and a second after every rank is in
+# the ring call, signal $1 to rank $victim: sets pid and t0.
+signal_victim() {
+    local sig=$1
+    shift
+    start_job "${big[@]}" "$@"
+    wait_pids
+    sleep 1
+    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
+    kill -"$sig" "$pid"
+    t0=$SECONDS
+}
+
 # After rank $victim ($pid) was stopped at $t0: the job must end within 40 s,
 # non-zero, with ATTN_ERR_COMM messages that name the stopped rank, a step
 # and the 3 s timeout.
@@ -149,12 +162,7 @@ check_stopped_peer() {
 
 case $case in
 kill)
-    start_job "${big[@]}" --timeout 20
-    wait_pids
-    sleep 1
-    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
-    kill -KILL "$pid"
-    t0=$SECONDS
+    signal_victim KILL --timeout 20
     echo "faults.sh: killed rank $victim (pid $pid) with SIGKILL"
     # Open MPI notices a dead rank at once; our timeout (20 s) is the bound.
     wait_job 45 || fail "the job still runs 45 s after rank $victim was killed (a hang)"
@@ -167,12 +175,7 @@ kill)
     echo "$named" | head -5
     ;;
 stop)
-    start_job "${big[@]}" --timeout 3
-    wait_pids
-    sleep 1
-    pid=$(cut -d' ' -f1 "$tmp/rank$victim.pid")
-    kill -STOP "$pid"
-    t0=$SECONDS
+    signal_victim STOP --timeout 3
     echo "faults.sh: stopped rank $victim (pid $pid) with SIGSTOP"
     check_stopped_peer
     ;;
