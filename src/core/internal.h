@@ -100,10 +100,12 @@ typedef enum attn__role { ATTN__INPUT, ATTN__OUTPUT } attn__role;
 attn_status attn__check_tensor(const attn_tensor *t, const char *name, int min_rank,
                                attn__role role);
 
-/* Whether the address ranges of two checked views (from their lowest to
- * their highest byte) intersect. NULL overlaps nothing. Outputs are tested
- * against every other operand: a kernel that writes `out` while it still
- * reads `q` would see its own results. */
+/* Whether some byte belongs to an element of both checked views (views
+ * that interleave without sharing an element, such as the K and V halves
+ * of one paged buffer, do not overlap; past a bounded search, views built to
+ * defeat it count as overlapping). NULL overlaps nothing. Outputs are
+ * tested against every other operand: a kernel that writes `out` while it
+ * still reads `q` would see its own results. */
 bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b);
 /* ATTN_ERR_OVERLAP when an output view (already checked) maps two elements
  * to one address; NULL passes. */

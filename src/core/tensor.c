@@ -1,5 +1,6 @@
 /* tensor.c — strided views: construction, permutation and validation. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -223,12 +224,90 @@ int64_t attn__linear_offset(const attn_tensor *t, int nd, int64_t i) {
     return off;
 }
 
+/* ---- whether two views share a byte ---- */
+
+/* An element's byte offset is a sum of index x stride terms; the bytes of an
+ * element of a and one of b meet when the difference of their offsets lies
+ * in [lo, hi] (the element sizes'). Each dimension becomes a term u·w, u in
+ * [0, n), w its byte stride (a negative stride flipped into the constant,
+ * b's terms negated), and the question whether some choice of the u puts
+ * the sum in [lo, hi] is searched largest |w| first, each term's choices
+ * cut to those the smaller ones can still reach. Views laid out like
+ * arrays leave one or two choices per term; OVERLAP_WORK bounds the search
+ * for strides made to defeat it, past which the answer is "they may". */
+enum { OVERLAP_WORK = 1 << 16 };
+
+typedef struct overlap_term {
+    int64_t w, n;        /* stride in bytes (signed), index count */
+    int64_t rest_lo, rest_hi; /* the range of the terms after this one */
+} overlap_term;
+
+static bool overlap_search(const overlap_term *t, int nt, int64_t sum, int64_t lo, int64_t hi,
+                           int64_t *work) {
+    if (nt == 0) return lo <= sum && sum <= hi;
+    if (++*work > OVERLAP_WORK) return true;
+    /* u·w must land in [lo - sum - rest_hi, hi - sum - rest_lo] */
+    const int64_t want_lo = lo - sum - t->rest_hi, want_hi = hi - sum - t->rest_lo;
+    int64_t u0, u1; /* the u with u·w in [want_lo, want_hi], clamped to [0, n) */
+    if (t->w > 0) {
+        u0 = want_lo <= 0 ? 0 : (want_lo + t->w - 1) / t->w;
+        u1 = want_hi < 0 ? -1 : want_hi / t->w;
+    } else {
+        const int64_t w = -t->w; /* u·w in [-want_hi, -want_lo] */
+        u0 = -want_hi <= 0 ? 0 : (-want_hi + w - 1) / w;
+        u1 = -want_lo < 0 ? -1 : -want_lo / w;
+    }
+    if (u1 > t->n - 1) u1 = t->n - 1;
+    for (int64_t u = u0; u <= u1; u++)
+        if (overlap_search(t + 1, nt - 1, sum + u * t->w, lo, hi, work)) return true;
+    return false;
+}
+
+static int by_size_desc(const void *x, const void *y) {
+    const int64_t a = llabs(((const overlap_term *)x)->w), b = llabs(((const overlap_term *)y)->w);
+    return a < b ? 1 : a > b ? -1 : 0;
+}
+
+/* The terms of view t (sign +1 for a, -1 for b) appended to `terms`; its
+ * flipped negative strides added to *c. Returns false for an empty view. */
+static bool view_terms(const attn_tensor *t, int sign, overlap_term *terms, int *nt, int64_t *c) {
+    const int64_t es = (int64_t)attn_dtype_size(t->dtype);
+    *c += sign * (int64_t)(intptr_t)t->data;
+    for (int d = 0; d < t->rank; d++) {
+        if (t->shape[d] == 0) return false;
+        if (t->shape[d] == 1 || t->strides[d] == 0) continue;
+        int64_t w = t->strides[d] * es;
+        if (w < 0) { /* index i at w is index n-1-i at -w, from (n-1)·w */
+            *c += sign * (t->shape[d] - 1) * w;
+            w = -w;
+        }
+        terms[(*nt)++] = (overlap_term){sign * w, t->shape[d], 0, 0};
+    }
+    return true;
+}
+
 bool attn__views_overlap(const attn_tensor *a, const attn_tensor *b) {
     if (a == NULL || b == NULL) return false;
     uintptr_t alo, ahi, blo, bhi;
     byte_span(a, &alo, &ahi);
     byte_span(b, &blo, &bhi);
-    return alo < bhi && blo < ahi;
+    if (!(alo < bhi && blo < ahi)) return false;
+    overlap_term terms[2 * ATTN_MAX_RANK];
+    int nt = 0;
+    int64_t c = 0; /* offset(a element) - offset(b element) = c + the terms */
+    if (!view_terms(a, 1, terms, &nt, &c) || !view_terms(b, -1, terms, &nt, &c)) return false;
+    qsort(terms, (size_t)nt, sizeof terms[0], by_size_desc);
+    int64_t lo = 0, hi = 0;
+    for (int i = nt - 1; i >= 0; i--) { /* what the terms after i can add */
+        terms[i].rest_lo = lo, terms[i].rest_hi = hi;
+        const int64_t reach = (terms[i].n - 1) * terms[i].w;
+        if (reach < 0) lo += reach;
+        else hi += reach;
+    }
+    /* a's element [x, x + ea) meets b's [y, y + eb) when -ea < x - y < eb */
+    const int64_t ea = (int64_t)attn_dtype_size(a->dtype), eb = (int64_t)attn_dtype_size(b->dtype);
+    int64_t work = 0;
+    return overlap_search(terms, nt, c, 1 - ea, eb - 1, &work);
 }
 
 /* ---- conversion ---- */

@@ -376,6 +376,75 @@ static void tensor_convert(void) {
     CHECK_STATUS(attn_tensor_convert(NULL, &td), ATTN_ERR_NULL);
 }
 
+/* attn__views_overlap against the bytes each view's elements cover, on
+ * random views of one 512-byte buffer: interleaved views (a paged buffer's
+ * K and V halves, even and odd elements), negative, zero and nested
+ * strides, every dtype size. The byte spans alone said "overlap" for
+ * interleaved views that share no element. */
+static void views_overlap_exactly(void) {
+    rng r = {harness_seed() ^ 0x0e1a};
+    static unsigned char buf[512];
+    const attn_dtype dts[4] = {ATTN_DTYPE_BOOL, ATTN_DTYPE_BF16, ATTN_DTYPE_F32, ATTN_DTYPE_F64};
+    int disjoint_in_span = 0;
+    for (int c = 0; c < 20000; c++) {
+        attn_tensor v[2];
+        bool bytes[2][512] = {{false}};
+        bool ok = true;
+        for (int x = 0; x < 2 && ok; x++) {
+            const attn_dtype dt = dts[rng_int(&r, 0, 3)];
+            const int64_t es = (int64_t)attn_dtype_size(dt), cap = 512 / es;
+            v[x].dtype = dt;
+            v[x].rank = (int)rng_int(&r, 1, 3);
+            int64_t lo = 0, hi = 0;
+            for (int d = 0; d < v[x].rank; d++) {
+                v[x].shape[d] = rng_int(&r, 1, 5);
+                v[x].strides[d] = rng_int(&r, -12, 12);
+                const int64_t reach = v[x].strides[d] * (v[x].shape[d] - 1);
+                if (reach < 0) lo += reach;
+                else hi += reach;
+            }
+            const int64_t base = rng_int(&r, -lo, cap - 1 - hi < -lo ? -lo : cap - 1 - hi);
+            ok = base + lo >= 0 && base + hi < cap;
+            v[x].data = buf + base * es;
+            int64_t idx[ATTN_MAX_RANK] = {0};
+            for (bool more = ok; more;) {
+                int64_t off = base;
+                for (int d = 0; d < v[x].rank; d++) off += idx[d] * v[x].strides[d];
+                for (int64_t byte = 0; byte < es; byte++) bytes[x][off * es + byte] = true;
+                more = false;
+                for (int d = v[x].rank - 1; d >= 0 && !more; d--) {
+                    if (++idx[d] < v[x].shape[d]) more = true;
+                    else idx[d] = 0;
+                }
+            }
+        }
+        if (!ok) continue;
+        bool shared = false;
+        for (int i = 0; i < 512; i++) shared |= bytes[0][i] && bytes[1][i];
+        const bool said = attn__views_overlap(&v[0], &v[1]);
+        CHECK(said == shared, "case %d: said %d, the bytes say %d", c, said, shared);
+        uintptr_t lo0 = 512, hi0 = 0, lo1 = 512, hi1 = 0;
+        for (uintptr_t i = 0; i < 512; i++) {
+            if (bytes[0][i]) lo0 = i < lo0 ? i : lo0, hi0 = i;
+            if (bytes[1][i]) lo1 = i < lo1 ? i : lo1, hi1 = i;
+        }
+        disjoint_in_span += !shared && lo0 <= hi1 && lo1 <= hi0;
+    }
+    CHECK(disjoint_in_span > 1000, "only %d disjoint views with intersecting spans", disjoint_in_span);
+    /* a FlashInfer-style paged KV buffer (pages, 2, page, H, E): K and V */
+    static float kv[4 * 2 * 4 * 2 * 8];
+    attn_tensor whole, k, vv;
+    CHECK_OK(attn_tensor_init(&whole, kv, ATTN_DTYPE_F32, 5, (int64_t[]){4, 2, 4, 2, 8}));
+    k = vv = whole;
+    k.rank = vv.rank = 4;
+    const int64_t shape[4] = {4, 4, 2, 8}, strides[4] = {128, 16, 8, 1};
+    memcpy(k.shape, shape, sizeof shape), memcpy(vv.shape, shape, sizeof shape);
+    memcpy(k.strides, strides, sizeof strides), memcpy(vv.strides, strides, sizeof strides);
+    vv.data = kv + 64;
+    CHECK(!attn__views_overlap(&k, &vv), "the K and V halves of a paged buffer overlap");
+    CHECK(attn__views_overlap(&k, &whole), "K and the whole buffer do not overlap");
+}
+
 HARNESS_MAIN(T(philox_known_answers), T(cpu_feature_decoding), T(isa_switch), T(allocator_hook),
              T(workspace_kept), T(serial_call_scratch), T(threads_setting), T(views),
-             T(rounding_to_16_bits), T(tensor_convert))
+             T(rounding_to_16_bits), T(tensor_convert), T(views_overlap_exactly))

@@ -598,3 +598,21 @@ def test_patched_torch_leaves_to_torch_what_torch_decides():
     with attn.patch_torch():
         mha(xi, xi, xi)[0].sum().backward()
     assert mha.in_proj_weight.grad is not None
+
+
+def test_kvcache_halves_of_one_paged_buffer_are_not_an_overlap():
+    """K and V caches as the two halves of one (pages, 2, page, H, E) buffer
+    (FlashInfer's paged layout) interleave without sharing an element; the
+    overlap check compared address ranges and refused the append ("k_cache
+    and v_cache overlap in memory")."""
+    kv = torch.zeros(8, 2, 4, 2, 8)
+    k_cache, v_cache = kv[:, 0], kv[:, 1]
+    q, k, v = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    attn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table)
+    assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[0, 3], v[0, 0])
+    assert torch.equal(k_cache[3, 1], k[1, 0]) and torch.equal(v_cache[3, 1], v[1, 0])
+    with pytest.raises(ValueError, match="overlap"):  # a real overlap is still refused
+        attn.attention_with_kvcache(q, k_cache, k_cache, k, v, cache_seqlens=lens,
+                                    block_table=table)
