@@ -348,7 +348,7 @@ static attn_status check_slice(attn__problem *p, const attn__problem_request *r)
                                   "%s is %lld but the slice holds %s %lld..%lld: the total must "
                                   "reach past the slice (0: the slice is the whole)",
                                   dims[i].tname, (long long)total, dims[i].what, (long long)off,
-                                  (long long)(off + len));
+                                  (long long)(off > INT64_MAX - len ? INT64_MAX : off + len));
     }
     p->q_pos0 = r->q_offset;
     p->k_pos0 = r->k_offset;

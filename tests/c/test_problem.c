@@ -463,7 +463,10 @@ static void test_slice_and_merge_errors(void) {
     const struct { int64_t qo, ko, qt, kt; const char *arg; } bad[] = {
         {-1, 0, 4, 0, "params.q_offset"}, {0, -2, 0, 5, "params.k_offset"},
         {3, 0, 4, 0, "params.q_total"},   {0, 1, 0, 3, "params.k_total"},
-        {1, 0, 0, 0, "params.q_total"},   {0, 0, 0, -1, "params.k_total"}};
+        {1, 0, 0, 0, "params.q_total"},   {0, 0, 0, -1, "params.k_total"},
+        /* offsets near 2^63: the message's slice end once overflowed (UBSan) */
+        {0, INT64_MAX, 0, 0, "params.k_total"}, {INT64_MAX - 1, 0, 0, 0, "params.q_total"},
+        {0, INT64_MAX - 1, 0, INT64_MAX, "params.k_total"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         attn_sdpa_params_init(&p);
         p.q_offset = bad[i].qo, p.k_offset = bad[i].ko, p.q_total = bad[i].qt, p.k_total = bad[i].kt;
