@@ -248,6 +248,15 @@ static inline void attn__store(void *base, attn_dtype dtype, int64_t offset, dou
     case ATTN_DTYPE_I32: return;
     }
 }
+/* A row's log-sum-exp stored in an lse output: -inf says the row saw no key,
+ * so a finite lse beyond float32's range is stored there as -FLT_MAX or
+ * FLT_MAX (3.4028235e38), not as an infinity; a float64 lse holds it. */
+static inline void attn__store_lse(void *base, attn_dtype dtype, int64_t offset, double lse) {
+    const double top = 3.4028234663852886e38; /* FLT_MAX */
+    if (dtype == ATTN_DTYPE_F32 && lse < -top && lse > -__builtin_inf()) lse = -top;
+    if (dtype == ATTN_DTYPE_F32 && lse > top && lse < __builtin_inf()) lse = top;
+    attn__store(base, dtype, offset, lse);
+}
 
 /* dst = src element by element in C order, each value read as a double and
  * stored rounded once to dst's dtype (attn__store); same rank and shape,

@@ -133,7 +133,7 @@ attn_status attn_sdpa_merge(attn_tensor *out, attn_tensor *lse, const attn_tenso
             if (w1 != 0) acc += w1 * attn__load(part_out->data, part_out->dtype, po + e * pcs);
             attn__store(out->data, out->dtype, oo + e * ocs, acc);
         }
-        attn__store(lse->data, lse->dtype, lo, total);
+        attn__store_lse(lse->data, lse->dtype, lo, total);
     }
     return ATTN_OK;
 }

@@ -119,7 +119,7 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
     const bool empty = top == -INFINITY;
     if (p->has_lse) {
         int64_t lo = attn__batch_offset(p, &p->lse, b) + i * p->lse.rs;
-        attn__store(p->lse.data, p->lse.dtype, lo, lse);
+        attn__store_lse(p->lse.data, p->lse.dtype, lo, lse);
     }
 
     /* Normalise, drop out, and write the weights. */

@@ -17,6 +17,8 @@
  * value by rounding (1e-12 relative in float64, 1e-5 in float32) when it
  * reroutes around a non-finite input, never make it NaN/Inf.
  */
+#include <float.h>
+
 #include "kernels/ukernel.h"
 #include "testutil.h"
 
@@ -592,8 +594,75 @@ static void bf16_hidden_special_values(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- float32 scores past float32's range, with finite inputs ---- */
+
+/* q·k of -1e40 (q 1e20, k -1e20 and -2e20) is finite in float64 but -inf
+ * in a float32 sum: the fused paths took both keys for masked (out 0, lse
+ * -inf). With a finite ALiBi slope of 3e38 the bias did the same; with
+ * soft-capping a score sum that passed through +inf was capped to +softcap
+ * (a finite, wrong weight). A float32 lse of such a row was stored as
+ * -inf, which says "no key", and the backward then dropped the row. Every
+ * path must give the reference's result, and a float32 lse of -FLT_MAX. */
+static void overflowing_float32_scores(void) {
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)i));
+        const char *where = attn_isa_name((attn_isa)i);
+        float q[2] = {1e20f, 1.0f}, k[2] = {-1e20f, -2e20f}, v[4] = {3, 4, 5, 6};
+        float dout[4] = {1, 1, 1, 1}, out[4], lse[2], dq[2], dk[2], dv[4];
+        attn_tensor tq, tk, tv, tg, to, tl, tdq, tdk, tdv;
+        CHECK_OK(attn_tensor_init(&tq, q, ATTN_DTYPE_F32, 2, (int64_t[]){2, 1}));
+        CHECK_OK(attn_tensor_init(&tk, k, ATTN_DTYPE_F32, 2, (int64_t[]){2, 1}));
+        CHECK_OK(attn_tensor_init(&tv, v, ATTN_DTYPE_F32, 2, (int64_t[]){2, 2}));
+        CHECK_OK(attn_tensor_init(&tg, dout, ATTN_DTYPE_F32, 2, (int64_t[]){2, 2}));
+        CHECK_OK(attn_tensor_init(&to, out, ATTN_DTYPE_F32, 2, (int64_t[]){2, 2}));
+        CHECK_OK(attn_tensor_init(&tl, lse, ATTN_DTYPE_F32, 1, (int64_t[]){2}));
+        CHECK_OK(attn_tensor_init(&tdq, dq, ATTN_DTYPE_F32, 2, (int64_t[]){2, 1}));
+        CHECK_OK(attn_tensor_init(&tdk, dk, ATTN_DTYPE_F32, 2, (int64_t[]){2, 1}));
+        CHECK_OK(attn_tensor_init(&tdv, dv, ATTN_DTYPE_F32, 2, (int64_t[]){2, 2}));
+        CHECK_OK(attn_sdpa(&tq, &tk, &tv, NULL, &to, NULL, &tl));
+        CHECK(out[0] == 3 && out[1] == 4, "%s: row 0 gave (%g, %g), not key 0's (3, 4)", where,
+              out[0], out[1]);
+        CHECK(lse[0] == -FLT_MAX, "%s: row 0's float32 lse is %g, not -FLT_MAX", where, lse[0]);
+        CHECK_OK(attn_sdpa_backward(&tg, &tq, &tk, &tv, &to, &tl, NULL, &tdq, &tdk, &tdv, NULL));
+        CHECK(dv[0] == 2 && dv[1] == 2, "%s: dv of key 0 is (%g, %g), not (2, 2)", where, dv[0],
+              dv[1]);
+        /* a finite ALiBi slope whose bias passes float32's range */
+        float q1[1] = {1}, k3[3] = {0, 0, 0}, v3[3] = {3, 5, 7}, o1[1], slope[1] = {3e38f};
+        attn_tensor a, b, c, o, sl;
+        CHECK_OK(attn_tensor_init(&a, q1, ATTN_DTYPE_F32, 3, (int64_t[]){1, 1, 1}));
+        CHECK_OK(attn_tensor_init(&b, k3, ATTN_DTYPE_F32, 3, (int64_t[]){1, 3, 1}));
+        CHECK_OK(attn_tensor_init(&c, v3, ATTN_DTYPE_F32, 3, (int64_t[]){1, 3, 1}));
+        CHECK_OK(attn_tensor_init(&o, o1, ATTN_DTYPE_F32, 3, (int64_t[]){1, 1, 1}));
+        CHECK_OK(attn_tensor_init(&sl, slope, ATTN_DTYPE_F32, 1, (int64_t[]){1}));
+        attn_sdpa_params p;
+        attn_sdpa_params_init(&p);
+        p.alibi_slopes = &sl; /* the last key is at distance 0: weight 1 */
+        CHECK_OK(attn_sdpa(&a, &b, &c, &p, &o, NULL, NULL));
+        CHECK(o1[0] == 7, "%s: ALiBi 3e38 gave %g, not the nearest key's 7", where, o1[0]);
+        /* soft-capping over a float32 sum that overflows: q·k0 = -2e38 */
+        enum { SL = 64, SS = 200, SE = 8 };
+        static float sq[SL * SE], sk[SS * SE], sv[SS], so[SL];
+        for (int r = 0; r < SL * SE; r++) sq[r] = r % SE < 4 ? 1e19f : 0;
+        for (int r = 0; r < SS * SE; r++) sk[r] = 0;
+        for (int r = 0; r < SS; r++) sv[r] = r == 0;
+        sk[0] = sk[1] = 2e19f, sk[2] = sk[3] = -3e19f;
+        CHECK_OK(attn_tensor_init(&a, sq, ATTN_DTYPE_F32, 2, (int64_t[]){SL, SE}));
+        CHECK_OK(attn_tensor_init(&b, sk, ATTN_DTYPE_F32, 2, (int64_t[]){SS, SE}));
+        CHECK_OK(attn_tensor_init(&c, sv, ATTN_DTYPE_F32, 2, (int64_t[]){SS, 1}));
+        CHECK_OK(attn_tensor_init(&o, so, ATTN_DTYPE_F32, 2, (int64_t[]){SL, 1}));
+        attn_sdpa_params_init(&p);
+        p.softcap = 1;
+        CHECK_OK(attn_sdpa(&a, &b, &c, &p, &o, NULL, NULL));
+        const double want = exp(-1.0) / (exp(-1.0) + SS - 1); /* the capped score -1 */
+        CHECK(fabs(so[0] - want) <= 1e-6 * want, "%s: softcap gave %g, not %g", where, so[0],
+              want);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
              T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
-             T(bf16_hidden_special_values))
+             T(bf16_hidden_special_values), T(overflowing_float32_scores))
