@@ -225,7 +225,7 @@ ATTN_API attn_status attn_tensor_convert(const attn_tensor *src, attn_tensor *ds
  * Scores whose float32 sums would overflow (finite q·k beyond ±3.4e38) are
  * taken in float64 for their rows, so a row whose every score is below
  * -3.4e38 still attends to its largest; a float32 lse beyond float32's range
- * is stored as -FLT_MAX or FLT_MAX (-inf is kept for a row with no key). */
+ * is stored as -FLT_MAX or FLT_MAX (-inf is kept for a row with no key).
  *
  * Dropout [attn: reproducible]: each weight is kept with probability 1 - p
  * and, if kept, scaled by 1 / (1 - p). The keep decision for weight

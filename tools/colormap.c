@@ -80,7 +80,9 @@ int cmap_index(double value, double vmin, double vmax) {
     /* matplotlib's rule: [vmin, vmax] in 256 equal bins, the top one closed;
      * a zero-width range maps to the first colour. */
     if (!(vmax > vmin)) return 0;
-    const double t = (value - vmin) / (vmax - vmin);
+    /* halves: a range wider than the largest double (-1e308 .. 1e308) has
+     * an infinite width, which put every cell in the first colour */
+    const double t = (value / 2 - vmin / 2) / (vmax / 2 - vmin / 2);
     if (!(t > 0)) return 0;
     if (t >= 1) return CMAP_SIZE - 1;
     const int i = (int)(t * CMAP_SIZE);

@@ -143,7 +143,7 @@ static int plan(cairo_t *cr, const hm_plot *p, layout *l) {
     l->bar_y = PAD + l->title_h + l->col_h;
     l->bar_h = PAD + panels_h - l->bar_y;
     l->bar_h = l->bar_h < BAR_MIN_H ? BAR_MIN_H : l->bar_h;
-    const double values[3] = {p->vmax, (p->vmin + p->vmax) / 2, p->vmin};
+    const double values[3] = {p->vmax, p->vmin / 2 + p->vmax / 2, p->vmin}; /* (no overflow) */
     double right = 0;
     for (int k = 0; k < 3; k++) {
         snprintf(l->ticks[k], sizeof l->ticks[k], "%.4g", values[k]);

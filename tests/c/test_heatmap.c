@@ -629,6 +629,30 @@ static void failed_run_keeps_the_old_file(void) {
 
 /* The README's example: attn sdpa on docs/heatmap's inputs, its weights
  * drawn with the tokens (docs/heatmap_example.png is this picture). */
+/* A scale wider than the largest double (the width vmax - vmin overflows)
+ * still spreads the colours: every cell came out in the first colour. */
+static void scale_wider_than_a_double(void) {
+    CHECK(cmap_index(0, -1e308, 1e308) == CMAP_SIZE / 2, "0 in -1e308..1e308: %d",
+          cmap_index(0, -1e308, 1e308));
+    CHECK(cmap_index(1.7e308, -1.7e308, 1.7e308) == CMAP_SIZE - 1, "the top");
+    CHECK(cmap_index(-1.7e308, -1.7e308, 1.7e308) == 0, "the bottom");
+    CHECK(cmap_index(0.25, 0, 1) == CMAP_SIZE / 4, "an ordinary scale");
+    const int64_t shape[2] = {2, 2};
+    const double v[4] = {-1.7e308, 0, 1e307, 1.7e308};
+    save("wide.npy", v, ATTN_DTYPE_F64, 2, shape);
+    layout l;
+    image im = {0};
+    CHECK(run("heatmap -w wide.npy -o wide.png --print-layout") == 0 && parse_layout(log_, &l) &&
+              load_png("wide.png", &im),
+          "%s", log_);
+    if (im.data) {
+        const int c = l.cell;
+        CHECK(cell_colour(&im, l.x[0], l.y[0], c) != cell_colour(&im, l.x[0] + c, l.y[0] + c, c),
+              "the smallest and the largest weight have one colour");
+    }
+    if (im.s) cairo_surface_destroy(im.s);
+}
+
 static void readme_example(void) {
     char args[1024];
     snprintf(args, sizeof args,
@@ -684,7 +708,8 @@ int main(int argc, char **argv) {
     static const harness_test tests[] = {
 #ifdef ATTN_TEST_HEATMAP
         T(cells_show_the_weights), T(labels_show), T(nonfinite_cells), T(hostile_inputs),
-        T(failed_run_keeps_the_old_file), T(readme_example), T(info_says_built),
+        T(failed_run_keeps_the_old_file), T(scale_wider_than_a_double), T(readme_example),
+        T(info_says_built),
 #else
         T(says_not_built),
 #endif
