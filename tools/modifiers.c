@@ -139,12 +139,14 @@ static unsigned char *read_file(const char *path, size_t *size) {
 /* The descr's value in a .npy header ('<i4'): where its type letter is,
  * or NULL. Only the header is searched (it ends at the first newline). */
 static unsigned char *descr_type(unsigned char *buf, size_t size) {
-    const char *key = "'descr'";
-    const size_t klen = strlen(key);
-    for (size_t i = 0; i + klen < size && buf[i] != '\n'; i++) {
-        if (memcmp(buf + i, key, klen) != 0) continue;
-        size_t j = i + klen;
-        while (j < size && (buf[j] == ' ' || buf[j] == ':')) j++;
+    /* the key in either quote, then blanks and the colon, as NumPy's header
+     * parser (a Python literal) allows: "descr" and tabs were refused */
+    for (size_t i = 0; i + 7 < size && buf[i] != '\n'; i++) {
+        if ((buf[i] != '\'' && buf[i] != '"') || memcmp(buf + i + 1, "descr", 5) != 0 ||
+            buf[i + 6] != buf[i])
+            continue;
+        size_t j = i + 7;
+        while (j < size && (buf[j] == ' ' || buf[j] == '\t' || buf[j] == ':')) j++;
         if (j + 4 < size && (buf[j] == '\'' || buf[j] == '"')) return buf + j + 2;
         return NULL;
     }

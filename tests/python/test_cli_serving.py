@@ -131,6 +131,27 @@ def test_varlen_fortran_order_index_file_and_modifier_files(tmp_path, rng):
     close(np.load(out), ref_out)
 
 
+@pytest.mark.parametrize("header", [
+    '{"descr": "<i4", "fortran_order": False, "shape": (4,), }',
+    "{'descr'\t:\t'<i4', 'fortran_order': False, 'shape': (4,)}",
+])
+def test_varlen_index_file_headers_as_numpy_reads_them(tmp_path, rng, header):
+    """Index files whose header spells "descr" in double quotes, or with tabs
+    around its colon, are valid .npy files NumPy reads; the tool said they
+    were not int32 arrays (hostile tester, 2026-11-28)."""
+    a, f = varlen_files(tmp_path, rng)
+    text = header.encode()
+    text += b" " * ((64 - (10 + len(text) + 1) % 64) % 64) + b"\n"
+    raw = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + a["cu_q"].tobytes()
+    (tmp_path / "cu_raw.npy").write_bytes(raw)
+    np.testing.assert_array_equal(np.load(tmp_path / "cu_raw.npy"), a["cu_q"])
+    out, want = tmp_path / "out.npy", tmp_path / "want.npy"
+    common = ("-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-k", f["cu_k"])
+    ok("varlen", *common, "--cu-seqlens-q", tmp_path / "cu_raw.npy", "-o", out)
+    ok("varlen", *common, "--cu-seqlens-q", f["cu_q"], "-o", want)
+    np.testing.assert_array_equal(np.load(out), np.load(want))
+
+
 @pytest.mark.parametrize("cu_q, code, match", [
     (np.array([0.0, 3, 10]), 1, "index files are int32"),
     (np.array([0, 3, 10], np.int16), 1, "index files are int32"),
