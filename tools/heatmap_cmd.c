@@ -290,8 +290,8 @@ static int run(const hm_args *a, attn_tensor *w, hm_tokens *rows, hm_tokens *col
     rc = set_range(a, &p);
     if (rc == CLI_OK) rc = hm_draw(&p, a->print_layout, img);
     if (rc == CLI_OK) rc = outputs_stage_with("-o", hm_write_png, *img);
+    if (rc == CLI_OK) print_summary(a, w, &p, *img); /* before the commit, which checks it */
     if (rc == CLI_OK) rc = outputs_commit();
-    if (rc == CLI_OK) print_summary(a, w, &p, *img);
     return rc;
 }
 

@@ -485,9 +485,8 @@ static int run(const mha_args *a, mha_run *r) {
     if (rc == CLI_OK) rc = compute(a, r);
     if (rc == CLI_OK) rc = outputs_stage("-o", &r->out);
     if (rc == CLI_OK) rc = outputs_stage("--attn-weights", &r->w);
-    if (rc == CLI_OK) rc = outputs_commit();
     if (rc != CLI_OK) outputs_abort(); /* removes any temporary */
-    return rc;
+    return rc; /* (committed by cli_mha after its summary line) */
 }
 
 int cli_mha(int argc, char **argv) {
@@ -504,13 +503,14 @@ int cli_mha(int argc, char **argv) {
     mha_run r;
     memset(&r, 0, sizeof r);
     rc = run(&a, &r);
-    if (rc == CLI_OK) {
+    if (rc == CLI_OK) { /* the summary before the commit, which checks it arrived */
         char sq[96], so[96];
         printf("mha: query%s -> out%s %s, %lld heads, %s weights under '%s', %s path, %d "
                "threads, %.3f ms -> %s\n",
                cli_shape(&r.q, sq, sizeof sq), cli_shape(&r.out, so, sizeof so),
                attn_dtype_name(r.out.dtype), a.num_heads, r.wt.scheme, a.prefix,
                attn_isa_name(attn_get_isa()), attn_get_num_threads(), r.ms, a.out);
+        rc = outputs_commit();
     }
     attn_safetensors_close(r.wt.file);
     attn_mha_destroy(r.m);

@@ -111,6 +111,9 @@ static void install_handlers(void) {
      * which is reported and removes the temporaries, instead of killing the
      * tool with SIGXFSZ and leaving them (as Python does) */
     signal(SIGXFSZ, SIG_IGN);
+    /* Likewise a closed pipe on stdout: EPIPE, reported at the flush before
+     * the commit (outputs_commit), not a death by SIGPIPE that leaves them */
+    signal(SIGPIPE, SIG_IGN);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
@@ -371,9 +374,16 @@ void outputs_abort(void) {
     block_signals(false, &saved);
 }
 
-/* In-place targets first (they may fail, and nothing is renamed yet), then
- * the renames, with signals held so that they all happen. */
+/* Standard output first: the command's summary line, printed before this
+ * call, must have arrived (a full disk, a closed pipe), or nothing is
+ * replaced (main says why). Then in-place targets (they may fail, and
+ * nothing is renamed yet), then the renames, with signals held so that they
+ * all happen. */
 int outputs_commit(void) {
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        outputs_abort();
+        return CLI_RUNTIME;
+    }
     for (int i = 0; i < count; i++) {
         output *o = &outputs[i];
         if (!o->in_place || o->write == NULL) continue;

@@ -285,11 +285,11 @@ static int add_outputs(const sdpa_args *a) {
 }
 
 /* All outputs or none: each is staged in full before any is renamed. */
-static int write_outputs(const sdpa_run *r) {
+static int stage_outputs(const sdpa_run *r) {
     int rc = outputs_stage("-o", &r->out);
     if (rc == CLI_OK) rc = outputs_stage("--weights", &r->w);
     if (rc == CLI_OK) rc = outputs_stage("--lse", &r->lse);
-    return rc == CLI_OK ? outputs_commit() : rc;
+    return rc;
 }
 
 int cli_sdpa(int argc, char **argv) {
@@ -308,16 +308,17 @@ int cli_sdpa(int argc, char **argv) {
     rc = add_outputs(&a);
     if (rc == CLI_OK) rc = load_all(&a, &r);
     if (rc == CLI_OK) rc = compute(&a, &r);
-    if (rc == CLI_OK) rc = write_outputs(&r);
-    if (rc != CLI_OK) outputs_abort(); /* removes any temporary */
-    if (rc == CLI_OK) {
+    if (rc == CLI_OK) rc = stage_outputs(&r);
+    if (rc == CLI_OK) { /* the summary before the commit, which checks it arrived */
         char sq[96], sk[96], sv[96], so[96];
         printf("sdpa: q%s k%s v%s -> out%s %s, %s path, %d threads, %.3f ms -> %s\n",
                cli_shape(&r.q, sq, sizeof sq), cli_shape(&r.k, sk, sizeof sk),
                cli_shape(&r.v, sv, sizeof sv), cli_shape(&r.out, so, sizeof so),
                attn_dtype_name(r.out.dtype), attn_isa_name(attn_get_isa()),
                attn_get_num_threads(), r.ms, a.out);
+        rc = outputs_commit();
     }
+    if (rc != CLI_OK) outputs_abort(); /* removes any temporary */
     attn_npy_free(&r.q);
     attn_npy_free(&r.k);
     attn_npy_free(&r.v);

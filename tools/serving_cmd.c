@@ -329,15 +329,15 @@ static int varlen_main(serving_args *a) {
     if (rc == CLI_OK) rc = varlen_compute(a, &r, &ms);
     if (rc == CLI_OK) rc = outputs_stage("-o", &r.out);
     if (rc == CLI_OK) rc = outputs_stage("--lse", &r.lse);
-    if (rc == CLI_OK) rc = outputs_commit();
-    if (rc != CLI_OK) outputs_abort();
-    if (rc == CLI_OK) {
+    if (rc == CLI_OK) { /* the summary before the commit, which checks it arrived */
         char sq[96], so[96];
         printf("varlen: %lld sequences, q%s -> out%s %s, %s path, %d threads, %.3f ms -> %s\n",
                (long long)attn_tensor_numel(&r.cu_q) - 1, cli_shape(&r.q, sq, sizeof sq),
                cli_shape(&r.out, so, sizeof so), attn_dtype_name(r.out.dtype),
                attn_isa_name(attn_get_isa()), attn_get_num_threads(), ms, a->out);
+        rc = outputs_commit();
     }
+    if (rc != CLI_OK) outputs_abort();
     attn_tensor *loaded[5] = {&r.q, &r.k, &r.v, &r.cu_q, &r.cu_k};
     for (int i = 0; i < 5; i++) attn_npy_free(loaded[i]);
     free(r.out.data);
@@ -396,16 +396,16 @@ static int kvcache_main(serving_args *a) {
     if (rc == CLI_OK) rc = outputs_stage("--lse", &r.lse);
     if (rc == CLI_OK) rc = outputs_stage("--k-cache-out", &r.k_cache);
     if (rc == CLI_OK) rc = outputs_stage("--v-cache-out", &r.v_cache);
-    if (rc == CLI_OK) rc = outputs_commit();
-    if (rc != CLI_OK) outputs_abort();
-    if (rc == CLI_OK) {
+    if (rc == CLI_OK) { /* the summary before the commit, which checks it arrived */
         char sq[96], sc[96], so[96];
         printf("kvcache: q%s cache%s%s -> out%s %s, %s path, %d threads, %.3f ms -> %s\n",
                cli_shape(&r.q, sq, sizeof sq), cli_shape(&r.k_cache, sc, sizeof sc),
                a->table ? " paged" : "", cli_shape(&r.out, so, sizeof so),
                attn_dtype_name(r.out.dtype), attn_isa_name(attn_get_isa()),
                attn_get_num_threads(), ms, a->out);
+        rc = outputs_commit();
     }
+    if (rc != CLI_OK) outputs_abort();
     attn_tensor *loaded[7] = {&r.q, &r.k_cache, &r.v_cache, &r.k, &r.v, &r.seqlens, &r.table};
     for (int i = 0; i < 7; i++) attn_npy_free(loaded[i]);
     free(r.out.data);

@@ -383,3 +383,29 @@ def test_help_texts_list_the_serving_commands():
     kvcache = ok("kvcache", "--help").stdout
     assert "--block-table" in kvcache and "--k-cache-out" in kvcache
     assert "--cu-seqlens-k" in ok("varlen", "-h").stdout
+
+
+@pytest.mark.parametrize("stdout", ["full", "closed pipe"])
+def test_an_unwritable_stdout_replaces_no_output(tmp_path, rng, stdout):
+    """The summary line was printed after the outputs were renamed: with
+    stdout on /dev/full (or a closed pipe) the tool exited 1 with the old
+    files already replaced. It is flushed before the commit now, and a failure
+    there leaves every target as it was (hostile tester, 2026-11-28)."""
+    a, f = varlen_files(tmp_path, rng)
+    out = tmp_path / "out.npy"
+    out.write_bytes(b"OLD")
+    args = [CLI, "varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q",
+            f["cu_q"], "--cu-seqlens-k", f["cu_k"], "-o", out]
+    if stdout == "full":
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(list(map(str, args)), stdout=full, stderr=subprocess.PIPE,
+                               text=True, timeout=120)
+    else:
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # nobody reads: a write gets EPIPE (SIGPIPE is ignored by the tool)
+        r = subprocess.run(list(map(str, args)), stdout=write_end, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+        os.close(write_end)
+    assert r.returncode == 1 and "cannot write to standard output" in r.stderr, r.stderr
+    assert out.read_bytes() == b"OLD"
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
