@@ -860,10 +860,10 @@ ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, i
  * removed; a process killed during the write may leave the temporary.
  * The new file keeps the old one's permission bits, and its owner where
  * the caller may set it; other hard links to the old file keep the old
- * data. A symbolic link is followed: the file it points to is replaced (a
- * dangling link is itself replaced). An existing target that is not a
- * regular file (/dev/null, a FIFO) is written in place. A folder is never
- * replaced.
+ * data. A symbolic link is followed: the file it points to is replaced
+ * (or, for a dangling link, created, as open(2) would). An existing target
+ * that is not a regular file (/dev/null, a FIFO) is written in place. A
+ * folder is never replaced.
  */
 ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
 /* The same bytes to an open file descriptor, from its current position:

@@ -12,7 +12,7 @@
  * the command's input files, which no output may replace.
  *
  * Like attn_npy_save, a symbolic link is followed (the file it points to is
- * replaced) and an existing target that is not a regular file (/dev/null, a
+ * replaced, or created when the link dangles) and an existing target that is not a regular file (/dev/null, a
  * FIFO) is written in place, at commit time, before the renames.
  *
  * A file several processes write (attn sdpa --ring) is staged by one of
@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "io/io.h" /* attn__dangling_link_target */
 
 enum { MAX_OUTPUTS = 8 };
 
@@ -140,7 +141,8 @@ static void block_signals(bool block, sigset_t *saved) {
     sigprocmask(SIG_BLOCK, &set, saved);
 }
 
-/* Folder and name of the file path would write (a symbolic link followed).
+/* Folder and name of the file path would write (a symbolic link followed,
+ * a dangling one to the file it would create).
  * Returns 0 or an errno value. */
 static int resolve(const char *path, output *o) {
     char full[PATH_MAX], dir[PATH_MAX];
@@ -155,6 +157,10 @@ static int resolve(const char *path, output *o) {
         p = full;
     } else if (errno != ENOENT) {
         return errno;
+    } else {
+        const int err = attn__dangling_link_target(path, full, sizeof full);
+        if (err == 0) p = full; /* the file the link names is created */
+        else if (err != ENOENT) return err;
     }
     const size_t len = strlen(p);
     if (len >= sizeof dir) return ENAMETOOLONG;

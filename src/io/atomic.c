@@ -33,6 +33,37 @@ int attn__write_all(int fd, const void *bytes, size_t n) {
     return 0;
 }
 
+/* The file a write to path creates when path is a symbolic link whose
+ * target is not there (a chain of links followed to its end, as open(2)
+ * with O_CREAT does): its path, in out (cap bytes). Returns 0, ENOENT when
+ * path is not a link (the file is path itself), or an errno value. */
+int attn__dangling_link_target(const char *path, char *out, size_t cap) {
+    char link[PATH_MAX], next[PATH_MAX];
+    struct stat st;
+    if (strlen(path) >= sizeof link) return ENAMETOOLONG;
+    strcpy(link, path);
+    for (int hops = 0; lstat(link, &st) == 0 && S_ISLNK(st.st_mode); hops++) {
+        if (hops == 40) return ELOOP; /* the kernel's limit */
+        const ssize_t n = readlink(link, next, sizeof next);
+        if (n < 0) return errno;
+        if ((size_t)n >= sizeof next) return ENAMETOOLONG;
+        next[n] = '\0';
+        /* A relative target is relative to the link's folder. */
+        const char *slash = strrchr(link, '/');
+        if (next[0] != '/' && slash != NULL) {
+            const size_t dir = (size_t)(slash - link) + 1;
+            if (dir + (size_t)n >= sizeof link) return ENAMETOOLONG;
+            memmove(link + dir, next, (size_t)n + 1);
+        } else {
+            memcpy(link, next, (size_t)n + 1);
+        }
+    }
+    if (strcmp(link, path) == 0) return ENOENT;
+    if (strlen(link) >= cap) return ENAMETOOLONG;
+    strcpy(out, link);
+    return 0;
+}
+
 /* The file a save replaces: its folder (open) and its name there. */
 typedef struct target {
     int dir_fd;
@@ -42,7 +73,7 @@ typedef struct target {
 } target;
 
 /* Finds the folder and name. A symbolic link is followed, so that the file
- * it points to is replaced, not the link. Returns 0 or an errno value. */
+ * it points to is replaced (or, for a dangling link, created), not the link. Returns 0 or an errno value. */
 static int open_target(const char *path, target *t) {
     char full[PATH_MAX], dir[PATH_MAX];
     const char *p = path;
@@ -56,6 +87,10 @@ static int open_target(const char *path, target *t) {
         p = full;
     } else if (errno != ENOENT) {
         return errno; /* ENAMETOOLONG, ELOOP, EACCES, ENOTDIR, ... */
+    } else {
+        const int err = attn__dangling_link_target(path, full, sizeof full);
+        if (err == 0) p = full; /* the link stays; its target is created */
+        else if (err != ENOENT) return err;
     }
     const size_t len = strlen(p);
     if (len >= sizeof dir) return ENAMETOOLONG;

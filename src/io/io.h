@@ -14,6 +14,11 @@
  * or an errno value. */
 int attn__write_all(int fd, const void *bytes, size_t n);
 
+/* The file a write to path creates when path is a symbolic link (or a
+ * chain of them) whose target is not there: its path in out (cap bytes).
+ * Returns 0, ENOENT when path is no link, or an errno value (ELOOP, ...). */
+int attn__dangling_link_target(const char *path, char *out, size_t cap);
+
 /* Writes a whole file to fd; returns 0 or an errno value. */
 typedef int (*attn__file_writer)(int fd, const void *ctx);
 

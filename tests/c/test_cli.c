@@ -304,6 +304,22 @@ static void exit_codes(void) {
         CHECK(strstr(log, cases[i].needle) != NULL, "attn %s: message lacks '%s':\n%s",
               cases[i].args, cases[i].needle, log);
     }
+    /* A dangling link names the file it would create: -o through it writes
+     * that file (the link stays), and the same file under its own name as a
+     * second output is the same file. */
+    char dangling[128], created[128];
+    snprintf(dangling, sizeof dangling, "%s/dangling.npy", dir);
+    snprintf(created, sizeof created, "%s/created.npy", dir);
+    CHECK(symlink("created.npy", dangling) == 0, "symlink");
+    int rcd = run("sdpa -q q.npy -k k.npy -v v.npy --gqa -o created.npy --lse dangling.npy", log,
+                  sizeof log);
+    CHECK(rcd == 2 && strstr(log, "-o and --lse"), "one file through a dangling link: %d %s",
+          rcd, log);
+    rcd = run("sdpa -q q.npy -k k.npy -v v.npy --gqa -o dangling.npy", log, sizeof log);
+    struct stat lst, cst;
+    CHECK(rcd == 0 && lstat(dangling, &lst) == 0 && S_ISLNK(lst.st_mode) &&
+              stat(created, &cst) == 0 && S_ISREG(cst.st_mode) && cst.st_size > 128,
+          "-o through a dangling link: %d %s", rcd, log);
     /* Issue 9: a 0-d input was reported as "rank 1", the shape it loads as. */
     char scalar[512];
     size_t n = 0;

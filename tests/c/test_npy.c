@@ -259,6 +259,24 @@ static void save_through_links_and_fifos(void) {
           "left in the folder: %s", names);
     CHECK_STATUS(attn_npy_save(dir, &t), ATTN_ERR_IO); /* a folder is never replaced */
     CHECK(stat(dir, &st) == 0 && S_ISDIR(st.st_mode), "the folder was replaced");
+    /* A dangling link (here a chain: one relative to its folder, one
+     * absolute) creates the file it names, as open(2) does; the links stay.
+     * Before, the file replaced the first link. */
+    char sub[64], chain[64], hop[64], end[64];
+    snprintf(sub, sizeof sub, "%s/sub", dir);
+    snprintf(chain, sizeof chain, "%s/chain.npy", dir);
+    snprintf(hop, sizeof hop, "%s/sub/hop.npy", dir);
+    snprintf(end, sizeof end, "%s/sub/end.npy", dir);
+    CHECK(mkdir(sub, 0700) == 0 && symlink("sub/hop.npy", chain) == 0 && symlink(end, hop) == 0,
+          "setup");
+    CHECK_OK(attn_npy_save(chain, &t));
+    CHECK(lstat(chain, &st) == 0 && S_ISLNK(st.st_mode), "chain.npy was replaced by a file");
+    CHECK(lstat(hop, &st) == 0 && S_ISLNK(st.st_mode), "sub/hop.npy was replaced by a file");
+    CHECK(lstat(end, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == 128 + 12,
+          "sub/end.npy not created");
+    CHECK(unlink(end) == 0 && symlink("hop.npy", end) == 0, "setup"); /* a loop */
+    CHECK_STATUS(attn_npy_save(chain, &t), ATTN_ERR_IO);
+    CHECK(strstr(attn_last_error(), strerror(ELOOP)) != NULL, "loop: %s", attn_last_error());
     free(t.data);
     tt_remove_tree(dir);
 }
