@@ -144,6 +144,14 @@ static bool load_png(const char *name, image *im) {
     return cairo_image_surface_get_format(im->s) == CAIRO_FORMAT_RGB24;
 }
 
+/* Draws weights into png with the default options; the layout printed and
+ * the image read back (false, and the log in log_, when any step fails). */
+static bool draw(const char *weights, const char *png, layout *l, image *im) {
+    char args[256];
+    snprintf(args, sizeof args, "heatmap -w %s -o %s --print-layout", weights, png);
+    return run(args) == 0 && parse_layout(log_, l) && load_png(png, im);
+}
+
 static uint32_t pixel(const image *im, int x, int y) {
     if (x < 0 || y < 0 || x >= im->width || y >= im->height) return 0xdeadbeef;
     return ((const uint32_t *)(const void *)(im->data + (size_t)y * (size_t)im->stride))[x] &
@@ -445,9 +453,7 @@ static void nonfinite_cells(void) {
     save("nf.npy", v, ATTN_DTYPE_F32, 2, shape);
     layout l;
     image im = {0};
-    CHECK(run("heatmap -w nf.npy -o nf.png --print-layout") == 0 && parse_layout(log_, &l) &&
-              load_png("nf.png", &im),
-          "%s", log_);
+    CHECK(draw("nf.npy", "nf.png", &l, &im), "%s", log_);
     CHECK(strstr(log_, "1 NaN") && strstr(log_, "1 +inf") && strstr(log_, "1 -inf"),
           "summary: %s", log_);
     if (im.data) {
@@ -487,9 +493,7 @@ static void nonfinite_cells(void) {
     /* A constant matrix: every cell the first colour. */
     const double same[4] = {0.5, 0.5, 0.5, 0.5};
     save("const.npy", same, ATTN_DTYPE_F64, 2, (const int64_t[]){2, 2});
-    CHECK(run("heatmap -w const.npy -o c.png --print-layout") == 0 && parse_layout(log_, &l) &&
-              load_png("c.png", &im),
-          "%s", log_);
+    CHECK(draw("const.npy", "c.png", &l, &im), "%s", log_);
     if (im.data) {
         int a, b;
         CHECK(invert(cell_colour(&im, l.x[0] + l.cell, l.y[0] + l.cell, l.cell), &a, &b) && a == 0,
@@ -642,9 +646,7 @@ static void scale_wider_than_a_double(void) {
     save("wide.npy", v, ATTN_DTYPE_F64, 2, shape);
     layout l;
     image im = {0};
-    CHECK(run("heatmap -w wide.npy -o wide.png --print-layout") == 0 && parse_layout(log_, &l) &&
-              load_png("wide.png", &im),
-          "%s", log_);
+    CHECK(draw("wide.npy", "wide.png", &l, &im), "%s", log_);
     if (im.data) {
         const int c = l.cell;
         CHECK(cell_colour(&im, l.x[0], l.y[0], c) != cell_colour(&im, l.x[0] + c, l.y[0] + c, c),
