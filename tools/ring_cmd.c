@@ -334,33 +334,6 @@ static int write_part(ring *r, const char *option, const char *path, const char 
     return CLI_OK;
 }
 
-/* Rank 0 frames each output as a temporary; every rank writes its rows;
- * rank 0 renames them over their targets once all ranks succeeded. */
-static int write_outputs(ring *r, const sdpa_args *a, ring_job *j) {
-    int rc = CLI_OK;
-    if (r->rank == 0) {
-        rc = outputs_stage_with("-o", npy_frame_write, &j->out_frame);
-        if (rc == CLI_OK && a->lse) rc = outputs_stage_with("--lse", npy_frame_write, &j->lse_frame);
-    }
-    if ((rc = agree(r, rc)) != CLI_OK) return rc;
-    char temps[2][NAME_MAX + 1];
-    memset(temps, 0, sizeof temps);
-    if (r->rank == 0) {
-        snprintf(temps[0], sizeof temps[0], "%s", outputs_temp_name("-o"));
-        if (a->lse) snprintf(temps[1], sizeof temps[1], "%s", outputs_temp_name("--lse"));
-    }
-    MPI_Bcast(temps, (int)sizeof temps, MPI_CHAR, 0, r->comm);
-    /* The queries' dimension: -2 of out (..., L, Ev), -1 of lse (..., L). */
-    const int dim = j->out_frame.rank - 2;
-    rc = write_part(r, "-o", a->out, temps[0], &j->out_frame, dim, &j->lruns, &j->out);
-    if (rc == CLI_OK && a->lse)
-        rc = write_part(r, "--lse", a->lse, temps[1], &j->lse_frame, dim, &j->lruns, &j->lse);
-    if ((rc = agree(r, rc)) != CLI_OK) return rc;
-    /* Rank 0 alone renames; the others only close their folders. */
-    if (r->rank == 0) rc = outputs_commit();
-    return agree(r, rc);
-}
-
 /* Rank 0's line on success: shapes, ranks, the slowest rank's time. */
 static void summary(ring *r, const sdpa_args *a, const ring_job *j) {
     double mine[2] = {j->stats.total, j->stats.wait}, worst[2] = {0, 0};
@@ -384,6 +357,36 @@ static void summary(ring *r, const sdpa_args *a, const ring_job *j) {
            r->size > 1 ? "s" : "", a->layout ? "contiguous" : "zigzag",
            attn_isa_name(attn_get_isa()), attn_get_num_threads(),
            attn_get_num_threads() > 1 ? "s" : "", worst[0] * 1e3, worst[1] * 1e3, a->out);
+}
+
+/* Rank 0 frames each output as a temporary; every rank writes its rows;
+ * rank 0 prints the summary and renames them over their targets once all
+ * ranks succeeded (a stdout that cannot take the summary stops the renames,
+ * as in the other commands). */
+static int write_outputs(ring *r, const sdpa_args *a, ring_job *j) {
+    int rc = CLI_OK;
+    if (r->rank == 0) {
+        rc = outputs_stage_with("-o", npy_frame_write, &j->out_frame);
+        if (rc == CLI_OK && a->lse) rc = outputs_stage_with("--lse", npy_frame_write, &j->lse_frame);
+    }
+    if ((rc = agree(r, rc)) != CLI_OK) return rc;
+    char temps[2][NAME_MAX + 1];
+    memset(temps, 0, sizeof temps);
+    if (r->rank == 0) {
+        snprintf(temps[0], sizeof temps[0], "%s", outputs_temp_name("-o"));
+        if (a->lse) snprintf(temps[1], sizeof temps[1], "%s", outputs_temp_name("--lse"));
+    }
+    MPI_Bcast(temps, (int)sizeof temps, MPI_CHAR, 0, r->comm);
+    /* The queries' dimension: -2 of out (..., L, Ev), -1 of lse (..., L). */
+    const int dim = j->out_frame.rank - 2;
+    rc = write_part(r, "-o", a->out, temps[0], &j->out_frame, dim, &j->lruns, &j->out);
+    if (rc == CLI_OK && a->lse)
+        rc = write_part(r, "--lse", a->lse, temps[1], &j->lse_frame, dim, &j->lruns, &j->lse);
+    if ((rc = agree(r, rc)) != CLI_OK) return rc;
+    summary(r, a, j);
+    /* Rank 0 alone renames; the others only close their folders. */
+    if (r->rank == 0) rc = outputs_commit();
+    return agree(r, rc);
 }
 
 static void free_job(ring_job *j) {
@@ -410,7 +413,6 @@ static int run(ring *r, int argc, char **argv) {
     if (rc == CLI_OK) rc = write_outputs(r, &a, &j);
     outputs_abort(); /* rank 0 after a failure: removes the temporaries */
     outputs_set_reporter(NULL);
-    if (rc == CLI_OK) summary(r, &a, &j);
     free_job(&j);
     return rc;
 }

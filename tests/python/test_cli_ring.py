@@ -164,6 +164,22 @@ def test_without_mpirun_is_one_rank(tmp_path):
                 np.abs(np.load(v)).max(), dtype)
 
 
+@needs_ring
+def test_an_unwritable_stdout_replaces_no_output(tmp_path):
+    """Rank 0 printed its summary after renaming the outputs: with stdout on
+    /dev/full the run failed with the old file already replaced. The summary
+    is flushed before the renames now, as in the other commands (a singleton
+    run: under mpirun, rank 0's stdout is a pipe to mpirun)."""
+    q, k, v, opts, _ = make_inputs(tmp_path, "plain")
+    target = old_target(tmp_path)
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(list(map(str, [CLI, "sdpa", "--ring", "-q", q, "-k", k, "-v", v,
+                                          *opts, "-o", target])),
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=ENV)
+    assert r.returncode == 1 and "cannot write to standard output" in r.stderr, r.stderr
+    assert_untouched(target)
+
+
 def test_without_ring_no_mpi(tmp_path):
     """Without --ring the tool never starts MPI (an MPI set up to fail at
     its start does not matter); an attn without MPI says so for --ring."""
