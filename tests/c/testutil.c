@@ -448,8 +448,8 @@ void tt_remove_tree(const char *path) { nftw(path, remove_entry, 16, FTW_DEPTH |
 
 static void *failer_alloc(void *ctx, size_t size) {
     test_failer *f = ctx;
-    f->allocs++;
-    if (f->fail_at > 0 && (f->allocs == f->fail_at || (f->persistent && f->allocs > f->fail_at))) {
+    const long n = ++f->allocs;
+    if (f->fail_at > 0 && (n == f->fail_at || (f->persistent && n > f->fail_at))) {
         f->failed++;
         return NULL;
     }

@@ -85,9 +85,12 @@ double max_abs_diff(const double *a, const double *b, int64_t n);
 /* ---- a failing allocator (attn_set_allocator), SQLite-style ---- */
 
 /* Allocation number fail_at fails, and with `persistent` every later one
- * too; live counts blocks allocated and not yet released. */
+ * too; live counts blocks allocated and not yet released. The counters are
+ * atomic: attn allocates from its worker threads too (two at once would
+ * lose a count, and a test would see a block "not freed" that was). */
 typedef struct test_failer {
-    long allocs, live, fail_at, failed;
+    _Atomic long allocs, live, failed;
+    long fail_at;
     bool persistent;
 } test_failer;
 
