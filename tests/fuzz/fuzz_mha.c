@@ -161,6 +161,245 @@ static void fuzz_backward(fz *f, attn_mha *m, const attn_mha_config *c, const fz
     for (int i = 0; i < 3; i++) fz_tensor_free(&d[i]);
 }
 
+/* One drawn call: the module's configuration as it reports it, and the
+ * tensors and parameters of a forward through it. */
+typedef struct mha_call {
+    attn_mha_config c;
+    bool batched, self, need_weights;
+    int64_t N, L, S, H, Sx; /* Sx = S + add_bias_kv + add_zero_attn, saturated */
+    fz_tensor query, key, value, kpm, amask, out, weights;
+    attn_mha_forward_params fp;
+} mha_call;
+
+/* A module from a fuzzed configuration (wild values included), or NULL
+ * when attn_mha_create refused it; *c is its configuration as reported. */
+static attn_mha *draw_module(fz *f, fz_values *vals, attn_mha_config *c) {
+    attn_mha_config cfg;
+    attn_mha_config_init(&cfg, fz_dim(f, 8, true), fz_dim(f, 4, true));
+    cfg.head_dim = pick_opt_dim(f, 4);
+    cfg.kdim = pick_opt_dim(f, 8);
+    cfg.vdim = pick_opt_dim(f, 8);
+    cfg.bias = pick_flag(f);
+    cfg.add_bias_kv = pick_flag(f);
+    cfg.add_zero_attn = pick_flag(f);
+    cfg.batch_first = pick_flag(f);
+    cfg.dropout = pick_dropout(f);
+    static const attn_dtype module_dtypes[] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_F16,
+                                               ATTN_DTYPE_BF16};
+    cfg.dtype = pick_dtype(f, module_dtypes[fz_u8(f) % 4]);
+    cfg.init_seed = fz_u64(f);
+    attn_mha *m = (attn_mha *)&cfg; /* must become NULL on failure */
+    attn_status st = attn_mha_create(fz_one_in(f, 64) ? NULL : &cfg, &m);
+    fz_check_status(st, "attn_mha_create");
+    if (st != ATTN_OK) {
+        FZ_ASSERT(m == NULL, "a failed attn_mha_create left *mha set");
+        FZ_ASSERT(fz_live_blocks() == 0, "a failed attn_mha_create leaked");
+        return NULL;
+    }
+    *c = (attn_mha_config){.struct_size = sizeof *c}; /* how much get_config may write */
+    fz_check_status(attn_mha_get_config(m, c), "attn_mha_get_config");
+    FZ_ASSERT(c->head_dim >= 1 && c->kdim >= 1 && c->vdim >= 1, "derived fields not filled");
+    if (fz_one_in(f, 4)) fuzz_params(f, m, c->dtype, vals);
+    return m;
+}
+
+/* The shape of a sequence of T rows of F features in the call's layout. */
+static void seq_shape(const mha_call *k, int64_t T, int64_t F, int64_t *shape) {
+    if (!k->batched) {
+        shape[0] = T, shape[1] = F;
+    } else if (k->c.batch_first) {
+        shape[0] = k->N, shape[1] = T, shape[2] = F;
+    } else {
+        shape[0] = T, shape[1] = k->N, shape[2] = F;
+    }
+}
+
+/* query, key, value: batched or not, key and value maybe the query's own. */
+static void draw_inputs(fz *f, mha_call *k, fz_values *vals) {
+    const attn_dtype dt = k->c.dtype;
+    k->batched = !fz_one_in(f, 4);
+    k->N = fz_dim(f, 3, true), k->L = fz_dim(f, 5, true), k->S = fz_dim(f, 5, true);
+    k->H = k->c.num_heads;
+    if (__builtin_add_overflow(k->S, k->c.add_bias_kv + k->c.add_zero_attn, &k->Sx))
+        k->Sx = INT64_MAX;
+    const int rank = k->batched ? 3 : 2;
+    int64_t shape[ATTN_MAX_RANK];
+    seq_shape(k, k->L, k->c.embed_dim, shape);
+    make(f, &k->query, pick_dtype(f, dt), rank, shape, false, vals);
+    k->self = k->c.kdim == k->c.embed_dim && k->c.vdim == k->c.embed_dim && k->L == k->S &&
+              fz_bool(f);
+    if (k->self) { /* key and value are the query's own view */
+        k->key = k->query;
+        k->key.alloc = NULL;
+        k->value = k->key;
+    } else {
+        seq_shape(k, k->S, k->c.kdim, shape);
+        make(f, &k->key, pick_dtype(f, dt), rank, shape, false, vals);
+        seq_shape(k, k->S, k->c.vdim, shape);
+        make(f, &k->value, pick_dtype(f, dt), rank, shape, false, vals);
+    }
+}
+
+/* The forward's parameters: masks (bool or float, 2-D or 3-D), causal,
+ * training, dropout of the call. */
+static void draw_params(fz *f, mha_call *k, fz_values *vals) {
+    const attn_dtype dt = k->c.dtype;
+    attn_mha_forward_params *fp = &k->fp;
+    attn_mha_forward_params_init(fp);
+    int64_t shape[ATTN_MAX_RANK];
+    uint8_t mk = fz_u8(f);
+    const attn_dtype mask_dtypes[] = {ATTN_DTYPE_BOOL, ATTN_DTYPE_F32, dt}; /* float: any */
+    if (mk % 4 != 0) { /* key_padding_mask (N, S) or unbatched (S) */
+        shape[0] = k->batched ? k->N : k->S;
+        shape[1] = k->S;
+        make(f, &k->kpm, pick_dtype(f, mask_dtypes[mk % 4 - 1]), k->batched ? 2 : 1, shape,
+             false, vals);
+        fz_sprinkle_neg_inf(f, &k->kpm);
+        fp->key_padding_mask = &k->kpm.t;
+    }
+    mk >>= 2;
+    if (mk % 4 != 0) { /* attn_mask (L, S) or (N*H, L, S) / (H, L, S) */
+        const bool three = fz_bool(f);
+        int64_t NH;
+        if (__builtin_mul_overflow(k->batched ? k->N : 1, k->H, &NH)) NH = 1;
+        shape[0] = three ? NH : k->L;
+        shape[1] = three ? k->L : k->S;
+        shape[2] = k->S;
+        make(f, &k->amask, pick_dtype(f, mask_dtypes[mk % 4 - 1]), three ? 3 : 2, shape, false,
+             vals);
+        fz_sprinkle_neg_inf(f, &k->amask);
+        fp->attn_mask = &k->amask.t;
+    }
+    fp->average_attn_weights = pick_flag(f);
+    fp->is_causal = pick_flag(f);
+    fp->training = pick_flag(f);
+    fp->seed = fz_u64(f);
+    fp->rng_offset = fz_bool(f) ? fz_u64(f) : 0;
+    if (fz_one_in(f, 8)) { /* this call's dropout instead of the module's */
+        static const double ps[] = {0.0, 0.5, 1.0, 0.1, -0.1, 1.5, NAN, INFINITY};
+        fp->has_dropout = 1;
+        fp->dropout = ps[fz_u8(f) % 8];
+    }
+}
+
+/* out, and the weights when asked for (averaged or per head). */
+static void draw_outputs(fz *f, mha_call *k, fz_values *vals) {
+    int64_t shape[ATTN_MAX_RANK];
+    seq_shape(k, k->L, k->c.embed_dim, shape);
+    make(f, &k->out, pick_dtype(f, k->c.dtype), k->batched ? 3 : 2, shape, true, vals);
+    k->need_weights = fz_bool(f);
+    if (k->need_weights) {
+        int wr = 0;
+        if (k->batched) shape[wr++] = k->N;
+        if (!k->fp.average_attn_weights) shape[wr++] = k->H;
+        shape[wr++] = k->L;
+        shape[wr++] = k->Sx;
+        make(f, &k->weights, pick_dtype(f, k->c.dtype), wr, shape, true, vals);
+    }
+}
+
+/* attn_mha_out_shapes, and the weights' shape it reports against the one
+ * built from the docs. */
+static attn_status check_out_shapes(attn_mha *m, const mha_call *k,
+                                    const attn_mha_forward_params *fpp, long module_blocks) {
+    int out_rank = 0, w_rank = 0;
+    int64_t out_shape[ATTN_MAX_RANK], w_shape[ATTN_MAX_RANK];
+    const attn_status st = attn_mha_out_shapes(m, &k->query.t, &k->key.t, fpp, k->need_weights,
+                                               &out_rank, out_shape, &w_rank, w_shape);
+    fz_check_status(st, "attn_mha_out_shapes");
+    FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_out_shapes leaked");
+    if (st == ATTN_OK && k->need_weights && fpp != NULL && k->out.t.rank == out_rank) {
+        const bool same = w_rank == (k->batched ? 3 : 2) + (k->fp.average_attn_weights ? 0 : 1);
+        FZ_ASSERT(same, "weights rank %d", w_rank);
+        /* S' = the key's length (as built, or as perturbed) + appended rows. */
+        const int64_t S_key = k->key.t.shape[k->batched && k->c.batch_first ? 1 : 0];
+        const int extra = k->c.add_bias_kv + k->c.add_zero_attn;
+        FZ_ASSERT(w_shape[w_rank - 1] == S_key + extra,
+                  "weights last dim %lld, expected S' = %lld + %d", (long long)w_shape[w_rank - 1],
+                  (long long)S_key, extra);
+    }
+    return st;
+}
+
+/* Rough multiply-adds of the forward (projections and attention) from the
+ * shapes actually passed; -1 when they overflow. */
+static int64_t forward_work(const mha_call *k) {
+    const attn_mha_config *c = &k->c;
+    const int qb = k->batched && c->batch_first ? 1 : 0;
+    const int64_t Lq = k->query.t.shape[qb], Nq = k->batched ? k->query.t.shape[1 - qb] : 1;
+    const int64_t Sk = k->key.t.shape[qb] + c->add_bias_kv + c->add_zero_attn;
+    const int64_t D = c->num_heads * c->head_dim;
+    int64_t rows, a, b, work;
+    if (__builtin_mul_overflow(Sk, 2, &rows) || __builtin_add_overflow(rows, Lq, &rows) ||
+        __builtin_mul_overflow(rows, Nq, &rows) || __builtin_mul_overflow(rows, D, &a) ||
+        __builtin_mul_overflow(a, c->embed_dim + c->kdim + c->vdim, &a) ||
+        __builtin_mul_overflow(Nq, k->H, &b) || __builtin_mul_overflow(b, Lq, &b) ||
+        __builtin_mul_overflow(b, Sk, &b) || __builtin_mul_overflow(b, 2 * c->head_dim + 1, &b) ||
+        __builtin_add_overflow(a, b, &work))
+        return -1;
+    return work;
+}
+
+/* The forward on backed views; after a success, the same call's backward. */
+static void run_forward(fz *f, attn_mha *m, mha_call *k, const attn_mha_forward_params *fpp,
+                        attn_status st_shape, fz_values *vals, long module_blocks) {
+    fz_hostile h;
+    fz_hostile_begin(f, &h, &k->out, fz_bool(f) ? &k->query : &k->value);
+    const attn_status st = attn_mha_forward(m, &k->query.t, &k->key.t, &k->value.t, fpp, &k->out.t,
+                                            k->need_weights ? &k->weights.t : NULL);
+    fz_hostile_end(&h, st);
+    fz_check_status(st, "attn_mha_forward");
+    FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_forward leaked %ld blocks",
+              fz_live_blocks() - module_blocks);
+    /* Rejected query/key are rejected by the forward pass too (with the
+     * same status unless the value, which only forward sees, fails first). */
+    if (st_shape != ATTN_OK)
+        FZ_ASSERT(st != ATTN_OK, "attn_mha_forward accepted what attn_mha_out_shapes "
+                  "rejected with %d", (int)st_shape);
+    if (st == ATTN_OK && vals->tame) {
+        FZ_ASSERT(fz_all_finite(&k->out.t, false), "finite inputs gave a non-finite output");
+        const double dropout = k->fp.has_dropout ? k->fp.dropout : k->c.dropout;
+        const double p = (fpp != NULL && k->fp.training) ? dropout : 0.0;
+        /* a 16-bit weight is rounded per head, and again when averaged */
+        const double u = k->c.dtype == ATTN_DTYPE_BF16  ? 0x1p-8
+                         : k->c.dtype == ATTN_DTYPE_F16 ? 0x1p-11
+                                                        : 1e-6;
+        const double wmax = p < 1.0 ? (1.0 / (1.0 - p)) * (1 + u) * (1 + u) : 0.0;
+        if (k->need_weights)
+            FZ_ASSERT(values_in(&k->weights.t, 0.0, wmax), "a weight is outside [0, %g]", wmax);
+    }
+    if (st == ATTN_OK) {
+        const fz_tensor *in[3] = {&k->query, &k->key, &k->value};
+        fuzz_backward(f, m, &k->c, in, fpp, &k->out, vals, module_blocks);
+    }
+}
+
+/* Valid arguments this harness cannot back with memory (huge strides, or
+ * too much work): with every allocation refused, the forward pass must stop
+ * at its workspace, before it reads an input or writes an output (those
+ * point at a PROT_NONE page). This fuzzes the validation and planning
+ * arithmetic on extreme but legal views. */
+static void run_without_memory(attn_mha *m, mha_call *k, const attn_mha_forward_params *fpp,
+                               long module_blocks) {
+    const size_t old = fz_set_alloc_limit(0);
+    const attn_status st = attn_mha_forward(m, &k->query.t, &k->key.t, &k->value.t, fpp,
+                                            &k->out.t, k->need_weights ? &k->weights.t : NULL);
+    fz_set_alloc_limit(old);
+    fz_check_status(st, "attn_mha_forward (no memory)");
+    FZ_ASSERT(st != ATTN_OK, "attn_mha_forward succeeded without memory");
+    FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_forward leaked");
+}
+
+static void free_call(mha_call *k) {
+    fz_tensor_free(&k->query);
+    fz_tensor_free(&k->key);
+    if (!k->self) fz_tensor_free(&k->value);
+    fz_tensor_free(&k->kpm);
+    fz_tensor_free(&k->amask);
+    fz_tensor_free(&k->out);
+    fz_tensor_free(&k->weights);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -175,211 +414,28 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_LAST);
     if (attn_isa_supported(isa)) attn_set_isa(isa);
 
-    /* ---- the module ---- */
-    attn_mha_config cfg;
-    attn_mha_config_init(&cfg, fz_dim(&f, 8, true), fz_dim(&f, 4, true));
-    cfg.head_dim = pick_opt_dim(&f, 4);
-    cfg.kdim = pick_opt_dim(&f, 8);
-    cfg.vdim = pick_opt_dim(&f, 8);
-    cfg.bias = pick_flag(&f);
-    cfg.add_bias_kv = pick_flag(&f);
-    cfg.add_zero_attn = pick_flag(&f);
-    cfg.batch_first = pick_flag(&f);
-    cfg.dropout = pick_dropout(&f);
-    static const attn_dtype module_dtypes[] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_F16,
-                                               ATTN_DTYPE_BF16};
-    cfg.dtype = pick_dtype(&f, module_dtypes[fz_u8(&f) % 4]);
-    cfg.init_seed = fz_u64(&f);
-    attn_mha *m = (attn_mha *)&cfg; /* must become NULL on failure */
-    attn_status st = attn_mha_create(fz_one_in(&f, 64) ? NULL : &cfg, &m);
-    fz_check_status(st, "attn_mha_create");
-    if (st != ATTN_OK) {
-        FZ_ASSERT(m == NULL, "a failed attn_mha_create left *mha set");
-        FZ_ASSERT(fz_live_blocks() == 0, "a failed attn_mha_create leaked");
-        return 0;
-    }
+    mha_call k;
+    memset(&k, 0, sizeof k);
+    attn_mha *m = draw_module(&f, &vals, &k.c);
+    if (m == NULL) return 0;
     const long module_blocks = fz_live_blocks();
-    attn_mha_config c = {.struct_size = sizeof c}; /* how much get_config may write */
-    fz_check_status(attn_mha_get_config(m, &c), "attn_mha_get_config");
-    FZ_ASSERT(c.head_dim >= 1 && c.kdim >= 1 && c.vdim >= 1, "derived fields not filled");
-    const attn_dtype dt = c.dtype;
-    if (fz_one_in(&f, 4)) fuzz_params(&f, m, dt, &vals);
+    draw_inputs(&f, &k, &vals);
+    draw_params(&f, &k, &vals);
+    draw_outputs(&f, &k, &vals);
 
-    /* ---- the inputs ---- */
-    const bool batched = !fz_one_in(&f, 4);
-    const int64_t N = fz_dim(&f, 3, true), L = fz_dim(&f, 5, true), S = fz_dim(&f, 5, true);
-    const int64_t H = c.num_heads;
-    int64_t Sx; /* S' = S + add_bias_kv + add_zero_attn, saturated */
-    if (__builtin_add_overflow(S, c.add_bias_kv + c.add_zero_attn, &Sx)) Sx = INT64_MAX;
-    const int rank = batched ? 3 : 2;
-    fz_tensor query, key, value, kpm, amask, out, weights;
-    memset(&kpm, 0, sizeof kpm);
-    memset(&amask, 0, sizeof amask);
-    memset(&weights, 0, sizeof weights);
-    int64_t shape[ATTN_MAX_RANK];
-#define SEQ_SHAPE(T, F)                                                         \
-    do {                                                                        \
-        if (!batched) {                                                         \
-            shape[0] = (T), shape[1] = (F);                                     \
-        } else if (c.batch_first) {                                             \
-            shape[0] = N, shape[1] = (T), shape[2] = (F);                       \
-        } else {                                                                \
-            shape[0] = (T), shape[1] = N, shape[2] = (F);                       \
-        }                                                                       \
-    } while (0)
-    SEQ_SHAPE(L, c.embed_dim);
-    make(&f, &query, pick_dtype(&f, dt), rank, shape, false, &vals);
-    const bool self = c.kdim == c.embed_dim && c.vdim == c.embed_dim && L == S && fz_bool(&f);
-    if (self) { /* key and value are the query's own view */
-        key = query;
-        key.alloc = NULL;
-        value = key;
-    } else {
-        SEQ_SHAPE(S, c.kdim);
-        make(&f, &key, pick_dtype(&f, dt), rank, shape, false, &vals);
-        SEQ_SHAPE(S, c.vdim);
-        make(&f, &value, pick_dtype(&f, dt), rank, shape, false, &vals);
-    }
-
-    attn_mha_forward_params fp;
-    attn_mha_forward_params_init(&fp);
-    uint8_t mk = fz_u8(&f);
-    const attn_dtype mask_dtypes[] = {ATTN_DTYPE_BOOL, ATTN_DTYPE_F32, dt}; /* float: any */
-    if (mk % 4 != 0) { /* key_padding_mask (N, S) or unbatched (S) */
-        int kr = batched ? 2 : 1;
-        shape[0] = batched ? N : S;
-        shape[1] = S;
-        make(&f, &kpm, pick_dtype(&f, mask_dtypes[mk % 4 - 1]), kr, shape, false, &vals);
-        fz_sprinkle_neg_inf(&f, &kpm);
-        fp.key_padding_mask = &kpm.t;
-    }
-    mk >>= 2;
-    if (mk % 4 != 0) { /* attn_mask (L, S) or (N*H, L, S) / (H, L, S) */
-        bool three = fz_bool(&f);
-        int64_t NH;
-        if (__builtin_mul_overflow(batched ? N : 1, H, &NH)) NH = 1;
-        shape[0] = three ? NH : L;
-        shape[1] = three ? L : S;
-        shape[2] = S;
-        make(&f, &amask, pick_dtype(&f, mask_dtypes[mk % 4 - 1]), three ? 3 : 2, shape, false,
-             &vals);
-        fz_sprinkle_neg_inf(&f, &amask);
-        fp.attn_mask = &amask.t;
-    }
-    fp.average_attn_weights = pick_flag(&f);
-    fp.is_causal = pick_flag(&f);
-    fp.training = pick_flag(&f);
-    fp.seed = fz_u64(&f);
-    fp.rng_offset = fz_bool(&f) ? fz_u64(&f) : 0;
-    if (fz_one_in(&f, 8)) { /* this call's dropout instead of the module's */
-        static const double ps[] = {0.0, 0.5, 1.0, 0.1, -0.1, 1.5, NAN, INFINITY};
-        fp.has_dropout = 1;
-        fp.dropout = ps[fz_u8(&f) % 8];
-    }
-
-    SEQ_SHAPE(L, c.embed_dim);
-    make(&f, &out, pick_dtype(&f, dt), rank, shape, true, &vals);
-    const bool need_weights = fz_bool(&f);
-    if (need_weights) {
-        int wr = 0;
-        if (batched) shape[wr++] = N;
-        if (!fp.average_attn_weights) shape[wr++] = H;
-        shape[wr++] = L;
-        shape[wr++] = Sx;
-        make(&f, &weights, pick_dtype(&f, dt), wr, shape, true, &vals);
-    }
-#undef SEQ_SHAPE
-
-    /* ---- the calls ---- */
-    int out_rank = 0, w_rank = 0;
-    int64_t out_shape[ATTN_MAX_RANK], w_shape[ATTN_MAX_RANK];
-    const attn_mha_forward_params *fpp = fz_one_in(&f, 32) ? NULL : &fp;
-    attn_status st_shape = attn_mha_out_shapes(m, &query.t, &key.t, fpp, need_weights, &out_rank,
-                                               out_shape, &w_rank, w_shape);
-    fz_check_status(st_shape, "attn_mha_out_shapes");
-    FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_out_shapes leaked");
-    if (st_shape == ATTN_OK && need_weights && fpp != NULL && out.t.rank == out_rank) {
-        /* The shapes it reports are the ones the fuzzer built from the docs. */
-        bool same = w_rank == (batched ? 3 : 2) + (fp.average_attn_weights ? 0 : 1);
-        FZ_ASSERT(same, "weights rank %d", w_rank);
-        /* S' = the key's length (as built, or as perturbed) + appended rows. */
-        int64_t S_key = key.t.shape[batched && c.batch_first ? 1 : 0];
-        FZ_ASSERT(w_shape[w_rank - 1] == S_key + c.add_bias_kv + c.add_zero_attn,
-                  "weights last dim %lld, expected S' = %lld + %d", (long long)w_shape[w_rank - 1],
-                  (long long)S_key, c.add_bias_kv + c.add_zero_attn);
-    }
-    bool backed = query.backed && key.backed && value.backed && out.backed &&
-                  (fp.key_padding_mask == NULL || kpm.backed) &&
-                  (fp.attn_mask == NULL || amask.backed) && (!need_weights || weights.backed);
-    int64_t work = -1;
-    if (st_shape == ATTN_OK) {
-        /* Projections and attention, from the shapes actually passed. */
-        const int qb = batched && c.batch_first ? 1 : 0;
-        const int64_t Lq = query.t.shape[qb], Nq = batched ? query.t.shape[1 - qb] : 1;
-        const int64_t Sk = key.t.shape[qb] + c.add_bias_kv + c.add_zero_attn;
-        const int64_t D = c.num_heads * c.head_dim;
-        int64_t rows, a, b;
-        if (__builtin_mul_overflow(Sk, 2, &rows) || __builtin_add_overflow(rows, Lq, &rows) ||
-            __builtin_mul_overflow(rows, Nq, &rows) || __builtin_mul_overflow(rows, D, &a) ||
-            __builtin_mul_overflow(a, c.embed_dim + c.kdim + c.vdim, &a) ||
-            __builtin_mul_overflow(Nq, H, &b) || __builtin_mul_overflow(b, Lq, &b) ||
-            __builtin_mul_overflow(b, Sk, &b) || __builtin_mul_overflow(b, 2 * c.head_dim + 1, &b) ||
-            __builtin_add_overflow(a, b, &work))
-            work = -1;
-    }
-    bool run = st_shape != ATTN_OK || (backed && work >= 0 && work <= WORK_LIMIT);
-    if (run) {
-        fz_hostile h;
-        fz_hostile_begin(&f, &h, &out, fz_bool(&f) ? &query : &value);
-        st = attn_mha_forward(m, &query.t, &key.t, &value.t, fpp, &out.t,
-                              need_weights ? &weights.t : NULL);
-        fz_hostile_end(&h, st);
-        fz_check_status(st, "attn_mha_forward");
-        FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_forward leaked %ld blocks",
-                  fz_live_blocks() - module_blocks);
-        /* Rejected query/key are rejected by the forward pass too (with the
-         * same status unless the value, which only forward sees, fails first). */
-        if (st_shape != ATTN_OK)
-            FZ_ASSERT(st != ATTN_OK, "attn_mha_forward accepted what attn_mha_out_shapes "
-                      "rejected with %d", (int)st_shape);
-        if (st == ATTN_OK && vals.tame) {
-            FZ_ASSERT(fz_all_finite(&out.t, false), "finite inputs gave a non-finite output");
-            const double dropout = fp.has_dropout ? fp.dropout : c.dropout;
-            double p = (fpp != NULL && fp.training) ? dropout : 0.0;
-            /* a 16-bit weight is rounded per head, and again when averaged */
-            const double u = c.dtype == ATTN_DTYPE_BF16 ? 0x1p-8
-                             : c.dtype == ATTN_DTYPE_F16 ? 0x1p-11 : 1e-6;
-            double wmax = p < 1.0 ? (1.0 / (1.0 - p)) * (1 + u) * (1 + u) : 0.0;
-            if (need_weights)
-                FZ_ASSERT(values_in(&weights.t, 0.0, wmax), "a weight is outside [0, %g]", wmax);
-        }
-        if (st == ATTN_OK) {
-            const fz_tensor *in[3] = {&query, &key, &value};
-            fuzz_backward(&f, m, &c, in, fpp, &out, &vals, module_blocks);
-        }
-    }
-    if (!run) {
-        /* Valid arguments this harness cannot back with memory (huge strides,
-         * or too much work): with every allocation refused, the forward pass
-         * must stop at its workspace, before it reads an input or writes an
-         * output (those point at a PROT_NONE page). This fuzzes the
-         * validation and planning arithmetic on extreme but legal views. */
-        size_t old = fz_set_alloc_limit(0);
-        st = attn_mha_forward(m, &query.t, &key.t, &value.t, fpp, &out.t,
-                              need_weights ? &weights.t : NULL);
-        fz_set_alloc_limit(old);
-        fz_check_status(st, "attn_mha_forward (no memory)");
-        FZ_ASSERT(st != ATTN_OK, "attn_mha_forward succeeded without memory");
-        FZ_ASSERT(fz_live_blocks() == module_blocks, "attn_mha_forward leaked");
-    }
+    const attn_mha_forward_params *fpp = fz_one_in(&f, 32) ? NULL : &k.fp;
+    const attn_status st_shape = check_out_shapes(m, &k, fpp, module_blocks);
+    const bool backed = k.query.backed && k.key.backed && k.value.backed && k.out.backed &&
+                        (k.fp.key_padding_mask == NULL || k.kpm.backed) &&
+                        (k.fp.attn_mask == NULL || k.amask.backed) &&
+                        (!k.need_weights || k.weights.backed);
+    const int64_t work = st_shape == ATTN_OK ? forward_work(&k) : -1;
+    if (st_shape != ATTN_OK || (backed && work >= 0 && work <= WORK_LIMIT))
+        run_forward(&f, m, &k, fpp, st_shape, &vals, module_blocks);
+    else
+        run_without_memory(m, &k, fpp, module_blocks);
     attn_mha_destroy(m);
     FZ_ASSERT(fz_live_blocks() == 0, "attn_mha_destroy left %ld blocks", fz_live_blocks());
-    fz_tensor_free(&query);
-    fz_tensor_free(&key);
-    if (!self) fz_tensor_free(&value);
-    fz_tensor_free(&kpm);
-    fz_tensor_free(&amask);
-    fz_tensor_free(&out);
-    fz_tensor_free(&weights);
+    free_call(&k);
     return 0;
 }

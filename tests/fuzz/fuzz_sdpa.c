@@ -25,6 +25,10 @@ typedef struct problem {
     fz_tensor q, k, v, mask, out, weights, lse;
     bool has_mask, has_weights, has_lse;
     attn_sdpa_params p;
+    /* the drawn sizes: batch dims B[0..nb) (the last is the head dim) */
+    attn_dtype dt;
+    int nb;
+    int64_t B[ATTN_MAX_RANK], L, S, Ev;
 } problem;
 
 /* Shape of an operand right-aligned against batch dims B[0..nb): it drops
@@ -187,6 +191,166 @@ static int64_t work_of(int out_rank, const int64_t *out_shape, const attn_tensor
     return w;
 }
 
+/* q, k, v: the dtypes (16-bit K/V under a float32 query sometimes: a
+ * low-precision KV cache), batch dims, GQA heads, L, S, E, Ev. */
+static void draw_operands(fz *f, problem *pr, fz_values *vals) {
+    static const attn_dtype dts[4] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_F16,
+                                      ATTN_DTYPE_BF16};
+    const attn_dtype dt = pr->dt = dts[fz_u8(f) % 4];
+    const attn_dtype kvdt = dt == ATTN_DTYPE_F32 && fz_one_in(f, 4)
+                                ? (fz_bool(f) ? ATTN_DTYPE_F16 : ATTN_DTYPE_BF16)
+                                : dt;
+    const int nb = pr->nb = (int)fz_range(f, 0, 3);
+    for (int d = 0; d < nb; d++) pr->B[d] = fz_dim(f, 3, true);
+    const bool gqa = nb >= 1 && fz_one_in(f, 3);
+    int64_t Hkv = 0;
+    if (gqa) {
+        Hkv = fz_range(f, 1, 3);
+        pr->B[nb - 1] = Hkv * fz_range(f, 1, 3);
+    }
+    pr->L = fz_dim(f, 6, true), pr->S = fz_dim(f, 6, true);
+    const int64_t E = fz_dim(f, 5, true);
+    pr->Ev = fz_dim(f, 5, true);
+    pr->p.enable_gqa = gqa ? 1 : fz_one_in(f, 16);
+    int64_t shape[ATTN_MAX_RANK + 2];
+    int r = operand_shape(f, shape, pr->B, nb, 0, pr->L, E);
+    make(f, &pr->q, pick_dtype(f, dt), r, shape, false, vals);
+    r = operand_shape(f, shape, pr->B, nb, Hkv, pr->S, E);
+    make(f, &pr->k, pick_dtype(f, kvdt), r, shape, false, vals);
+    r = operand_shape(f, shape, pr->B, nb, Hkv, pr->S, pr->Ev);
+    make(f, &pr->v, pick_dtype(f, kvdt), r, shape, false, vals);
+}
+
+/* The mask (bool or float, broadcast against (B..., L, S)) and the scalars. */
+static void draw_params(fz *f, problem *pr, fz_values *vals) {
+    const uint8_t mk = fz_u8(f) % 4;
+    if (mk != 0) {
+        const attn_dtype mdt = mk == 1 ? ATTN_DTYPE_BOOL : mk == 2 ? pr->dt : ATTN_DTYPE_F64;
+        const int mr = (int)fz_range(f, 1, pr->nb + 2);
+        int64_t full[ATTN_MAX_RANK + 2], shape[ATTN_MAX_RANK + 2];
+        for (int d = 0; d < pr->nb; d++) full[d] = pr->B[d];
+        full[pr->nb] = pr->L;
+        full[pr->nb + 1] = pr->S;
+        for (int d = 0; d < mr; d++) shape[d] = fz_one_in(f, 3) ? 1 : full[pr->nb + 2 - mr + d];
+        make(f, &pr->mask, pick_dtype(f, mdt), mr, shape, false, vals);
+        fz_sprinkle_neg_inf(f, &pr->mask);
+        pr->has_mask = true;
+        pr->p.attn_mask = &pr->mask.t;
+    }
+    const uint8_t c = fz_u8(f);
+    pr->p.causal = c % 8 < 3   ? (attn_causal)(c % 8)
+                   : c % 8 == 7 ? (attn_causal)(int)fz_range(f, -2, 9)
+                                : ATTN_CAUSAL_NONE;
+    pr->p.has_scale = fz_bool(f);
+    if (pr->p.has_scale) pr->p.scale = pick_scale(f, vals);
+    pr->p.dropout_p = pick_dropout(f);
+    pr->p.seed = fz_u64(f);
+    pr->p.rng_offset = fz_bool(f) ? fz_u64(f) : 0;
+}
+
+/* shape = (B..., L, cols). */
+static void rows_shape(const problem *pr, int64_t *shape, int64_t cols) {
+    for (int d = 0; d < pr->nb; d++) shape[d] = pr->B[d];
+    shape[pr->nb] = pr->L;
+    shape[pr->nb + 1] = cols;
+}
+
+/* Outputs: out (B..., L, Ev), weights (B..., L, S), lse (B..., L). */
+static void draw_outputs(fz *f, problem *pr, fz_values *vals) {
+    const int ob = pr->nb;
+    const attn_dtype lsedt = pr->dt == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
+    int64_t shape[ATTN_MAX_RANK + 2]; /* filled afresh for each: make may perturb it */
+    rows_shape(pr, shape, pr->Ev);
+    make(f, &pr->out, pick_dtype(f, pr->dt), ob + 2, shape, true, vals);
+    pr->has_weights = fz_bool(f);
+    if (pr->has_weights) {
+        rows_shape(pr, shape, pr->S);
+        make(f, &pr->weights, pick_dtype(f, pr->dt), ob + 2, shape, true, vals);
+    }
+    pr->has_lse = fz_bool(f);
+    if (pr->has_lse) {
+        rows_shape(pr, shape, pr->has_weights ? pr->S : pr->Ev); /* a perturbed rank reads it */
+        make(f, &pr->lse, pick_dtype(f, lsedt), ob + 1, shape, true, vals);
+    }
+}
+
+/* The call's arguments: the problem's, one maybe dropped (NULL). */
+typedef struct call_args {
+    const attn_tensor *q, *k, *v;
+    attn_tensor *out;
+    const attn_sdpa_params *params;
+} call_args;
+
+static call_args draw_args(fz *f, problem *pr) {
+    call_args a = {&pr->q.t, &pr->k.t, &pr->v.t, &pr->out.t, &pr->p};
+    if (fz_one_in(f, 24)) {
+        switch (fz_u8(f) % 6) {
+        case 0: a.q = NULL; break;
+        case 1: a.k = NULL; break;
+        case 2: a.v = NULL; break;
+        case 3: a.out = NULL; break;
+        case 4: a.params = NULL; break;
+        default: pr->k.t.data = NULL; break;
+        }
+    }
+    return a;
+}
+
+static attn_status call_sdpa(problem *pr, const call_args *a) {
+    return attn_sdpa(a->q, a->k, a->v, a->params, a->out, pr->has_weights ? &pr->weights.t : NULL,
+                     pr->has_lse ? &pr->lse.t : NULL);
+}
+
+/* attn_sdpa on backed views: it agrees with attn_sdpa_out_shape (status,
+ * message, shape); a success's outputs are checked and its backward run. */
+static void run_call(fz *f, problem *pr, const call_args *a, attn_status st_shape,
+                     const char *shape_msg, int orank, const int64_t *oshape, fz_values *vals) {
+    fz_hostile h;
+    const fz_tensor *inputs[3] = {&pr->q, &pr->k, &pr->v};
+    fz_hostile_begin(f, &h, a->out == NULL ? NULL : &pr->out, inputs[fz_u8(f) % 3]);
+    const attn_status st = call_sdpa(pr, a);
+    fz_hostile_end(&h, st);
+    fz_check_status(st, "attn_sdpa");
+    FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa leaked %ld blocks", fz_live_blocks());
+    if (st_shape != ATTN_OK) {
+        if (a->out == NULL) {
+            FZ_ASSERT(st == ATTN_ERR_NULL, "out NULL gave %d", (int)st);
+        } else {
+            FZ_ASSERT(st == st_shape, "attn_sdpa gave %d, attn_sdpa_out_shape %d (%s)", (int)st,
+                      (int)st_shape, shape_msg);
+            FZ_ASSERT(strcmp(shape_msg, attn_last_error()) == 0, "messages differ: '%s' vs '%s'",
+                      shape_msg, attn_last_error());
+        }
+    }
+    if (st == ATTN_OK) {
+        FZ_ASSERT(a->out->rank == orank, "out rank %d, out_shape said %d", a->out->rank, orank);
+        for (int d = 0; d < orank; d++)
+            FZ_ASSERT(a->out->shape[d] == oshape[d], "out dim %d differs from out_shape", d);
+        check_outputs(pr, a->params ? a->params->dropout_p : 0.0, vals);
+        if (pr->has_lse) fuzz_backward(f, pr, a->params, vals);
+    }
+}
+
+/* Valid inputs too large to back: the reference kernel allocates its row
+ * buffers before it reads anything, so with every allocation refused the
+ * call must fail cleanly, without touching the PROT_NONE page the unbacked
+ * views point at. This fuzzes output validation on extreme but legal views.
+ * (Fused kernels may need no workspace, so this runs on the reference path
+ * only.) */
+static void run_without_memory(problem *pr, const call_args *a) {
+    const size_t old = fz_set_alloc_limit(0);
+    const attn_status st = call_sdpa(pr, a);
+    fz_set_alloc_limit(old);
+    fz_check_status(st, "attn_sdpa (no memory)");
+    FZ_ASSERT(st != ATTN_OK, "attn_sdpa succeeded without memory");
+    FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa leaked");
+}
+
+static void free_problem(problem *pr) {
+    fz_tensor *all[] = {&pr->q, &pr->k, &pr->v, &pr->mask, &pr->out, &pr->weights, &pr->lse};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) fz_tensor_free(all[i]);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -204,108 +368,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (attn_isa_supported(isa)) fz_check_status(attn_set_isa(isa), "attn_set_isa");
     if (fz_one_in(&f, 16)) fuzz_views(&f);
 
-    /* The problem: batch dims (the last is the head dim), L, S, E, Ev. */
     problem pr;
     memset(&pr, 0, sizeof pr);
     attn_sdpa_params_init(&pr.p);
-    /* q's dtype (out's, weights'), K and V's (16-bit under a float32 query
-     * sometimes: a low-precision KV cache), and lse's (the compute type) */
-    static const attn_dtype dts[4] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64, ATTN_DTYPE_F16,
-                                      ATTN_DTYPE_BF16};
-    const attn_dtype dt = dts[fz_u8(&f) % 4];
-    const attn_dtype kvdt = dt == ATTN_DTYPE_F32 && fz_one_in(&f, 4)
-                                ? (fz_bool(&f) ? ATTN_DTYPE_F16 : ATTN_DTYPE_BF16)
-                                : dt;
-    const attn_dtype lsedt = dt == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
-    const int nb = (int)fz_range(&f, 0, 3);
-    int64_t B[ATTN_MAX_RANK];
-    for (int d = 0; d < nb; d++) B[d] = fz_dim(&f, 3, true);
-    const bool gqa = nb >= 1 && fz_one_in(&f, 3);
-    int64_t Hkv = 0, Hq = 0;
-    if (gqa) {
-        Hkv = fz_range(&f, 1, 3);
-        Hq = Hkv * fz_range(&f, 1, 3);
-        B[nb - 1] = Hq;
-    }
-    const int64_t L = fz_dim(&f, 6, true), S = fz_dim(&f, 6, true);
-    const int64_t E = fz_dim(&f, 5, true), Ev = fz_dim(&f, 5, true);
-    pr.p.enable_gqa = gqa ? 1 : fz_one_in(&f, 16);
-
-    int64_t shape[ATTN_MAX_RANK + 2];
-    int r = operand_shape(&f, shape, B, nb, 0, L, E);
-    make(&f, &pr.q, pick_dtype(&f, dt), r, shape, false, &vals);
-    r = operand_shape(&f, shape, B, nb, Hkv, S, E);
-    make(&f, &pr.k, pick_dtype(&f, kvdt), r, shape, false, &vals);
-    r = operand_shape(&f, shape, B, nb, Hkv, S, Ev);
-    make(&f, &pr.v, pick_dtype(&f, kvdt), r, shape, false, &vals);
-
-    /* Mask: bool or float, broadcast against (B..., L, S). */
-    uint8_t mk = fz_u8(&f) % 4;
-    if (mk != 0) {
-        attn_dtype mdt = mk == 1 ? ATTN_DTYPE_BOOL : mk == 2 ? dt : ATTN_DTYPE_F64;
-        int mr = (int)fz_range(&f, 1, nb + 2);
-        int64_t full[ATTN_MAX_RANK + 2];
-        for (int d = 0; d < nb; d++) full[d] = B[d];
-        full[nb] = L;
-        full[nb + 1] = S;
-        for (int d = 0; d < mr; d++)
-            shape[d] = fz_one_in(&f, 3) ? 1 : full[nb + 2 - mr + d];
-        make(&f, &pr.mask, pick_dtype(&f, mdt), mr, shape, false, &vals);
-        fz_sprinkle_neg_inf(&f, &pr.mask);
-        pr.has_mask = true;
-        pr.p.attn_mask = &pr.mask.t;
-    }
-
-    /* Scalars. */
-    uint8_t c = fz_u8(&f);
-    pr.p.causal = c % 8 < 3   ? (attn_causal)(c % 8)
-                  : c % 8 == 7 ? (attn_causal)(int)fz_range(&f, -2, 9)
-                               : ATTN_CAUSAL_NONE;
-    pr.p.has_scale = fz_bool(&f);
-    if (pr.p.has_scale) pr.p.scale = pick_scale(&f, &vals);
-    pr.p.dropout_p = pick_dropout(&f);
-    pr.p.seed = fz_u64(&f);
-    pr.p.rng_offset = fz_bool(&f) ? fz_u64(&f) : 0;
-
-    /* Outputs: (B..., L, Ev), (B..., L, S), (B..., L). */
-    int ob = nb;
-    for (int d = 0; d < nb; d++) shape[d] = B[d];
-    shape[ob] = L;
-    shape[ob + 1] = Ev;
-    make(&f, &pr.out, pick_dtype(&f, dt), ob + 2, shape, true, &vals);
-    pr.has_weights = fz_bool(&f);
-    if (pr.has_weights) {
-        for (int d = 0; d < nb; d++) shape[d] = B[d];
-        shape[ob] = L;
-        shape[ob + 1] = S;
-        make(&f, &pr.weights, pick_dtype(&f, dt), ob + 2, shape, true, &vals);
-    }
-    pr.has_lse = fz_bool(&f);
-    if (pr.has_lse) {
-        for (int d = 0; d < nb; d++) shape[d] = B[d];
-        shape[ob] = L;
-        make(&f, &pr.lse, pick_dtype(&f, lsedt), ob + 1, shape, true, &vals);
-    }
-
-    /* Dropped pointers. */
-    const attn_tensor *q = &pr.q.t, *k = &pr.k.t, *v = &pr.v.t;
-    attn_tensor *out = &pr.out.t;
-    const attn_sdpa_params *params = &pr.p;
-    if (fz_one_in(&f, 24)) {
-        switch (fz_u8(&f) % 6) {
-        case 0: q = NULL; break;
-        case 1: k = NULL; break;
-        case 2: v = NULL; break;
-        case 3: out = NULL; break;
-        case 4: params = NULL; break;
-        default: pr.k.t.data = NULL; break;
-        }
-    }
+    draw_operands(&f, &pr, &vals);
+    draw_params(&f, &pr, &vals);
+    draw_outputs(&f, &pr, &vals);
+    const call_args a = draw_args(&f, &pr);
 
     /* Shape inference: validation only, never touches data. */
     int orank = 0;
     int64_t oshape[ATTN_MAX_RANK];
-    attn_status st_shape = attn_sdpa_out_shape(q, k, v, params, &orank, oshape);
+    const attn_status st_shape = attn_sdpa_out_shape(a.q, a.k, a.v, a.params, &orank, oshape);
     fz_check_status(st_shape, "attn_sdpa_out_shape");
     FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa_out_shape leaked");
     char shape_msg[512];
@@ -315,59 +389,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         for (int d = 0; d < orank; d++) FZ_ASSERT(oshape[d] >= 1, "out dim %d", d);
     }
 
-    bool backed = pr.q.backed && pr.k.backed && pr.v.backed && pr.out.backed &&
-                  (!pr.has_mask || pr.mask.backed) && (!pr.has_weights || pr.weights.backed) &&
-                  (!pr.has_lse || pr.lse.backed);
-    int64_t work = st_shape == ATTN_OK ? work_of(orank, oshape, k) : 0;
-    bool run = st_shape != ATTN_OK || (backed && work >= 0 && work <= WORK_LIMIT);
-    if (run) {
-        fz_hostile h;
-        const fz_tensor *inputs[3] = {&pr.q, &pr.k, &pr.v};
-        fz_hostile_begin(&f, &h, out == NULL ? NULL : &pr.out, inputs[fz_u8(&f) % 3]);
-        attn_status st = attn_sdpa(q, k, v, params, out, pr.has_weights ? &pr.weights.t : NULL,
-                                   pr.has_lse ? &pr.lse.t : NULL);
-        fz_hostile_end(&h, st);
-        fz_check_status(st, "attn_sdpa");
-        FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa leaked %ld blocks", fz_live_blocks());
-        if (st_shape != ATTN_OK) {
-            if (out == NULL) {
-                FZ_ASSERT(st == ATTN_ERR_NULL, "out NULL gave %d", (int)st);
-            } else {
-                FZ_ASSERT(st == st_shape, "attn_sdpa gave %d, attn_sdpa_out_shape %d (%s)",
-                          (int)st, (int)st_shape, shape_msg);
-                FZ_ASSERT(strcmp(shape_msg, attn_last_error()) == 0,
-                          "messages differ: '%s' vs '%s'", shape_msg, attn_last_error());
-            }
-        }
-        if (st == ATTN_OK) {
-            FZ_ASSERT(out->rank == orank, "out rank %d, out_shape said %d", out->rank, orank);
-            for (int d = 0; d < orank; d++)
-                FZ_ASSERT(out->shape[d] == oshape[d], "out dim %d differs from out_shape", d);
-            check_outputs(&pr, params ? params->dropout_p : 0.0, &vals);
-            if (pr.has_lse) fuzz_backward(&f, &pr, params, &vals);
-        }
-    }
-    if (!run && attn_get_isa() == ATTN_ISA_REF) {
-        /* Valid inputs too large to back: the reference kernel allocates its
-         * row buffers before it reads anything, so with every allocation
-         * refused the call must fail cleanly, without touching the PROT_NONE
-         * page the unbacked views point at. This fuzzes output validation on
-         * extreme but legal views. (Fused kernels may need no workspace, so
-         * this runs on the reference path only.) */
-        size_t old = fz_set_alloc_limit(0);
-        attn_status st = attn_sdpa(q, k, v, params, out, pr.has_weights ? &pr.weights.t : NULL,
-                                   pr.has_lse ? &pr.lse.t : NULL);
-        fz_set_alloc_limit(old);
-        fz_check_status(st, "attn_sdpa (no memory)");
-        FZ_ASSERT(st != ATTN_OK, "attn_sdpa succeeded without memory");
-        FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa leaked");
-    }
-    fz_tensor_free(&pr.q);
-    fz_tensor_free(&pr.k);
-    fz_tensor_free(&pr.v);
-    fz_tensor_free(&pr.mask);
-    fz_tensor_free(&pr.out);
-    fz_tensor_free(&pr.weights);
-    fz_tensor_free(&pr.lse);
+    const bool backed = pr.q.backed && pr.k.backed && pr.v.backed && pr.out.backed &&
+                        (!pr.has_mask || pr.mask.backed) &&
+                        (!pr.has_weights || pr.weights.backed) && (!pr.has_lse || pr.lse.backed);
+    const int64_t work = st_shape == ATTN_OK ? work_of(orank, oshape, a.k) : 0;
+    if (st_shape != ATTN_OK || (backed && work >= 0 && work <= WORK_LIMIT))
+        run_call(&f, &pr, &a, st_shape, shape_msg, orank, oshape, &vals);
+    else if (attn_get_isa() == ATTN_ISA_REF)
+        run_without_memory(&pr, &a);
+    free_problem(&pr);
     return 0;
 }
