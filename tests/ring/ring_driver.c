@@ -146,68 +146,180 @@ static void write_pid(const char *dir) {
         die(strerror(errno));
 }
 
-static int run_check(const opts *o) {
+/* The whole tensors (the same on every rank; a mismatched rank draws its
+ * own) and this rank's shards of them. */
+typedef struct shards {
+    int64_t B, H, Hkv, L, S, E, Ev;
+    float *q, *k, *v;    /* (B, H or Hkv, L or S, E or Ev) */
+    int nq, nk;          /* runs of this rank's query and key positions */
+    int64_t qs[2], ql[2], ks[2], kl[2];
+    int64_t Lr, Sr, Sx;  /* this rank's lengths; Sx = Sr + 1 under --mismatch seq */
+    float *qr, *kr, *vr; /* the shards: (B, H or Hkv, Lr or Sx, E or Ev) */
+} shards;
+
+static void make_shards(const opts *o, int mis_seq, int mis_E, int mis_heads, shards *sh) {
     const int N = g_size, r = g_rank;
+    sh->B = o->B, sh->H = o->H + mis_heads, sh->Hkv = o->Hkv + mis_heads;
+    sh->L = o->L, sh->S = o->S, sh->E = o->E + mis_E, sh->Ev = o->Ev;
+    const int64_t B = sh->B, H = sh->H, Hkv = sh->Hkv, L = sh->L, S = sh->S, E = sh->E,
+                  Ev = sh->Ev;
+    sh->q = xmalloc((size_t)(B * H * L * E) * sizeof(float));
+    sh->k = xmalloc((size_t)(B * Hkv * S * E) * sizeof(float));
+    sh->v = xmalloc((size_t)(B * Hkv * S * Ev) * sizeof(float));
+    fill(sh->q, B * H * L * E, o->seed, 1);
+    fill(sh->k, B * Hkv * S * E, o->seed, 2);
+    fill(sh->v, B * Hkv * S * Ev, o->seed, 3);
+    sh->nq = shard_runs(o->layout, L, N, r, sh->qs, sh->ql);
+    sh->nk = shard_runs(o->layout, S, N, r, sh->ks, sh->kl);
+    sh->Lr = sh->Sr = 0;
+    for (int i = 0; i < sh->nq; i++) sh->Lr += sh->ql[i];
+    for (int i = 0; i < sh->nk; i++) sh->Sr += sh->kl[i];
+    if (sh->Lr < 1 || sh->Sr < 1)
+        die("a rank would hold no position: make L and S at least 2 x ranks");
+    /* mis_seq: one key more than the layout gives (taken from the next one) */
+    const int64_t Lr = sh->Lr, Sx = sh->Sx = sh->Sr + mis_seq;
+    sh->qr = xmalloc((size_t)(B * H * Lr * E) * sizeof(float));
+    sh->kr = xmalloc((size_t)(B * Hkv * Sx * E) * sizeof(float));
+    sh->vr = xmalloc((size_t)(B * Hkv * Sx * Ev) * sizeof(float));
+    gather_rows(sh->q, sh->qr, B * H, L, E, sh->nq, sh->qs, sh->ql, 0);
+    gather_rows(sh->k, sh->kr, B * Hkv, S, E, sh->nk, sh->ks, sh->kl, mis_seq);
+    gather_rows(sh->v, sh->vr, B * Hkv, S, Ev, sh->nk, sh->ks, sh->kl, mis_seq);
+}
+
+static void free_shards(shards *sh) {
+    free(sh->q), free(sh->k), free(sh->v), free(sh->qr), free(sh->kr), free(sh->vr);
+}
+
+/* The library's shard helper must agree with the formula above. */
+static int check_shard_helper(const opts *o, const shards *sh) {
+    const size_t bytes = (size_t)(sh->B * sh->H * sh->Lr * sh->E) * sizeof(float);
+    attn_tensor whole = view4(sh->q, sh->B, sh->H, sh->L, sh->E);
+    float *qh = xmalloc(bytes);
+    attn_tensor part = view4(qh, sh->B, sh->H, sh->Lr, sh->E);
+    attn_status st = attn_ring_shard(&whole, -2, o->layout, g_size, g_rank, &part);
+    const int bad = st != ATTN_OK || memcmp(qh, sh->qr, bytes) != 0;
+    if (bad)
+        fprintf(stderr, "rank %d: attn_ring_shard %s: %s\n", g_rank,
+                st ? "failed" : "gives other rows than attn_ring.h's layout",
+                st ? attn_last_error() : "");
+    free(qh);
+    return bad;
+}
+
+/* --expect-error: whether the call was refused with one of the names
+ * (NAME or NAME,NAME) before computing (in under half of one step's local
+ * compute, t_step); prints the verdict. */
+static int refused_as_expected(const opts *o, attn_status st, double dt, double t_step) {
+    char want[64], got[32];
+    snprintf(want, sizeof want, ",%s,", o->expect_error);
+    snprintf(got, sizeof got, ",%s,", status_name(st));
+    const int ok = st != ATTN_OK && strstr(want, got) && dt < 0.5 * t_step;
+    printf("rank %d: %s (one of %s, before compute) after %.4f s, one step computing "
+           "in %.3f s: ATTN_ERR_%s: %s\n",
+           g_rank, ok ? "refused as expected" : "FAIL: expected a refusal", o->expect_error, dt,
+           t_step, status_name(st), st ? attn_last_error() : "the call succeeded");
+    fflush(stdout);
+    return ok;
+}
+
+/* The first call's output against attn_sdpa on the whole tensors, and its
+ * bits' FNV-1a (runs elsewhere, two hosts, must give these bits too).
+ * Returns whether it passes. */
+static int check_against_whole(const opts *o, const shards *sh, const attn_sdpa_params *sp,
+                               const float *first, int fails) {
+    const int64_t B = sh->B, H = sh->H, Hkv = sh->Hkv, L = sh->L, S = sh->S, E = sh->E,
+                  Ev = sh->Ev, Lr = sh->Lr, n = B * H * Lr * Ev;
+    attn_tensor wq = view4(sh->q, B, H, L, E), wk = view4(sh->k, B, Hkv, S, E),
+                wv = view4(sh->v, B, Hkv, S, Ev);
+    float *ref = xmalloc((size_t)(B * H * L * Ev) * sizeof(float));
+    float *refr = xmalloc((size_t)n * sizeof(float));
+    attn_tensor tref = view4(ref, B, H, L, Ev);
+    if (attn_sdpa(&wq, &wk, &wv, sp, &tref, NULL, NULL) != ATTN_OK) die(attn_last_error());
+    gather_rows(ref, refr, B * H, L, Ev, sh->nq, sh->qs, sh->ql, 0);
+    double err = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)first[i] - (double)refr[i]);
+        if (!(d <= err)) /* NaN counts */
+            err = isnan(d) ? INFINITY : d;
+    }
+    char host[256] = "?";
+    gethostname(host, sizeof host - 1);
+    uint64_t h = 0xcbf29ce484222325ull;
+    const unsigned char *bytes = (const unsigned char *)first;
+    for (size_t i = 0; i < (size_t)n * sizeof(float); i++) h = (h ^ bytes[i]) * 0x100000001b3ull;
+    const int pass = err <= o->tol && !fails;
+    printf("rank %d of %d on %s: L_shard %lld S_shard %lld, max |ring - attn_sdpa| = %.3g "
+           "(tol %.1g)%s, out fnv1a %016llx: %s\n",
+           g_rank, g_size, host, (long long)Lr, (long long)sh->Sr, err, o->tol,
+           o->repeat > 1 ? (fails ? ", repeats differ" : ", repeats bitwise equal") : "",
+           (unsigned long long)h, pass ? "PASS" : "FAIL");
+    free(ref);
+    free(refr);
+    return pass;
+}
+
+/* --repeat ring calls: each the first's bits; a stop after one of them
+ * (--stop-after). Returns the number of differing repeats, or -1 - exit
+ * status when the run ends here (--expect-error, a failed call). */
+static int run_calls(const opts *o, const shards *sh, const attn_ring_params *p,
+                     attn_ring_stats *stats, double t_step, float *out, float *first) {
+    const size_t bytes = (size_t)(sh->B * sh->H * sh->Lr * sh->Ev) * sizeof(float);
+    attn_tensor tq = view4(sh->qr, sh->B, sh->H, sh->Lr, sh->E),
+                tk = view4(sh->kr, sh->B, sh->Hkv, sh->Sx, sh->E),
+                tv = view4(sh->vr, sh->B, sh->Hkv, sh->Sx, sh->Ev),
+                tout = view4(out, sh->B, sh->H, sh->Lr, sh->Ev);
+    int fails = 0;
+    for (int it = 0; it < o->repeat; it++) {
+        memset(out, 0xff, bytes); /* NaN: no stale rows */
+        double t0 = MPI_Wtime();
+        attn_status st = attn_ring_sdpa(MPI_COMM_WORLD, &tq, &tk, &tv, p, &tout, NULL);
+        double dt = MPI_Wtime() - t0;
+        if (o->expect_error) return -1 - !refused_as_expected(o, st, dt, t_step);
+        if (st != ATTN_OK) {
+            fprintf(stderr, "rank %d: attn_ring_sdpa failed after %.3f s: ATTN_ERR_%s: %s\n",
+                    g_rank, dt, status_name(st), attn_last_error());
+            fflush(stderr);
+            if (st == ATTN_ERR_COMM) /* the job is broken: attn_ring.h */
+                MPI_Abort(MPI_COMM_WORLD, 4);
+            return -1 - 3;
+        }
+        if (it == 0) {
+            memcpy(first, out, bytes);
+            printf("rank %d: ring call %.3f s (compute %.3f, wait %.3f, agree %.4f; %d steps, "
+                   "%lld bytes sent)\n",
+                   g_rank, dt, stats->compute, stats->wait, stats->agree, stats->steps,
+                   (long long)stats->bytes_sent);
+        } else if (memcmp(first, out, bytes)) {
+            fprintf(stderr, "rank %d: FAIL: call %d gave other bits than call 1\n", g_rank, it + 1);
+            fails++;
+        }
+        if (it + 1 == o->stop_after && g_rank == o->stop_rank) {
+            printf("rank %d: call %d returned; stopping (SIGSTOP)\n", g_rank, it + 1);
+            fflush(stdout);
+            raise(SIGSTOP);
+        }
+    }
+    return fails;
+}
+
+static int run_check(const opts *o) {
     int mis_seq = 0, mis_E = 0, mis_heads = 0, mis_causal = 0;
-    if (o->mismatch && r == o->mismatch_rank) {
+    if (o->mismatch && g_rank == o->mismatch_rank) {
         mis_seq = !strcmp(o->mismatch, "seq");
         mis_E = !strcmp(o->mismatch, "E");
         mis_heads = !strcmp(o->mismatch, "heads");
         mis_causal = !strcmp(o->mismatch, "causal");
     }
-    const int64_t B = o->B, H = o->H + mis_heads, Hkv = o->Hkv + mis_heads, L = o->L, S = o->S,
-                  E = o->E + mis_E, Ev = o->Ev;
+    shards sh;
+    make_shards(o, mis_seq, mis_E, mis_heads, &sh);
+    if (!o->mismatch && check_shard_helper(o, &sh)) return 1;
 
-    /* Whole tensors, the same on every rank (a mismatched rank draws its own). */
-    float *q = xmalloc((size_t)(B * H * L * E) * sizeof(float));
-    float *k = xmalloc((size_t)(B * Hkv * S * E) * sizeof(float));
-    float *v = xmalloc((size_t)(B * Hkv * S * Ev) * sizeof(float));
-    fill(q, B * H * L * E, o->seed, 1);
-    fill(k, B * Hkv * S * E, o->seed, 2);
-    fill(v, B * Hkv * S * Ev, o->seed, 3);
-
-    int64_t qs[2], ql[2], ks[2], kl[2];
-    int nq = shard_runs(o->layout, L, N, r, qs, ql), nk = shard_runs(o->layout, S, N, r, ks, kl);
-    int64_t Lr = 0, Sr = 0;
-    for (int i = 0; i < nq; i++)
-        Lr += ql[i];
-    for (int i = 0; i < nk; i++)
-        Sr += kl[i];
-    if (Lr < 1 || Sr < 1)
-        die("a rank would hold no position: make L and S at least 2 x ranks");
-    /* mis_seq: one key more than the layout gives (taken from the next one) */
-    const int64_t Sx = Sr + mis_seq;
-    float *qr = xmalloc((size_t)(B * H * Lr * E) * sizeof(float));
-    float *kr = xmalloc((size_t)(B * Hkv * Sx * E) * sizeof(float));
-    float *vr = xmalloc((size_t)(B * Hkv * Sx * Ev) * sizeof(float));
-    gather_rows(q, qr, B * H, L, E, nq, qs, ql, 0);
-    gather_rows(k, kr, B * Hkv, S, E, nk, ks, kl, mis_seq);
-    gather_rows(v, vr, B * Hkv, S, Ev, nk, ks, kl, mis_seq);
-
-    /* The library's shard helper must agree with the formula above. */
-    if (!o->mismatch) {
-        attn_tensor whole = view4(q, B, H, L, E);
-        float *qh = xmalloc((size_t)(B * H * Lr * E) * sizeof(float));
-        attn_tensor sh = view4(qh, B, H, Lr, E);
-        attn_status st = attn_ring_shard(&whole, -2, o->layout, N, r, &sh);
-        if (st != ATTN_OK || memcmp(qh, qr, (size_t)(B * H * Lr * E) * sizeof(float))) {
-            fprintf(stderr, "rank %d: attn_ring_shard %s: %s\n", r,
-                    st ? "failed" : "gives other rows than attn_ring.h's layout",
-                    st ? attn_last_error() : "");
-            return 1;
-        }
-        free(qh);
-    }
-
-    attn_tensor tq = view4(qr, B, H, Lr, E), tk = view4(kr, B, Hkv, Sx, E),
-                tv = view4(vr, B, Hkv, Sx, Ev);
-    float *out = xmalloc((size_t)(B * H * Lr * Ev) * sizeof(float));
-    float *first = xmalloc((size_t)(B * H * Lr * Ev) * sizeof(float));
-    attn_tensor tout = view4(out, B, H, Lr, Ev);
+    const size_t out_bytes = (size_t)(sh.B * sh.H * sh.Lr * sh.Ev) * sizeof(float);
+    float *out = xmalloc(out_bytes), *first = xmalloc(out_bytes);
     attn_ring_params p;
     attn_ring_params_init(&p);
     p.sdpa.causal = (o->causal ^ mis_causal) ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
-    p.sdpa.enable_gqa = Hkv != H;
+    p.sdpa.enable_gqa = sh.Hkv != sh.H;
     p.sdpa.dropout_p = o->dropout;
     p.sdpa.seed = o->seed;
     p.layout = o->layout;
@@ -222,9 +334,12 @@ static int run_check(const opts *o) {
         attn_sdpa_params sp = p.sdpa;
         sp.causal = ATTN_CAUSAL_NONE;
         sp.dropout_p = 0;
+        attn_tensor tq = view4(sh.qr, sh.B, sh.H, sh.Lr, sh.E),
+                    tk = view4(sh.kr, sh.B, sh.Hkv, sh.Sx, sh.E),
+                    tv = view4(sh.vr, sh.B, sh.Hkv, sh.Sx, sh.Ev),
+                    tout = view4(out, sh.B, sh.H, sh.Lr, sh.Ev);
         double t0 = MPI_Wtime();
-        if (attn_sdpa(&tq, &tk, &tv, &sp, &tout, NULL, NULL) != ATTN_OK)
-            die(attn_last_error());
+        if (attn_sdpa(&tq, &tk, &tv, &sp, &tout, NULL, NULL) != ATTN_OK) die(attn_last_error());
         t_step = MPI_Wtime() - t0;
     }
 
@@ -233,89 +348,13 @@ static int run_check(const opts *o) {
      * deadline, where a rank stopped at the end of one call hangs the job
      * (tests/ring/faults.sh stop); the next call's bounded waits find it. */
     MPI_Barrier(MPI_COMM_WORLD);
-    if (o->pid_dir)
-        write_pid(o->pid_dir);
-    int fails = 0;
-    for (int it = 0; it < o->repeat; it++) {
-        memset(out, 0xff, (size_t)(B * H * Lr * Ev) * sizeof(float)); /* NaN: no stale rows */
-        double t0 = MPI_Wtime();
-        attn_status st = attn_ring_sdpa(MPI_COMM_WORLD, &tq, &tk, &tv, &p, &tout, NULL);
-        double dt = MPI_Wtime() - t0;
-        if (o->expect_error) {
-            /* NAME or NAME,NAME: any of them */
-            char want[64];
-            snprintf(want, sizeof want, ",%s,", o->expect_error);
-            char got[32];
-            snprintf(got, sizeof got, ",%s,", status_name(st));
-            int ok = st != ATTN_OK && strstr(want, got) && dt < 0.5 * t_step;
-            printf("rank %d: %s (one of %s, before compute) after %.4f s, one step computing "
-                   "in %.3f s: ATTN_ERR_%s: %s\n",
-                   r, ok ? "refused as expected" : "FAIL: expected a refusal", o->expect_error, dt,
-                   t_step, status_name(st), st ? attn_last_error() : "the call succeeded");
-            fflush(stdout);
-            return ok ? 0 : 1;
-        }
-        if (st != ATTN_OK) {
-            fprintf(stderr, "rank %d: attn_ring_sdpa failed after %.3f s: ATTN_ERR_%s: %s\n", r, dt,
-                    status_name(st), attn_last_error());
-            fflush(stderr);
-            if (st == ATTN_ERR_COMM) /* the job is broken: attn_ring.h */
-                MPI_Abort(MPI_COMM_WORLD, 4);
-            return 3;
-        }
-        if (it == 0)
-            memcpy(first, out, (size_t)(B * H * Lr * Ev) * sizeof(float));
-        else if (memcmp(first, out, (size_t)(B * H * Lr * Ev) * sizeof(float))) {
-            fprintf(stderr, "rank %d: FAIL: call %d gave other bits than call 1\n", r, it + 1);
-            fails++;
-        }
-        if (it == 0)
-            printf("rank %d: ring call %.3f s (compute %.3f, wait %.3f, agree %.4f; %d steps, "
-                   "%lld bytes sent)\n",
-                   r, dt, stats.compute, stats.wait, stats.agree, stats.steps,
-                   (long long)stats.bytes_sent);
-        if (it + 1 == o->stop_after && r == o->stop_rank) {
-            printf("rank %d: call %d returned; stopping (SIGSTOP)\n", r, it + 1);
-            fflush(stdout);
-            raise(SIGSTOP);
-        }
-    }
-
-    if (o->check) {
-        attn_tensor wq = view4(q, B, H, L, E), wk = view4(k, B, Hkv, S, E),
-                    wv = view4(v, B, Hkv, S, Ev);
-        float *ref = xmalloc((size_t)(B * H * L * Ev) * sizeof(float));
-        float *refr = xmalloc((size_t)(B * H * Lr * Ev) * sizeof(float));
-        attn_tensor tref = view4(ref, B, H, L, Ev);
-        if (attn_sdpa(&wq, &wk, &wv, &p.sdpa, &tref, NULL, NULL) != ATTN_OK)
-            die(attn_last_error());
-        gather_rows(ref, refr, B * H, L, Ev, nq, qs, ql, 0);
-        double err = 0;
-        for (int64_t i = 0; i < B * H * Lr * Ev; i++) {
-            double d = fabs((double)first[i] - (double)refr[i]);
-            if (!(d <= err)) /* NaN counts */
-                err = isnan(d) ? INFINITY : d;
-        }
-        char host[256] = "?";
-        gethostname(host, sizeof host - 1);
-        /* FNV-1a of the output's bytes: runs elsewhere (two hosts) must give
-         * these bits too */
-        uint64_t h = 0xcbf29ce484222325ull;
-        const unsigned char *bytes = (const unsigned char *)first;
-        for (size_t i = 0; i < (size_t)(B * H * Lr * Ev) * sizeof(float); i++)
-            h = (h ^ bytes[i]) * 0x100000001b3ull;
-        int pass = err <= o->tol && !fails;
-        printf("rank %d of %d on %s: L_shard %lld S_shard %lld, max |ring - attn_sdpa| = %.3g "
-               "(tol %.1g)%s, out fnv1a %016llx: %s\n",
-               r, N, host, (long long)Lr, (long long)Sr, err, o->tol,
-               o->repeat > 1 ? (fails ? ", repeats differ" : ", repeats bitwise equal") : "",
-               (unsigned long long)h, pass ? "PASS" : "FAIL");
-        fails += !pass;
-        free(ref);
-        free(refr);
-    }
+    if (o->pid_dir) write_pid(o->pid_dir);
+    int fails = run_calls(o, &sh, &p, &stats, t_step, out, first);
+    if (fails < 0) return -1 - fails; /* the run ends here, with this status */
+    if (o->check) fails += !check_against_whole(o, &sh, &p.sdpa, first, fails);
     fflush(stdout);
-    free(q), free(k), free(v), free(qr), free(kr), free(vr), free(out), free(first);
+    free_shards(&sh);
+    free(out), free(first);
     return fails ? 1 : 0;
 }
 
