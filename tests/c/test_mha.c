@@ -30,6 +30,43 @@ static int64_t at(const mha_case *c, int64_t n, int64_t t, int64_t f, int64_t T,
     return c->cfg.batch_first ? (n * T + t) * F + f : (t * c->N + n) * F + f;
 }
 
+/* Whether key j < S is visible to row i of head h of batch n (causal, the
+ * attention mask, the key-padding mask: bool or -inf hide it), adding the
+ * float masks' values to *add. Appended keys (j >= S) are never masked:
+ * torch pads the masks with 0 for them. */
+static bool key_visible(const mha_case *c, const double *AM, const double *KPM, int64_t H,
+                        int64_t n, int64_t h, int64_t i, int64_t j, double *add) {
+    const int64_t L = c->L, S = c->S;
+    bool vis = !(c->causal && j > i);
+    const double mv = AM == NULL ? 0
+                      : c->mask.t.rank == 2 ? AM[i * S + j]
+                                            : AM[((n * H + h) * L + i) * S + j];
+    const double kv = KPM == NULL ? 0 : KPM[n * S + j];
+    const attn_dtype mdt[2] = {c->mask.t.dtype, c->kpm.t.dtype};
+    const double vals[2] = {mv, kv};
+    for (int m = 0; m < 2; m++) {
+        if ((m == 0 ? AM : KPM) == NULL) continue;
+        if (mdt[m] == ATTN_DTYPE_BOOL) {
+            if (vals[m] != 0) vis = false;
+        } else if (vals[m] == -INFINITY) {
+            vis = false;
+        } else {
+            *add += vals[m];
+        }
+    }
+    return vis;
+}
+
+/* Whether dropout keeps weight number idx of the (N, H, L, S') weights
+ * (Philox-4x32-10 of idx/4, word idx % 4). */
+static bool dropout_keeps(const mha_case *c, double p, uint64_t idx) {
+    uint32_t ctr[4] = {(uint32_t)(idx / 4), (uint32_t)(idx / 4 >> 32),
+                       (uint32_t)c->fp.rng_offset, 0};
+    uint32_t key[2] = {(uint32_t)c->fp.seed, (uint32_t)(c->fp.seed >> 32)}, r4[4];
+    oracle_philox(ctr, key, r4);
+    return (double)r4[idx % 4] >= p * 4294967296.0;
+}
+
 /* The oracle: returns out (dense, query layout) and weights (dense), and
  * for a 16-bit module (unit roundoff u > 0) a first-order bound on the
  * error of each (bout, bw): Q, K, V, O, the weights and out are each
@@ -100,31 +137,7 @@ static void oracle_mha(const mha_case *c, double u, double **out_p, double **w_p
                 double mx = -INFINITY, amax = 0;
                 for (int64_t j = 0; j < Sx; j++) {
                     double add = 0;
-                    vis[j] = true;
-                    if (j < S) { /* appended keys are never masked (torch pads with 0) */
-                        if (c->causal && j > i) vis[j] = false;
-                        if (AM) {
-                            double mv = c->mask.t.rank == 2 ? AM[i * S + j]
-                                                             : AM[((n * H + h) * L + i) * S + j];
-                            if (c->mask.t.dtype == ATTN_DTYPE_BOOL) {
-                                if (mv != 0) vis[j] = false;
-                            } else if (mv == -INFINITY) {
-                                vis[j] = false;
-                            } else {
-                                add += mv;
-                            }
-                        }
-                        if (KPM) {
-                            double kv = KPM[n * S + j];
-                            if (c->kpm.t.dtype == ATTN_DTYPE_BOOL) {
-                                if (kv != 0) vis[j] = false;
-                            } else if (kv == -INFINITY) {
-                                vis[j] = false;
-                            } else {
-                                add += kv;
-                            }
-                        }
-                    }
+                    vis[j] = j >= S || key_visible(c, AM, KPM, H, n, h, i, j, &add);
                     if (!vis[j]) continue;
                     double dot = 0, a = 0;
                     for (int64_t e = 0; e < hd; e++) {
@@ -140,14 +153,10 @@ static void oracle_mha(const mha_case *c, double u, double **out_p, double **w_p
                     if (vis[j] && mx != -INFINITY) sum += exp(s[j] - mx);
                 for (int64_t j = 0; j < Sx; j++) {
                     double w = vis[j] && mx != -INFINITY ? exp(s[j] - mx) / sum : 0;
-                    if (p > 0) {
-                        uint64_t idx = (uint64_t)(((n * H + h) * L + i) * Sx + j);
-                        uint32_t ctr[4] = {(uint32_t)(idx / 4), (uint32_t)(idx / 4 >> 32),
-                                           (uint32_t)c->fp.rng_offset, 0};
-                        uint32_t key[2] = {(uint32_t)c->fp.seed, (uint32_t)(c->fp.seed >> 32)}, r4[4];
-                        oracle_philox(ctr, key, r4);
-                        w = (double)r4[idx % 4] >= p * 4294967296.0 ? w / (1 - p) : 0;
-                    }
+                    if (p > 0)
+                        w = dropout_keeps(c, p, (uint64_t)(((n * H + h) * L + i) * Sx + j))
+                                ? w / (1 - p)
+                                : 0;
                     wall[((n * H + h) * L + i) * Sx + j] = w;
                     bw[((n * H + h) * L + i) * Sx + j] = u * w * (1 + 4 * amax) + tiny;
                 }
