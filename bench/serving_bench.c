@@ -235,6 +235,104 @@ static attn_status run_sdpa_per_seq(serving_case *c, variant *v) {
     return ATTN_OK;
 }
 
+/* Paged variant i: the cache in blocks of block_sizes[i] rows, laid out in
+ * a seeded random order, and its block table. Returns 0, or 1 when out of
+ * memory. */
+static int setup_paged(serving_case *c, int i, int64_t smax) {
+    const int64_t B = c->B, Hq = c->Hq, Hkv = c->Hkv, E = c->E, row = Hkv * E;
+    const int64_t bs = c->block_sizes[i];
+    int64_t nblocks = 0, maxb = cdiv(smax, bs);
+    for (int64_t b = 0; b < B; b++)
+        nblocks += cdiv(c->lens[b] + 1, bs);
+    int32_t *perm = malloc(sizeof(int32_t) * (size_t)(nblocks > 0 ? nblocks : 1));
+    c->tables[i] = alloc(sizeof(int32_t) * (size_t)(B * maxb));
+    c->kc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
+    c->vc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
+    c->out_paged[i] = alloc(sizeof(float) * (size_t)(B * Hq * E));
+    if (!perm || !c->tables[i] || !c->kc_paged[i] || !c->vc_paged[i] || !c->out_paged[i]) {
+        free(perm);
+        return 1;
+    }
+    uint32_t s = 12345u + (uint32_t)bs;
+    for (int64_t j = 0; j < nblocks; j++)
+        perm[j] = (int32_t)j;
+    for (int64_t j = nblocks - 1; j > 0; j--) { /* Fisher-Yates */
+        s = s * 1664525u + 1013904223u;
+        const int64_t r = (int64_t)(((uint64_t)s * (uint64_t)(j + 1)) >> 32);
+        const int32_t t = perm[j];
+        perm[j] = perm[r], perm[r] = t;
+    }
+    int64_t next = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < maxb; j++)
+            c->tables[i][b * maxb + j] = j < cdiv(c->lens[b] + 1, bs) ? perm[next++] : -1;
+    free(perm);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < c->lens[b]; t++) {
+            const int64_t off = ((int64_t)c->tables[i][b * maxb + t / bs] * bs + t % bs) * row;
+            hashed_row(c->kc_paged[i] + off, 1000 + (uint64_t)b, t, row);
+            hashed_row(c->vc_paged[i] + off, 3000 + (uint64_t)b, t, row);
+        }
+    int64_t cs[4] = {nblocks, bs, Hkv, E}, ts[2] = {B, maxb}, os[4] = {B, 1, Hq, E};
+    attn_tensor_init(&c->tkc_paged[i], c->kc_paged[i], ATTN_DTYPE_F32, 4, cs);
+    attn_tensor_init(&c->tvc_paged[i], c->vc_paged[i], ATTN_DTYPE_F32, 4, cs);
+    attn_tensor_init(&c->ttable[i], c->tables[i], ATTN_DTYPE_I32, 2, ts);
+    attn_tensor out;
+    attn_tensor_init(&out, c->out_paged[i], ATTN_DTYPE_F32, 4, os);
+    char name[32];
+    snprintf(name, sizeof name, "paged%lld", (long long)bs);
+    add_variant(c, name, run_paged, i, &out);
+    return 0;
+}
+
+/* attn_sdpa per sequence: on head-major (1, Hkv, S, E) copies holding the
+ * new row ("sdpa"), and on the contiguous cache's rows seen as that shape
+ * ("sdpa_tm"). Returns 0, or 1 when out of memory. */
+static int setup_per_seq(serving_case *c, int64_t smax) {
+    const int64_t B = c->B, Hq = c->Hq, Hkv = c->Hkv, E = c->E, row = Hkv * E;
+    int64_t os[4] = {B, 1, Hq, E};
+    attn_tensor out;
+    c->out_sdpa = alloc(sizeof(float) * (size_t)(B * Hq * E));
+    c->out_sdpa_tm = alloc(sizeof(float) * (size_t)(B * Hq * E));
+    if (!c->out_sdpa || !c->out_sdpa_tm) return 1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t S = c->lens[b] + 1;
+        c->k_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
+        c->v_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
+        if (!c->k_hm[b] || !c->v_hm[b]) return 1;
+        int64_t sq[4] = {1, Hq, 1, E}, sk[4] = {1, Hkv, S, E};
+        attn_tensor_init(&c->tq_seq[0][b], c->q + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
+        attn_tensor_init(&c->to_seq[0][b], c->out_sdpa + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
+        attn_tensor_init(&c->tk_seq[0][b], c->k_hm[b], ATTN_DTYPE_F32, 4, sk);
+        attn_tensor_init(&c->tv_seq[0][b], c->v_hm[b], ATTN_DTYPE_F32, 4, sk);
+        /* the contiguous cache's rows 0 .. lens[b] as (1, Hkv, S, E) */
+        c->tq_seq[1][b] = c->tq_seq[0][b];
+        attn_tensor_init(&c->to_seq[1][b], c->out_sdpa_tm + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
+        attn_tensor_init(&c->tk_seq[1][b], c->kc + b * smax * row, ATTN_DTYPE_F32, 4, sk);
+        attn_tensor_init(&c->tv_seq[1][b], c->vc + b * smax * row, ATTN_DTYPE_F32, 4, sk);
+        attn_tensor *tm[2] = {&c->tk_seq[1][b], &c->tv_seq[1][b]};
+        for (int i = 0; i < 2; i++)
+            tm[i]->strides[0] = smax * row, tm[i]->strides[1] = E, tm[i]->strides[2] = row;
+    }
+#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t S = c->lens[b] + 1;
+            for (int64_t t = 0; t < S; t++)
+                for (int64_t e = 0; e < E; e++) {
+                    const uint64_t i = (uint64_t)(t * row + h * E + e);
+                    c->k_hm[b][(h * S + t) * E + e] = bench_hashed(1000 + (uint64_t)b, i);
+                    c->v_hm[b][(h * S + t) * E + e] = bench_hashed(3000 + (uint64_t)b, i);
+                }
+        }
+    attn_tensor_init(&out, c->out_sdpa, ATTN_DTYPE_F32, 4, os);
+    add_variant(c, "sdpa", run_sdpa_per_seq, 0, &out);
+    attn_tensor_init(&out, c->out_sdpa_tm, ATTN_DTYPE_F32, 4, os);
+    add_variant(c, "sdpa_tm", run_sdpa_per_seq, 1, &out);
+    return 0;
+}
+
 static int setup_decode(serving_case *c, int argc, char **argv) {
     c->Hq = bench_opt_long(argc, argv, "--heads", 32);
     c->Hkv = bench_opt_long(argc, argv, "--kv-heads", 8);
@@ -277,52 +375,8 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
     attn_sdpa_params_init(&c->p);
     c->p.causal = ATTN_CAUSAL_BOTTOM_RIGHT; /* flash_attn_with_kvcache's causal=True */
 
-    /* paged caches: blocks in a seeded random order */
-    for (int i = 0; i < nbs; i++) {
-        const int64_t bs = c->block_sizes[i];
-        int64_t nblocks = 0, maxb = cdiv(smax, bs);
-        for (int64_t b = 0; b < B; b++)
-            nblocks += cdiv(c->lens[b] + 1, bs);
-        int32_t *perm = malloc(sizeof(int32_t) * (size_t)(nblocks > 0 ? nblocks : 1));
-        c->tables[i] = alloc(sizeof(int32_t) * (size_t)(B * maxb));
-        c->kc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
-        c->vc_paged[i] = alloc_kv(sizeof(float) * (size_t)(nblocks * bs * row));
-        c->out_paged[i] = alloc(sizeof(float) * (size_t)(B * Hq * E));
-        if (!perm || !c->tables[i] || !c->kc_paged[i] || !c->vc_paged[i] || !c->out_paged[i]) {
-            free(perm);
-            return 1;
-        }
-        uint32_t s = 12345u + (uint32_t)bs;
-        for (int64_t j = 0; j < nblocks; j++)
-            perm[j] = (int32_t)j;
-        for (int64_t j = nblocks - 1; j > 0; j--) { /* Fisher-Yates */
-            s = s * 1664525u + 1013904223u;
-            const int64_t r = (int64_t)(((uint64_t)s * (uint64_t)(j + 1)) >> 32);
-            const int32_t t = perm[j];
-            perm[j] = perm[r], perm[r] = t;
-        }
-        int64_t next = 0;
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t j = 0; j < maxb; j++)
-                c->tables[i][b * maxb + j] = j < cdiv(c->lens[b] + 1, bs) ? perm[next++] : -1;
-        free(perm);
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t t = 0; t < c->lens[b]; t++) {
-                const int64_t off = ((int64_t)c->tables[i][b * maxb + t / bs] * bs + t % bs) * row;
-                hashed_row(c->kc_paged[i] + off, 1000 + (uint64_t)b, t, row);
-                hashed_row(c->vc_paged[i] + off, 3000 + (uint64_t)b, t, row);
-            }
-        int64_t cs[4] = {nblocks, bs, Hkv, E}, ts[2] = {B, maxb}, os[4] = {B, 1, Hq, E};
-        attn_tensor_init(&c->tkc_paged[i], c->kc_paged[i], ATTN_DTYPE_F32, 4, cs);
-        attn_tensor_init(&c->tvc_paged[i], c->vc_paged[i], ATTN_DTYPE_F32, 4, cs);
-        attn_tensor_init(&c->ttable[i], c->tables[i], ATTN_DTYPE_I32, 2, ts);
-        attn_tensor out;
-        attn_tensor_init(&out, c->out_paged[i], ATTN_DTYPE_F32, 4, os);
-        char name[32];
-        snprintf(name, sizeof name, "paged%lld", (long long)bs);
-        add_variant(c, name, run_paged, i, &out);
-    }
+    for (int i = 0; i < nbs; i++)
+        if (setup_paged(c, i, smax)) return 1;
 
     /* the contiguous cache (B, S_max, Hkv, E) */
     c->kc = alloc_kv(sizeof(float) * (size_t)(B * smax * row));
@@ -354,45 +408,7 @@ static int setup_decode(serving_case *c, int argc, char **argv) {
     attn_tensor_init(&out, c->out_bf16, ATTN_DTYPE_F32, 4, os);
     add_variant(c, "contiguous_bf16", run_contiguous_bf16, c->nv, &out);
 
-    /* attn_sdpa per sequence on head-major keys holding the new row */
-    c->out_sdpa = alloc(sizeof(float) * (size_t)(B * Hq * E));
-    c->out_sdpa_tm = alloc(sizeof(float) * (size_t)(B * Hq * E));
-    if (!c->out_sdpa || !c->out_sdpa_tm) return 1;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t S = c->lens[b] + 1;
-        c->k_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
-        c->v_hm[b] = alloc_kv(sizeof(float) * (size_t)(S * row));
-        if (!c->k_hm[b] || !c->v_hm[b]) return 1;
-        int64_t sq[4] = {1, Hq, 1, E}, sk[4] = {1, Hkv, S, E};
-        attn_tensor_init(&c->tq_seq[0][b], c->q + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
-        attn_tensor_init(&c->to_seq[0][b], c->out_sdpa + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
-        attn_tensor_init(&c->tk_seq[0][b], c->k_hm[b], ATTN_DTYPE_F32, 4, sk);
-        attn_tensor_init(&c->tv_seq[0][b], c->v_hm[b], ATTN_DTYPE_F32, 4, sk);
-        /* the contiguous cache's rows 0 .. lens[b] as (1, Hkv, S, E) */
-        c->tq_seq[1][b] = c->tq_seq[0][b];
-        attn_tensor_init(&c->to_seq[1][b], c->out_sdpa_tm + b * Hq * E, ATTN_DTYPE_F32, 4, sq);
-        attn_tensor_init(&c->tk_seq[1][b], c->kc + b * smax * row, ATTN_DTYPE_F32, 4, sk);
-        attn_tensor_init(&c->tv_seq[1][b], c->vc + b * smax * row, ATTN_DTYPE_F32, 4, sk);
-        attn_tensor *tm[2] = {&c->tk_seq[1][b], &c->tv_seq[1][b]};
-        for (int i = 0; i < 2; i++)
-            tm[i]->strides[0] = smax * row, tm[i]->strides[1] = E, tm[i]->strides[2] = row;
-    }
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t S = c->lens[b] + 1;
-            for (int64_t t = 0; t < S; t++)
-                for (int64_t e = 0; e < E; e++) {
-                    const uint64_t i = (uint64_t)(t * row + h * E + e);
-                    c->k_hm[b][(h * S + t) * E + e] = bench_hashed(1000 + (uint64_t)b, i);
-                    c->v_hm[b][(h * S + t) * E + e] = bench_hashed(3000 + (uint64_t)b, i);
-                }
-        }
-    attn_tensor_init(&out, c->out_sdpa, ATTN_DTYPE_F32, 4, os);
-    add_variant(c, "sdpa", run_sdpa_per_seq, 0, &out);
-    attn_tensor_init(&out, c->out_sdpa_tm, ATTN_DTYPE_F32, 4, os);
-    add_variant(c, "sdpa_tm", run_sdpa_per_seq, 1, &out);
-    return 0;
+    return setup_per_seq(c, smax);
 }
 
 static void print_decode_info(const serving_case *c) {
