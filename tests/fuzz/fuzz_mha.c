@@ -403,16 +403,9 @@ static void free_call(mha_call *k) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static bool ready;
-    if (!ready) {
-        fz_install_allocator((size_t)1 << 22);
-        attn_set_num_threads(1);
-        ready = true;
-    }
     fz f = {data, size};
     fz_values vals = {true};
-    attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_LAST);
-    if (attn_isa_supported(isa)) attn_set_isa(isa);
+    fz_begin_attention(&f);
 
     mha_call k;
     memset(&k, 0, sizeof k);

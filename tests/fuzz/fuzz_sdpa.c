@@ -354,18 +354,9 @@ static void free_problem(problem *pr) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static bool ready;
-    if (!ready) {
-        fz_install_allocator((size_t)1 << 22);
-        attn_set_num_threads(1);
-        ready = true;
-    }
     fz f = {data, size};
     fz_values vals = {true};
-
-    /* Every kernel path this machine runs is fuzzed. */
-    attn_isa isa = (attn_isa)fz_range(&f, ATTN_ISA_AUTO, ATTN_ISA_LAST);
-    if (attn_isa_supported(isa)) fz_check_status(attn_set_isa(isa), "attn_set_isa");
+    fz_begin_attention(&f);
     if (fz_one_in(&f, 16)) fuzz_views(&f);
 
     problem pr;

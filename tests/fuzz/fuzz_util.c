@@ -252,6 +252,17 @@ long fz_live_blocks(void) {
     return live;
 }
 
+void fz_begin_attention(fz *f) {
+    static bool ready;
+    if (!ready) {
+        fz_install_allocator((size_t)1 << 22);
+        attn_set_num_threads(1);
+        ready = true;
+    }
+    const attn_isa isa = (attn_isa)fz_range(f, ATTN_ISA_AUTO, ATTN_ISA_LAST);
+    if (attn_isa_supported(isa)) fz_check_status(attn_set_isa(isa), "attn_set_isa");
+}
+
 size_t fz_set_alloc_limit(size_t max_bytes) {
     size_t old = alloc_limit;
     alloc_limit = max_bytes;

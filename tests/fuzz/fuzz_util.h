@@ -155,6 +155,11 @@ void fz_install_allocator(size_t max_bytes);
 long fz_live_blocks(void); /* after attn_release_workspace() */
 /* Changes the bound (0 refuses everything); returns the previous one. */
 size_t fz_set_alloc_limit(size_t max_bytes);
+/* The start of an input of the attention targets: on the first, that
+ * allocator (4 MiB per request) and one thread, so that live blocks count
+ * exactly; then the kernel path the input picks, when this machine runs it
+ * (every path the machine has is fuzzed). */
+void fz_begin_attention(fz *f);
 
 /* ---- invariants: a violated one aborts, so libFuzzer records a crash ---- */
 
