@@ -167,6 +167,9 @@ typedef struct mha_call {
     attn_mha_config c;
     bool batched, self, need_weights;
     int64_t N, L, S, H, Sx; /* Sx = S + add_bias_kv + add_zero_attn, saturated */
+    /* one shape array for every tensor drawn, as make() may perturb a
+     * tensor's rank upwards and then read entries an earlier one left */
+    int64_t shape[ATTN_MAX_RANK];
     fz_tensor query, key, value, kpm, amask, out, weights;
     attn_mha_forward_params fp;
 } mha_call;
@@ -223,7 +226,7 @@ static void draw_inputs(fz *f, mha_call *k, fz_values *vals) {
     if (__builtin_add_overflow(k->S, k->c.add_bias_kv + k->c.add_zero_attn, &k->Sx))
         k->Sx = INT64_MAX;
     const int rank = k->batched ? 3 : 2;
-    int64_t shape[ATTN_MAX_RANK];
+    int64_t *shape = k->shape;
     seq_shape(k, k->L, k->c.embed_dim, shape);
     make(f, &k->query, pick_dtype(f, dt), rank, shape, false, vals);
     k->self = k->c.kdim == k->c.embed_dim && k->c.vdim == k->c.embed_dim && k->L == k->S &&
@@ -246,7 +249,7 @@ static void draw_params(fz *f, mha_call *k, fz_values *vals) {
     const attn_dtype dt = k->c.dtype;
     attn_mha_forward_params *fp = &k->fp;
     attn_mha_forward_params_init(fp);
-    int64_t shape[ATTN_MAX_RANK];
+    int64_t *shape = k->shape;
     uint8_t mk = fz_u8(f);
     const attn_dtype mask_dtypes[] = {ATTN_DTYPE_BOOL, ATTN_DTYPE_F32, dt}; /* float: any */
     if (mk % 4 != 0) { /* key_padding_mask (N, S) or unbatched (S) */
@@ -284,7 +287,7 @@ static void draw_params(fz *f, mha_call *k, fz_values *vals) {
 
 /* out, and the weights when asked for (averaged or per head). */
 static void draw_outputs(fz *f, mha_call *k, fz_values *vals) {
-    int64_t shape[ATTN_MAX_RANK];
+    int64_t *shape = k->shape;
     seq_shape(k, k->L, k->c.embed_dim, shape);
     make(f, &k->out, pick_dtype(f, k->c.dtype), k->batched ? 3 : 2, shape, true, vals);
     k->need_weights = fz_bool(f);

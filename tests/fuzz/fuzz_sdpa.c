@@ -29,6 +29,9 @@ typedef struct problem {
     attn_dtype dt;
     int nb;
     int64_t B[ATTN_MAX_RANK], L, S, Ev;
+    /* one shape array for every tensor drawn, as make() may perturb a
+     * tensor's rank upwards and then read entries an earlier one left */
+    int64_t shape[ATTN_MAX_RANK + 2];
 } problem;
 
 /* Shape of an operand right-aligned against batch dims B[0..nb): it drops
@@ -212,7 +215,7 @@ static void draw_operands(fz *f, problem *pr, fz_values *vals) {
     const int64_t E = fz_dim(f, 5, true);
     pr->Ev = fz_dim(f, 5, true);
     pr->p.enable_gqa = gqa ? 1 : fz_one_in(f, 16);
-    int64_t shape[ATTN_MAX_RANK + 2];
+    int64_t *shape = pr->shape;
     int r = operand_shape(f, shape, pr->B, nb, 0, pr->L, E);
     make(f, &pr->q, pick_dtype(f, dt), r, shape, false, vals);
     r = operand_shape(f, shape, pr->B, nb, Hkv, pr->S, E);
@@ -227,7 +230,7 @@ static void draw_params(fz *f, problem *pr, fz_values *vals) {
     if (mk != 0) {
         const attn_dtype mdt = mk == 1 ? ATTN_DTYPE_BOOL : mk == 2 ? pr->dt : ATTN_DTYPE_F64;
         const int mr = (int)fz_range(f, 1, pr->nb + 2);
-        int64_t full[ATTN_MAX_RANK + 2], shape[ATTN_MAX_RANK + 2];
+        int64_t full[ATTN_MAX_RANK + 2], *shape = pr->shape;
         for (int d = 0; d < pr->nb; d++) full[d] = pr->B[d];
         full[pr->nb] = pr->L;
         full[pr->nb + 1] = pr->S;
@@ -259,7 +262,7 @@ static void rows_shape(const problem *pr, int64_t *shape, int64_t cols) {
 static void draw_outputs(fz *f, problem *pr, fz_values *vals) {
     const int ob = pr->nb;
     const attn_dtype lsedt = pr->dt == ATTN_DTYPE_F64 ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
-    int64_t shape[ATTN_MAX_RANK + 2]; /* filled afresh for each: make may perturb it */
+    int64_t *shape = pr->shape; /* filled afresh for each: make may perturb it */
     rows_shape(pr, shape, pr->Ev);
     make(f, &pr->out, pick_dtype(f, pr->dt), ob + 2, shape, true, vals);
     pr->has_weights = fz_bool(f);
@@ -269,7 +272,8 @@ static void draw_outputs(fz *f, problem *pr, fz_values *vals) {
     }
     pr->has_lse = fz_bool(f);
     if (pr->has_lse) {
-        rows_shape(pr, shape, pr->has_weights ? pr->S : pr->Ev); /* a perturbed rank reads it */
+        for (int d = 0; d < ob; d++) shape[d] = pr->B[d];
+        shape[ob] = pr->L; /* past it: what the last make left */
         make(f, &pr->lse, pick_dtype(f, lsedt), ob + 1, shape, true, vals);
     }
 }
