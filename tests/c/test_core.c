@@ -90,8 +90,10 @@ static void isa_switch(void) {
 
 /* ---- the allocator hook ---- */
 
+/* The counters are atomic: attn may allocate from its worker threads. */
 typedef struct counting {
-    long allocs, frees, fail_at; /* fail the fail_at-th allocation (1-based), 0 never */
+    _Atomic long allocs, frees;
+    long fail_at; /* fail the fail_at-th allocation (1-based), 0 never */
 } counting;
 
 static void *count_alloc(void *ctx, size_t size) {
@@ -128,9 +130,9 @@ static void allocator_hook(void) {
 
 /* ---- workspace kept between calls (alloc.c) ---- */
 
-typedef struct tracking {
-    long live, big; /* blocks held now; requests of 64 KiB or more so far */
-    size_t bytes;   /* bytes requested so far */
+typedef struct tracking { /* atomic, as counting */
+    _Atomic long live, big; /* blocks held now; requests of 64 KiB or more so far */
+    _Atomic size_t bytes;   /* bytes requested so far */
 } tracking;
 
 static void *track_alloc(void *ctx, size_t size) {
