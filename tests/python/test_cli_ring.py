@@ -106,11 +106,16 @@ def make_inputs(tmp_path, case, seed=0):
     return q, k, v, opts, dtype
 
 
-def check_close(got, want, magnitude, dtype, p=0.0):
-    """Within 32 ulps of the values' magnitude (the output is a weighted mean
-    of v's rows, scaled by 1/(1-p) under dropout)."""
+def check_close(got, want, magnitude, p=0.0):
+    """Within 32 ulps of the compute type (float32, or float64 for float64
+    files) at the values' magnitude (the output is a weighted mean of v's
+    rows, scaled by 1/(1-p) under dropout), plus, for a 16-bit file, the
+    two roundings to it: a float32 lse is held to float32's bound even
+    beside float16 outputs."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    bound = 32 * np.finfo(dtype).eps * magnitude / (1 - p)
+    compute = np.float64 if got.dtype == np.float64 else np.float32
+    stored = 2 * np.finfo(got.dtype).eps if np.finfo(got.dtype).bits == 16 else 0.0
+    bound = (32 * np.finfo(compute).eps + stored) * magnitude / (1 - p)
     err = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max())
     if os.environ.get("ATTN_RING_REPORT"):
         print(f"error {err:.3g}, {100 * err / bound:.1f}% of the bound")
@@ -131,9 +136,9 @@ def test_against_single_process(tmp_path, case, n):
     assert r.stderr == ""
     p = float(opts[opts.index("--dropout") + 1]) if "--dropout" in opts else 0.0
     check_close(np.load(tmp_path / "out.npy"), np.load(tmp_path / "ref.npy"),
-                np.abs(np.load(v)).max(), dtype, p)
+                np.abs(np.load(v)).max(), p)
     lse = np.load(tmp_path / "ref_lse.npy")
-    check_close(np.load(tmp_path / "lse.npy"), lse, max(1.0, np.abs(lse).max()), dtype)
+    check_close(np.load(tmp_path / "lse.npy"), lse, max(1.0, np.abs(lse).max()))
     assert sorted(os.listdir(tmp_path)) == ["k.npy", "lse.npy", "out.npy", "q.npy", "ref.npy",
                                             "ref_lse.npy", "v.npy"]  # no temporary left
 
@@ -161,7 +166,7 @@ def test_without_mpirun_is_one_rank(tmp_path):
                        env=ENV)
     assert r.returncode == 0 and "1 rank (zigzag)" in r.stdout, r.stderr
     check_close(np.load(tmp_path / "out.npy"), np.load(tmp_path / "ref.npy"),
-                np.abs(np.load(v)).max(), dtype)
+                np.abs(np.load(v)).max())
 
 
 @needs_ring
