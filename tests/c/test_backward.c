@@ -332,7 +332,7 @@ static void test_bits_for_any_thread_count(void) {
 
 /* A NaN key and an Inf value that a mask hides, and a row that sees no key:
  * every path gives finite gradients, zero for the hidden key and for the
- * empty row's dq, as the reference does. */
+ * empty row's dq, and the reference's everywhere else. */
 static void test_hidden_nan_and_empty_rows(void) {
     rng r = {harness_seed() ^ 0x4a4u};
     const bw_case c = {4, {1, 2, 6, 4}, {1, 2, 7, 4}, {1, 2, 7, 3}, 2, {6, 7}, ATTN_DTYPE_BOOL,
@@ -366,7 +366,13 @@ static void test_hidden_nan_and_empty_rows(void) {
             for (int64_t e = 0; e < 4; e++) {
                 CHECK(tt_get(&d.dk.t, (int64_t[]){0, h, 3, e}) == 0, "hidden key: dk != 0");
                 CHECK(tt_get(&d.dq.t, (int64_t[]){0, h, 2, e}) == 0, "empty row: dq != 0");
+                if (e < 3)
+                    CHECK(tt_get(&d.dv.t, (int64_t[]){0, h, 3, e}) == 0, "hidden key: dv != 0");
             }
+        /* and every other gradient is the reference's, which skips the
+         * hidden terms (P = 0) rather than multiplying them */
+        if (isa != ATTN_ISA_REF)
+            check_against_reference(&d, &c, ATTN_DTYPE_F32, &r, attn_isa_name((attn_isa)isa));
         bw_free(&d);
     }
     attn_set_isa(ATTN_ISA_AUTO);
@@ -412,6 +418,10 @@ static void test_lse_for_backward(void) {
               attn_isa_name(FUSED[i]));
         CHECK_OK(attn_sdpa_backward(&d.dout.t, &d.q.t, &d.k.t, &d.v.t, &out2.t, &lse64.t,
                                     &d.params, &d.dq.t, &d.dk.t, &d.dv.t, NULL));
+        const test_tensor out1 = d.out, lse1 = d.lse; /* its gradients against the reference's */
+        d.out = out2, d.lse = lse64;
+        check_against_reference(&d, &c, ATTN_DTYPE_F32, &r, attn_isa_name(FUSED[i]));
+        d.out = out1, d.lse = lse1;
         tt_free(&lse64);
         tt_free(&out2);
         tt_free(&lse2);

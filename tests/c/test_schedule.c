@@ -7,9 +7,13 @@
  *     frees; attn__flash_balance), keep every thread busy for at least
  *     BUSY_MIN of the time the busiest one works. The table printed (with
  *     128 threads) is the one in docs/design.md ("Many cores").
- *   - The split for many threads changes no bit: runs on more threads than
- *     the machine has cores equal the one-thread run on every path
- *     (test_modifiers does the same with every score modifier).
+ *   - That the split changes no bit is tested elsewhere, as far as this
+ *     machine can run it: test_sdpa scheduling_shapes_are_thread_independent
+ *     and test_modifiers many_threads_same_bits compare runs on 1-4 threads
+ *     and on attn_max_threads() (4 per processor: more than the cores) with
+ *     the one-thread run on every path. The 16- and 64-thread splits above
+ *     are checked for balance only: attn does not run more threads than
+ *     that cap.
  */
 #include "kernels/ukernel.h"
 #include "problem/problem.h"

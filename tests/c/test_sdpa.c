@@ -382,6 +382,10 @@ static void weights_rows_sum_to_one(void) {
             c.has_lse = true;
         }
         CHECK_OK(attn_sdpa(&c.q.t, &c.k.t, &c.v.t, &c.p, &c.out.t, &c.weights.t, &c.lse.t));
+        /* which rows see no key: the oracle's word, not the library's lse */
+        oracle_sdpa_args a = oracle_args(&c);
+        oracle_sdpa_result ref;
+        CHECK(oracle_sdpa(&a, &ref) == 0, "case %d: the oracle rejects it", i);
         double *w = tt_dense(&c.weights.t), *l = tt_dense(&c.lse.t);
         int64_t S = c.weights.t.shape[c.weights.t.rank - 1];
         int64_t rows = attn_tensor_numel(&c.weights.t) / S;
@@ -391,10 +395,13 @@ static void weights_rows_sum_to_one(void) {
                 CHECK(w[row * S + j] >= 0 && w[row * S + j] <= 1, "weight out of [0, 1]");
                 sum += w[row * S + j];
             }
-            double want = l[row] == -INFINITY ? 0.0 : 1.0; /* fully masked: all zero */
+            const double want = ref.lse[row] == -INFINITY ? 0.0 : 1.0; /* fully masked: 0 */
             CHECK(fabs(sum - want) < (c.dtype == ATTN_DTYPE_F64 ? 1e-12 : 1e-5),
                   "case %d row %lld sums to %.9f, expected %g", i, (long long)row, sum, want);
+            CHECK((l[row] == -INFINITY) == (want == 0), "case %d row %lld: lse %g", i,
+                  (long long)row, l[row]);
         }
+        oracle_free(&ref);
         free(w);
         free(l);
         free_case(&c);

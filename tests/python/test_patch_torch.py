@@ -90,6 +90,10 @@ def test_every_kwarg_matches_torch(rng, dtype):
         a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
         torch.manual_seed(3)
         assert torch.equal(a, F.scaled_dot_product_attention(q, q, q, dropout_p=0.5))
+        # ... and it drops: not the call without dropout, nor another seed's
+        assert not torch.allclose(a, F.scaled_dot_product_attention(q, q, q))
+        torch.manual_seed(4)
+        assert not torch.equal(a, F.scaled_dot_product_attention(q, q, q, dropout_p=0.5))
         assert p.fell_back == 0
 
 
