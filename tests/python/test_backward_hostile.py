@@ -108,6 +108,13 @@ def test_nan_follows_the_documented_rules(rng):
     dq, dk, dv, _ = _attn.sdpa_backward(dout, q, k, v, out, lse, empty=np.empty, attn_mask=mask)
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
     assert (dk[0, 5] == 0).all() and (dv[0, 5] == 0).all()
+    # ... and the rest are the gradients of the same call on a finite key 5
+    kf, vf = k.copy(), v.copy()
+    kf[0, 5, 0] = vf[0, 5, 1] = 7.0
+    outf, _, lsef = _attn.sdpa(q, kf, vf, empty=np.empty, attn_mask=mask, want_lse=True)
+    want = _attn.sdpa_backward(dout, q, kf, vf, outf, lsef, empty=np.empty, attn_mask=mask)
+    for got, ref in zip((dq, dk[:, :5], dv[:, :5]), (want[0], want[1][:, :5], want[2][:, :5])):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     mask[:, 5] = True
     mask[1:, 5] = False  # key 5 takes part for query 0 only
     out, _, lse = _attn.sdpa(q, k, v, empty=np.empty, attn_mask=mask, want_lse=True)

@@ -516,7 +516,9 @@ def test_encoder_layer_reads_its_submodules_not_the_state_dict_order():
     with torch.no_grad():
         torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pruned[0](x), pruned[1].eval()(x), rtol=1e-5, atol=1e-5)
-        assert identity(x).shape == x.shape
+        plain = torch.nn.TransformerEncoderLayer(**kw).eval()  # eval: dropout is the identity
+        plain.load_state_dict(identity.state_dict())
+        torch.testing.assert_close(identity(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
 def test_forward_mode_tangents_are_refused_not_dropped():
