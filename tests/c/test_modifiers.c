@@ -374,6 +374,63 @@ static void count_blocks(const attn_sdpa_params *p, int64_t L, int64_t S, int64_
     free(q), free(k), free(v), free(o), free(g), free(dq), free(dk), free(dv), free(lse);
 }
 
+/* Long rows to a bound that a lost or doubled key breaks. The error model
+ * above grows with S (a worst case: 2-6e-3 of max|v| at S = 2,100-4,500),
+ * where dropping one key at a window's, a chunk's or a block's edge moves
+ * out by about its weight times |v|, ~1/S (2-5e-4). With N(0, 1) inputs
+ * the float32 sums err like sqrt(S) roundings: each path is held to
+ * 2·u·sqrt(S)·max|v| (5.5-8e-6 of max|v|) against the float64 oracle, for
+ * windows, causality and both together, with key chunks (L = 1) and query
+ * blocks (L = 37). Measured on Zen 5: at most 1.4% of that bound; with
+ * window_left one larger than the oracle's, every windowed case failed on
+ * every path (120 of 120). */
+static void long_rows_lose_no_key(void) {
+    rng r = {harness_seed() ^ 0x10e6u};
+    attn_isa isas[ATTN_ISA_LAST + 1];
+    const int npaths = paths(isas);
+    const int64_t windows[][2] = {{-1, -1}, {1000, -1}, {2047, 0}, {100, 5}, {-1, 0}, {777, 33}};
+    const int64_t lens[][2] = {{1, 2100}, {3, 4500}, {37, 2100}};
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+        for (size_t wi = 0; wi < sizeof windows / sizeof windows[0]; wi++)
+            for (int causal = 0; causal <= 2; causal += 2) {
+                const int64_t L = lens[li][0], S = lens[li][1];
+                int64_t qs[4] = {1, 2, L, 32}, ks[4] = {1, 2, S, 32}, vs[4] = {1, 2, S, 8};
+                test_tensor q, k, v, o;
+                tt_make(&q, &r, ATTN_DTYPE_F32, 4, qs, LAYOUT_CONTIGUOUS, 1, 0);
+                tt_make(&k, &r, ATTN_DTYPE_F32, 4, ks, LAYOUT_CONTIGUOUS, 1, 0);
+                tt_make(&v, &r, ATTN_DTYPE_F32, 4, vs, LAYOUT_CONTIGUOUS, 1, 0);
+                int64_t os[4] = {1, 2, L, 8};
+                tt_make_output(&o, &r, ATTN_DTYPE_F32, 4, os, LAYOUT_CONTIGUOUS);
+                attn_sdpa_params p;
+                attn_sdpa_params_init(&p);
+                p.causal = (attn_causal)causal;
+                p.window_left = windows[wi][0], p.window_right = windows[wi][1];
+                oracle_modifiers mods = {p.window_left, p.window_right, 0, NULL, NULL};
+                oracle_sdpa_args a = {&q.t, &k.t, &v.t, NULL, 1, causal, 0, 0, 0, 0, 0, 0, &mods};
+                oracle_sdpa_result ref;
+                CHECK(oracle_sdpa(&a, &ref) == 0, "the oracle refused the case");
+                double *vd = tt_dense(&v.t);
+                const int64_t n = 2 * L * 8;
+                const double bound = 2 * 0x1p-24 * sqrt((double)S) * max_abs(vd, 2 * S * 8);
+                for (int pi = 0; pi < npaths; pi++) {
+                    CHECK_OK(attn_set_isa(isas[pi]));
+                    CHECK_OK(attn_sdpa(&q.t, &k.t, &v.t, &p, &o.t, NULL, NULL));
+                    double *out = tt_dense(&o.t), err = 0;
+                    for (int64_t x = 0; x < n; x++)
+                        err = fmax(err, isnan(out[x]) ? INFINITY : fabs(out[x] - ref.out[x]));
+                    CHECK(err <= bound, "%s L %lld S %lld window (%lld, %lld) causal %d: "
+                          "|out - oracle| %.3g > %.3g", attn_isa_name(isas[pi]), (long long)L,
+                          (long long)S, (long long)p.window_left, (long long)p.window_right,
+                          causal, err, bound);
+                    free(out);
+                }
+                free(vd);
+                oracle_free(&ref);
+                tt_free(&q), tt_free(&k), tt_free(&v), tt_free(&o);
+            }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 /* A window of W keys on L = S costs about W/S of the full attention, and
  * causal about half, forward and backward, on every fused path. */
 static void window_skips_blocks(void) {
@@ -871,5 +928,5 @@ static void sinks_backward_hostile(void) {
     CHECK(ds[0] == 0 && ds[1] == 0, "dsinks %g %g", (double)ds[0], (double)ds[1]);
 }
 
-HARNESS_MAIN(T(sink_dominates_lse), T(sinks_backward_hostile), T(random_modifiers), T(half_dtypes), T(many_threads_same_bits), T(window_skips_blocks), T(backward_modifiers),
+HARNESS_MAIN(T(sink_dominates_lse), T(sinks_backward_hostile), T(random_modifiers), T(half_dtypes), T(many_threads_same_bits), T(window_skips_blocks), T(long_rows_lose_no_key), T(backward_modifiers),
              T(backward_fused_f32), T(backward_fused_random), T(backward_half_random), T(hostile_modifiers))
