@@ -12,8 +12,9 @@
  * the command's input files, which no output may replace.
  *
  * Like attn_npy_save, a symbolic link is followed (the file it points to is
- * replaced, or created when the link dangles) and an existing target that is not a regular file (/dev/null, a
- * FIFO) is written in place, at commit time, before the renames.
+ * replaced, or created when the link dangles) and an existing target that
+ * is not a regular file (/dev/null, a FIFO) is written in place, at commit
+ * time, before the renames.
  *
  * A file several processes write (attn sdpa --ring) is staged by one of
  * them, which alone creates, commits or removes the temporary; the others

@@ -334,26 +334,26 @@ static int write_part(ring *r, const char *option, const char *path, const char 
     return CLI_OK;
 }
 
+/* "(d0, d1, ...)" of a shape, through cli_shape. */
+static const char *shape_text(int rank, const int64_t *shape, char *buf, size_t size) {
+    attn_tensor t;
+    memset(&t, 0, sizeof t);
+    t.rank = rank;
+    memcpy(t.shape, shape, sizeof t.shape);
+    return cli_shape(&t, buf, size);
+}
+
 /* Rank 0's line on success: shapes, ranks, the slowest rank's time. */
 static void summary(ring *r, const sdpa_args *a, const ring_job *j) {
     double mine[2] = {j->stats.total, j->stats.wait}, worst[2] = {0, 0};
     MPI_Reduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, 0, r->comm);
     if (r->rank != 0) return;
     char s[3][96], o[96];
-    for (int i = 0; i < 3; i++) {
-        attn_tensor t;
-        memset(&t, 0, sizeof t);
-        t.rank = j->src[i].rank;
-        memcpy(t.shape, j->src[i].shape, sizeof t.shape);
-        cli_shape(&t, s[i], sizeof s[i]);
-    }
-    attn_tensor t;
-    memset(&t, 0, sizeof t);
-    t.rank = j->out_frame.rank;
-    memcpy(t.shape, j->out_frame.shape, sizeof t.shape);
+    for (int i = 0; i < 3; i++) shape_text(j->src[i].rank, j->src[i].shape, s[i], sizeof s[i]);
     printf("sdpa --ring: q%s k%s v%s -> out%s %s, %d rank%s (%s), %s path, %d thread%s per "
            "rank, %.3f ms (slowest rank; %.3f ms waiting on peers) -> %s\n",
-           s[0], s[1], s[2], cli_shape(&t, o, sizeof o), attn_dtype_name(j->out.dtype), r->size,
+           s[0], s[1], s[2], shape_text(j->out_frame.rank, j->out_frame.shape, o, sizeof o),
+           attn_dtype_name(j->out.dtype), r->size,
            r->size > 1 ? "s" : "", a->layout ? "contiguous" : "zigzag",
            attn_isa_name(attn_get_isa()), attn_get_num_threads(),
            attn_get_num_threads() > 1 ? "s" : "", worst[0] * 1e3, worst[1] * 1e3, a->out);

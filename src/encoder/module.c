@@ -52,12 +52,13 @@ static attn_status resolve_config(const attn_encoder_layer_config *in,
         return attn__fail_arg(ATTN_ERR_INVALID, "config.dim_feedforward",
                               "dim_feedforward is %lld; it must be >= 1",
                               (long long)c->dim_feedforward);
-    /* the own parameters, two F x E weights and F + 5·E more, counted in
-     * bytes of the widest dtype */
-    int64_t ff, total;
+    /* the own parameters, two F x E weights and F + 5·E biases and norms,
+     * counted in bytes of the widest dtype */
+    int64_t ff, n, e5, bytes;
     if (attn__mul_overflows(c->dim_feedforward, c->d_model, &ff) ||
-        attn__mul_overflows(ff, 2, &total) || total > INT64_MAX / 8 - c->dim_feedforward ||
-        c->d_model > (INT64_MAX / 8 - c->dim_feedforward - total) / 6)
+        attn__mul_overflows(ff, 2, &n) || attn__add_overflows(n, c->dim_feedforward, &n) ||
+        attn__mul_overflows(c->d_model, 5, &e5) || attn__add_overflows(n, e5, &n) ||
+        attn__mul_overflows(n, 8, &bytes))
         return attn__fail_arg(ATTN_ERR_OVERFLOW, "config.dim_feedforward",
                               "dim_feedforward %lld with d_model %lld: the parameters' byte "
                               "count overflows 64 bits",

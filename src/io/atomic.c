@@ -73,7 +73,8 @@ typedef struct target {
 } target;
 
 /* Finds the folder and name. A symbolic link is followed, so that the file
- * it points to is replaced (or, for a dangling link, created), not the link. Returns 0 or an errno value. */
+ * it points to is replaced (or, for a dangling link, created), not the
+ * link. Returns 0 or an errno value. */
 static int open_target(const char *path, target *t) {
     char full[PATH_MAX], dir[PATH_MAX];
     const char *p = path;
