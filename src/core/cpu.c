@@ -97,6 +97,35 @@ int64_t attn__l2_bytes(void) {
     return bytes;
 }
 
+/* Requests ahead of a streamed K/V walk pay on AMD Zen 5 (family 0x1A):
+ * a head-major decode, (1,32,1,32768,128) with 8 KV heads, 12.8 -> 6.7 ms
+ * on two cores; its scores had waited on every K load, 65% of the time
+ * (docs/design.md). On Zen 4 (0x19), K rows requested 8-32 rows ahead
+ * inside qk_rows were 4-20% slower when tried. Other CPUs were not measured: they keep their own
+ * prefetchers until they are. */
+bool attn__stream_prefetch_for(bool amd, unsigned family) { return amd && family >= 0x1A; }
+
+bool attn__stream_prefetch(void) {
+    static atomic_int cached = -1; /* idempotent: racing first callers agree */
+    int on = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (on < 0) {
+        bool amd = false;
+        unsigned family = 0;
+#ifdef ATTN_X86
+        unsigned a, b, c, d;
+        if (__get_cpuid(0, &a, &b, &c, &d))
+            amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+        if (__get_cpuid(1, &a, &b, &c, &d)) {
+            family = (a >> 8) & 0xf;
+            if (family == 0xf) family += (a >> 20) & 0xff;
+        }
+#endif
+        on = attn__stream_prefetch_for(amd, family);
+        atomic_store_explicit(&cached, on, memory_order_relaxed);
+    }
+    return on != 0;
+}
+
 /* A path is supported when its kernels were compiled in (ATTN_HAVE_*) and
  * the CPU and OS can run them. */
 int attn_isa_supported(attn_isa isa) {

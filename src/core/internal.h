@@ -313,6 +313,12 @@ typedef struct attn__cpu_features {
 const attn__cpu_features *attn__cpu(void);
 /* L2 cache bytes per core (CPUID; 512 KiB when unknown), read once. */
 int64_t attn__l2_bytes(void);
+/* Whether decoding's kernels request the K and V rows they stream from
+ * memory ahead of their loads (ukernel.h, attn__rows_ahead): on the CPUs
+ * where that was measured faster. Read once. */
+bool attn__stream_prefetch(void);
+/* The rule itself, on CPUID's vendor and family (a test reaches it). */
+bool attn__stream_prefetch_for(bool amd, unsigned family);
 /* Pure decoding of CPUID/XCR0 words, exposed so the detector can be tested
  * on feature sets this machine does not have. */
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx,

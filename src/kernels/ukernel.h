@@ -54,6 +54,21 @@
 
 #include "../core/internal.h"
 
+/* Streamed K and V (qk_rows_f, pv_f with `streamed`): on CPUs where it was
+ * measured faster (attn__stream_prefetch), the kernels request each row's
+ * lines this many bytes of rows ahead of their loads. K's walk reads a row
+ * whole; pv's reads it in 64-feature chunks, so its rows are requested
+ * further ahead (docs/design.md, "Rows requested ahead of a streamed walk"). */
+enum { ATTN__K_AHEAD = 4096, ATTN__V_AHEAD = 8192 };
+
+/* Rows of `row_bytes` that a streamed walk requests ahead: 0 (none) where
+ * the CPU's own prefetchers do better. */
+static inline int64_t attn__rows_ahead(int64_t ahead_bytes, int64_t row_bytes) {
+    if (!attn__stream_prefetch() || row_bytes <= 0) return 0;
+    const int64_t rows = ahead_bytes / row_bytes;
+    return rows < 1 ? 1 : rows;
+}
+
 /* Classes of head width (max(E, Ev)) with their own key block size. */
 enum { ATTN__KEY_BLOCK_CLASSES = 3 };
 
@@ -128,9 +143,12 @@ typedef struct attn__ukernel {
                       int64_t E, int rows, int64_t nk, float *s, int64_t lds, bool streamed);
     void (*pv_h)(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
                  attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
-                 const float *alpha);
+                 const float *alpha, bool streamed);
+    /* `streamed`: V is read in place from memory (a decode's rows), as
+     * qk_rows_f's K; false for tiles in cache (prefill, the backward). */
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
-                 int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha);
+                 int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha,
+                 bool streamed);
     /* st[j][r] <- P = 2^((st[j][r]·c - off[r]) - off_lo[r]) (off + off_lo: the row's
      * lse·log2 e to twice the compute type's precision; its rounding would
      * shift every weight of the row alike); dpt[j][r] <- ds_scale·P·(dpt[j][r] - D[r]),
@@ -194,7 +212,8 @@ typedef struct attn__ukernel {
     void (*softmax_d)(double *s, int64_t lds, int rows, int64_t cols, double c, double *m,
                       double *l, double *alpha);
     void (*pv_d)(const double *p, int64_t p_rs, int64_t p_cs, const double *v, int64_t ldv,
-                 int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha);
+                 int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha,
+                 bool streamed);
     void (*softmax_bwd_t_d)(double *st, double *dpt, int64_t ld, int64_t nk, int64_t lanes,
                             double c, const double *off, const double *off_lo, const double *D,
                             double ds_scale);

@@ -748,20 +748,21 @@ static void qk_cols_d(const attn__ukernel *kern, bool exact, bool streamed, cons
 }
 
 /* O = alpha·O + P·V in the keys-in-columns layout, V rows of the compute
- * type or (half_kv) 16-bit values of dtype vdt. */
-static void pv_cols_f(const attn__ukernel *kern, const float *p, int64_t p_rs, const void *v,
-                      attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev, float *o,
-                      const float *alpha) {
+ * type or (half_kv) 16-bit values of dtype vdt (streamed: read in place
+ * from memory, as qk_cols' K). */
+static void pv_cols_f(const attn__ukernel *kern, bool streamed, const float *p, int64_t p_rs,
+                      const void *v, attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev,
+                      float *o, const float *alpha) {
     if (vdt != ATTN_DTYPE_F32)
-        kern->pv_h(p, p_rs, 1, v, ldv, vdt, rows, nk, Ev, o, Ev, alpha);
+        kern->pv_h(p, p_rs, 1, v, ldv, vdt, rows, nk, Ev, o, Ev, alpha, streamed);
     else
-        kern->pv_f(p, p_rs, 1, v, ldv, rows, nk, Ev, o, Ev, alpha);
+        kern->pv_f(p, p_rs, 1, v, ldv, rows, nk, Ev, o, Ev, alpha, streamed);
 }
-static void pv_cols_d(const attn__ukernel *kern, const double *p, int64_t p_rs, const void *v,
-                      attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev, double *o,
-                      const double *alpha) {
+static void pv_cols_d(const attn__ukernel *kern, bool streamed, const double *p, int64_t p_rs,
+                      const void *v, attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev,
+                      double *o, const double *alpha) {
     (void)vdt;
-    kern->pv_d(p, p_rs, 1, v, ldv, rows, nk, Ev, o, Ev, alpha);
+    kern->pv_d(p, p_rs, 1, v, ldv, rows, nk, Ev, o, Ev, alpha, streamed);
 }
 
 /* Decoding from 16-bit K and V (a float16/bfloat16 KV cache): the

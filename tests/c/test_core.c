@@ -58,6 +58,14 @@ static void cpu_feature_decoding(void) {
     CHECK(!f.avx512_bf16, "AVX512-BF16 without OS ZMM support must not be used");
     f = attn__cpu_decode(0, 0, 0, 0, false);
     CHECK(!f.avx2_fma && !f.avx512f, "bare machine");
+    /* Streamed K/V rows are requested ahead only where that was measured
+     * faster (cpu.c): Zen 5 and later, not Zen 4 nor Zen 3, not Intel yet. */
+    CHECK(attn__stream_prefetch_for(true, 0x1A) && attn__stream_prefetch_for(true, 0x1B),
+          "Zen 5 and later request streamed rows ahead");
+    CHECK(!attn__stream_prefetch_for(true, 0x19) && !attn__stream_prefetch_for(true, 0x17),
+          "Zen 4, Zen 3 and Zen 2 keep their own prefetchers");
+    CHECK(!attn__stream_prefetch_for(false, 6) && !attn__stream_prefetch_for(false, 0x1A),
+          "not measured on Intel: off");
     /* What this machine reports is consistent with the public query. */
     const attn__cpu_features *here = attn__cpu();
     CHECK(attn_isa_supported(ATTN_ISA_AVX512) == here->avx512f, "isa_supported(avx512)");
@@ -67,8 +75,9 @@ static void cpu_feature_decoding(void) {
           "isa_supported(avx512_bf16) only where the CPU has it");
     CHECK(attn_isa_supported(ATTN_ISA_REF) && attn_isa_supported(ATTN_ISA_GENERIC),
           "portable paths always run");
-    printf("  this CPU: avx2+fma %s, avx512f %s, avx512-bf16 %s\n", here->avx2_fma ? "yes" : "no",
-           here->avx512f ? "yes" : "no", here->avx512_bf16 ? "yes" : "no");
+    printf("  this CPU: avx2+fma %s, avx512f %s, avx512-bf16 %s, streamed rows requested "
+           "ahead %s\n", here->avx2_fma ? "yes" : "no", here->avx512f ? "yes" : "no",
+           here->avx512_bf16 ? "yes" : "no", attn__stream_prefetch() ? "yes" : "no");
 }
 
 static void isa_switch(void) {

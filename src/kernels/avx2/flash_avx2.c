@@ -200,6 +200,12 @@ ALWAYS_INLINE __m256 load_part8(const void *base, int64_t at, int n, const int H
     return load8(part, 0, HK);
 }
 
+/* Requests the cache line of element `at` of `base` into L1 (a streamed
+ * walk's row ahead of its loads; never faults, so past the end is harmless). */
+ALWAYS_INLINE void request_line(const void *base, int64_t at, const int HK) {
+    _mm_prefetch((const char *)base + (size_t)at * (HK == HK_F32 ? 4 : 2), _MM_HINT_T0);
+}
+
 /* Element `at` as a float. */
 ALWAYS_INLINE float element(const void *base, int64_t at, const int HK) {
     return _mm256_cvtss_f32(HK == HK_F32 ? _mm256_set1_ps(((const float *)base)[at])
@@ -211,7 +217,7 @@ ALWAYS_INLINE float element(const void *base, int64_t at, const int HK) {
  * two key orders of the AVX-512 kernel (SEQ: K streamed from memory). */
 ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int64_t ldk,
                                 int64_t E, const int R, float *s, int64_t lds, const bool SEQ,
-                                const int HK) {
+                                const int HK, int64_t ahead) {
     /* (loops unrolled so the accumulators stay in registers, as in the
      * AVX-512 file: rolled, GCC kept them on the stack) */
     __m256 acc[3][4];
@@ -223,6 +229,7 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int6
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++)
             for (int64_t e = 0; e < E; e += 8) {
+                if (ahead && e % (HK == HK_F32 ? 16 : 32) == 0) request_line(k, (c + ahead) * ldk + e, HK);
                 const __m256 kv = load8(k, c * ldk + e, HK);
 #pragma GCC unroll 3
                 for (int r = 0; r < R; r++)
@@ -261,6 +268,7 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
                            int rows, int64_t nk, float *s, int64_t lds, bool streamed,
                            const int HK) {
     const size_t es = HK == HK_F32 ? 4 : 2;
+    const int64_t ahead = streamed ? attn__rows_ahead(ATTN__K_AHEAD, E * (int64_t)es) : 0;
     int64_t j = 0;
     if (E % 8 == 0)
         for (; j + 4 <= nk; j += 4)
@@ -270,13 +278,13 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
                 float *sr = s + r * lds + j;
                 const int R = rows - r < 3 ? rows - r : 3;
                 if (streamed)
-                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK)
-                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK)
-                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true, HK);
+                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK, ahead)
+                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK, ahead)
+                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true, HK, ahead);
                 else
-                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, false, HK)
-                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, false, HK)
-                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, false, HK);
+                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, false, HK, 0)
+                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, false, HK, 0)
+                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, false, HK, 0);
             }
     for (; j < nk; j++)
         for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k, j * ldk, E, HK);
@@ -353,7 +361,8 @@ ALWAYS_INLINE void store_vec(float *x, __m256 v, int vi, int NV, bool TAIL, __m2
 
 ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv, int64_t nk,
                            float *o, int64_t ldo, const float *alpha, const int R, const int NV,
-                           const bool TAIL, __m256i last, int in_last, const int HK) {
+                           const bool TAIL, __m256i last, int in_last, const int HK,
+                           int64_t ahead) {
     __m256 acc[ROWS][VECS], vv[VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
@@ -363,6 +372,7 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
             acc[r][vi] = _mm256_mul_ps(a, load_vec(o + r * ldo + 8 * vi, vi, NV, TAIL, last));
     }
     for (int64_t j = 0; j < nk; j++) {
+        if (ahead) request_line(v, (j + ahead) * ldv, HK); /* a chunk: 64 bytes or less */
 #pragma GCC unroll 2
         for (int vi = 0; vi < NV; vi++)
             vv[vi] = HK == HK_F32 ? load_vec((const float *)v + j * ldv + 8 * vi, vi, NV, TAIL, last)
@@ -384,17 +394,17 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
 #define PV_CASE(R)                                                                          \
     case R:                                                                                 \
         if (nv == 2 && full)                                                                \
-            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, false, last, n, HK); \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, false, last, n, HK, ahead); \
         else if (nv == 2)                                                                   \
-            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, true, last, n, HK);  \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, true, last, n, HK, ahead);\
         else                                                                                \
-            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 1, !full, last, n, HK); \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 1, !full, last, n, HK, ahead); \
         break;
 
 /* Feature chunks outside, row tiles inside, so a V chunk stays in L1. */
 ALWAYS_INLINE void pv_chunks(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v,
                              int64_t ldv, int rows_all, int64_t nk, int64_t Ev, float *o_all,
-                             int64_t ldo, const float *alpha_all, const int HK) {
+                             int64_t ldo, const float *alpha_all, const int HK, int64_t ahead) {
     const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 8 * VECS) {
         const void *ve = (const char *)v + (size_t)e * es;
@@ -434,32 +444,33 @@ enum { PV_KEYS = 32 };
  * in the same order: O is stored and reloaded between sub-blocks (times 1). */
 ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
                       int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
-                      const float *alpha_all, const int HK) {
+                      const float *alpha_all, bool streamed, const int HK) {
+    const size_t es = HK == HK_F32 ? 4 : 2;
+    const int64_t ahead = streamed ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
     if (rows_all > ROWS || Ev <= 8 * VECS || nk <= PV_KEYS) {
-        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK);
+        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, ahead);
         return;
     }
     static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
-    const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
         pv_chunks(p_all + j0 * p_cs, p_rs, p_cs, (const char *)v + (size_t)(j0 * ldv) * es, ldv,
                   rows_all, nk - j0 < PV_KEYS ? nk - j0 : PV_KEYS, Ev, o_all, ldo,
-                  j0 == 0 ? alpha_all : ones, HK);
+                  j0 == 0 ? alpha_all : ones, HK, ahead);
 }
 
 static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
-                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha) {
-    pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_F32);
+                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha, bool streamed) {
+    pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, streamed, HK_F32);
 }
 
 /* pv_f over 16-bit V rows (ukernel.h: pv_h). */
 static void pv_h(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
                  attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
-                 const float *alpha) {
+                 const float *alpha, bool streamed) {
     if (vdt == ATTN_DTYPE_F16)
-        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_F16);
+        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, streamed, HK_F16);
     else
-        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, HK_BF16);
+        pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, streamed, HK_BF16);
 }
 
 /* ---- the backward's elementwise step (ukernel.h) ---- */
