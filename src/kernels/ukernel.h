@@ -54,11 +54,12 @@
 
 #include "../core/internal.h"
 
-/* Streamed K and V (qk_rows_f, pv_f with `streamed`): on CPUs where it was
- * measured faster (attn__stream_prefetch), the kernels request each row's
- * lines this many bytes of rows ahead of their loads. K's walk reads a row
- * whole; pv's reads it in 64-feature chunks, so its rows are requested
- * further ahead (docs/design.md, "Rows requested ahead of a streamed walk"). */
+/* Streamed K and V (qk_rows_f, pv_f with `streamed` rows): on CPUs where
+ * it was measured faster (attn__stream_prefetch), the kernels request each
+ * row's lines this many bytes of rows ahead of their loads, among the rows
+ * the call reads. K's walk reads a row whole; pv's reads it in 64-feature
+ * chunks, so its rows are requested further ahead (docs/design.md, "Rows
+ * requested ahead of a streamed walk"). */
 enum { ATTN__K_AHEAD = 4096, ATTN__V_AHEAD = 8192 };
 
 /* Rows of `row_bytes` that a streamed walk requests ahead: 0 (none) where
@@ -127,11 +128,13 @@ typedef struct attn__ukernel {
     /* Optional (NULL: qk_direct_f): qk_direct_f's scores with float32 sums,
      * for keys-in-columns blocks that are not tiny (decoding), where the
      * float64 sums cost more than streaming K (about four times the
-     * multiply-adds, measured on Zen 4). `streamed`: K is read in place
-     * from memory (not from a buffer the driver filled), so keys are read
-     * in address order. */
+     * multiply-adds, measured on Zen 4). `streamed` > 0: K is read in
+     * place from memory (not from a buffer the driver filled), so keys are
+     * read in address order, and rows 0 .. streamed-1 of k (at least nk)
+     * are rows the call reads, which the kernel may request ahead; 0: K is
+     * in a buffer. */
     void (*qk_rows_f)(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds, bool streamed);
+                      int rows, int64_t nk, float *s, int64_t lds, int64_t streamed);
     void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float *m,
                       float *l, float *alpha);
     /* Optional (NULL: the driver widens 16-bit rows through load_rows):
@@ -140,15 +143,16 @@ typedef struct attn__ukernel {
      * bits as over widened rows; a decode from a 16-bit cache then reads
      * half the bytes and writes no widened copy. */
     void (*qk_rows_h)(const float *q, int64_t ldq, const uint16_t *k, int64_t ldk, attn_dtype kdt,
-                      int64_t E, int rows, int64_t nk, float *s, int64_t lds, bool streamed);
+                      int64_t E, int rows, int64_t nk, float *s, int64_t lds, int64_t streamed);
     void (*pv_h)(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
                  attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
-                 const float *alpha, bool streamed);
+                 const float *alpha, int64_t streamed);
     /* `streamed`: V is read in place from memory (a decode's rows), as
-     * qk_rows_f's K; false for tiles in cache (prefill, the backward). */
+     * qk_rows_f's K (rows of v the call reads); 0 for tiles in cache
+     * (prefill, the backward). */
     void (*pv_f)(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha,
-                 bool streamed);
+                 int64_t streamed);
     /* st[j][r] <- P = 2^((st[j][r]·c - off[r]) - off_lo[r]) (off + off_lo: the row's
      * lse·log2 e to twice the compute type's precision; its rounding would
      * shift every weight of the row alike); dpt[j][r] <- ds_scale·P·(dpt[j][r] - D[r]),
@@ -213,7 +217,7 @@ typedef struct attn__ukernel {
                       double *l, double *alpha);
     void (*pv_d)(const double *p, int64_t p_rs, int64_t p_cs, const double *v, int64_t ldv,
                  int rows, int64_t nk, int64_t Ev, double *o, int64_t ldo, const double *alpha,
-                 bool streamed);
+                 int64_t streamed);
     void (*softmax_bwd_t_d)(double *st, double *dpt, int64_t ld, int64_t nk, int64_t lanes,
                             double c, const double *off, const double *off_lo, const double *D,
                             double ds_scale);

@@ -725,10 +725,10 @@ static bool exact_scores(const attn__problem *p, const flash_work *w, const attn
 }
 
 /* Scores in the keys-in-columns layout: float64 sums when exact, and in
- * float64; float32 sums where the context has them (streamed: K read in
- * place, not from a buffer). K's rows hold the compute type, or (half_kv)
- * 16-bit values of dtype kdt. */
-static void qk_cols_f(const attn__ukernel *kern, bool exact, bool streamed, const float *q,
+ * float64; float32 sums where the context has them (streamed: the rows of
+ * K read in place that the call reads, 0 when K is in a buffer). K's rows
+ * hold the compute type, or (half_kv) 16-bit values of dtype kdt. */
+static void qk_cols_f(const attn__ukernel *kern, bool exact, int64_t streamed, const float *q,
                       int64_t ldq, const void *k, attn_dtype kdt, int64_t ldk, int64_t E, int rows,
                       int64_t nk, float *s, int64_t lds) {
     if (kdt != ATTN_DTYPE_F32)
@@ -738,7 +738,7 @@ static void qk_cols_f(const attn__ukernel *kern, bool exact, bool streamed, cons
     else
         kern->qk_direct_f(q, ldq, k, ldk, E, rows, nk, s, lds);
 }
-static void qk_cols_d(const attn__ukernel *kern, bool exact, bool streamed, const double *q,
+static void qk_cols_d(const attn__ukernel *kern, bool exact, int64_t streamed, const double *q,
                       int64_t ldq, const void *k, attn_dtype kdt, int64_t ldk, int64_t E, int rows,
                       int64_t nk, double *s, int64_t lds) {
     (void)exact;
@@ -747,10 +747,18 @@ static void qk_cols_d(const attn__ukernel *kern, bool exact, bool streamed, cons
     kern->qk_direct_d(q, ldq, k, ldk, E, rows, nk, s, lds);
 }
 
+/* Rows of K or V (operand op, batch index b) from key j0 on that the call
+ * reads and that lie one stride apart: the `streamed` of qk_cols and
+ * pv_cols, so kernels that request rows ahead never request a row of
+ * another page, sequence or key slice. */
+static int64_t rows_read(const attn__problem *p, const attn__operand *op, int64_t b, int64_t j0) {
+    const int64_t together = attn__rows_together(p, op, j0), held = attn__keys_of(p, b) - j0;
+    return together < held ? together : held;
+}
+
 /* O = alpha·O + P·V in the keys-in-columns layout, V rows of the compute
- * type or (half_kv) 16-bit values of dtype vdt (streamed: read in place
- * from memory, as qk_cols' K). */
-static void pv_cols_f(const attn__ukernel *kern, bool streamed, const float *p, int64_t p_rs,
+ * type or (half_kv) 16-bit values of dtype vdt (streamed: as qk_cols'). */
+static void pv_cols_f(const attn__ukernel *kern, int64_t streamed, const float *p, int64_t p_rs,
                       const void *v, attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev,
                       float *o, const float *alpha) {
     if (vdt != ATTN_DTYPE_F32)
@@ -758,7 +766,7 @@ static void pv_cols_f(const attn__ukernel *kern, bool streamed, const float *p, 
     else
         kern->pv_f(p, p_rs, 1, v, ldv, rows, nk, Ev, o, Ev, alpha, streamed);
 }
-static void pv_cols_d(const attn__ukernel *kern, bool streamed, const double *p, int64_t p_rs,
+static void pv_cols_d(const attn__ukernel *kern, int64_t streamed, const double *p, int64_t p_rs,
                       const void *v, attn_dtype vdt, int64_t ldv, int rows, int64_t nk, int64_t Ev,
                       double *o, const double *alpha) {
     (void)vdt;

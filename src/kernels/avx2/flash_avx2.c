@@ -200,8 +200,9 @@ ALWAYS_INLINE __m256 load_part8(const void *base, int64_t at, int n, const int H
     return load8(part, 0, HK);
 }
 
-/* Requests the cache line of element `at` of `base` into L1 (a streamed
- * walk's row ahead of its loads; never faults, so past the end is harmless). */
+/* Requests the cache line of element `at` of `base` into L1: a streamed
+ * walk's row ahead of its loads (callers request only rows of the block
+ * they were given, never memory the call does not read). */
 ALWAYS_INLINE void request_line(const void *base, int64_t at, const int HK) {
     _mm_prefetch((const char *)base + (size_t)at * (HK == HK_F32 ? 4 : 2), _MM_HINT_T0);
 }
@@ -265,10 +266,10 @@ ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E,
 /* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): three rows by four keys
  * at a time. */
 ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t ldk, int64_t E,
-                           int rows, int64_t nk, float *s, int64_t lds, bool streamed,
+                           int rows, int64_t nk, float *s, int64_t lds, int64_t streamed,
                            const int HK) {
     const size_t es = HK == HK_F32 ? 4 : 2;
-    const int64_t ahead = streamed ? attn__rows_ahead(ATTN__K_AHEAD, E * (int64_t)es) : 0;
+    const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__K_AHEAD, E * (int64_t)es) : 0;
     int64_t j = 0;
     if (E % 8 == 0)
         for (; j + 4 <= nk; j += 4)
@@ -277,10 +278,11 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
                 const void *kj = (const char *)k + (size_t)(j * ldk) * es;
                 float *sr = s + r * lds + j;
                 const int R = rows - r < 3 ? rows - r : 3;
+                const int64_t within = j + 4 + ahead <= streamed ? ahead : 0; /* rows read */
                 if (streamed)
-                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK, ahead)
-                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK, ahead)
-                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true, HK, ahead);
+                    R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK, within)
+                    : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK, within)
+                             : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true, HK, within);
                 else
                     R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, false, HK, 0)
                     : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, false, HK, 0)
@@ -291,14 +293,14 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
 }
 
 static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
+                      int rows, int64_t nk, float *s, int64_t lds, int64_t streamed) {
     qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F32);
 }
 
 /* qk_rows_f over 16-bit K rows (ukernel.h: qk_rows_h). */
 static void qk_rows_h(const float *q, int64_t ldq, const uint16_t *k, int64_t ldk,
                       attn_dtype kdt, int64_t E, int rows, int64_t nk, float *s, int64_t lds,
-                      bool streamed) {
+                      int64_t streamed) {
     if (kdt == ATTN_DTYPE_F16)
         qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F16);
     else
@@ -362,7 +364,7 @@ ALWAYS_INLINE void store_vec(float *x, __m256 v, int vi, int NV, bool TAIL, __m2
 ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv, int64_t nk,
                            float *o, int64_t ldo, const float *alpha, const int R, const int NV,
                            const bool TAIL, __m256i last, int in_last, const int HK,
-                           int64_t ahead) {
+                           int64_t ahead, int64_t held) {
     __m256 acc[ROWS][VECS], vv[VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
@@ -372,7 +374,8 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
             acc[r][vi] = _mm256_mul_ps(a, load_vec(o + r * ldo + 8 * vi, vi, NV, TAIL, last));
     }
     for (int64_t j = 0; j < nk; j++) {
-        if (ahead) request_line(v, (j + ahead) * ldv, HK); /* a chunk: 64 bytes or less */
+        if (ahead && j + ahead < held) /* a row of the block; a chunk is 64 bytes or less */
+            request_line(v, (j + ahead) * ldv, HK);
 #pragma GCC unroll 2
         for (int vi = 0; vi < NV; vi++)
             vv[vi] = HK == HK_F32 ? load_vec((const float *)v + j * ldv + 8 * vi, vi, NV, TAIL, last)
@@ -391,20 +394,24 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
         for (int vi = 0; vi < NV; vi++) store_vec(o + r * ldo + 8 * vi, acc[r][vi], vi, NV, TAIL, last);
 }
 
-#define PV_CASE(R)                                                                          \
-    case R:                                                                                 \
-        if (nv == 2 && full)                                                                \
-            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, false, last, n, HK, ahead); \
-        else if (nv == 2)                                                                   \
-            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, true, last, n, HK, ahead);\
-        else                                                                                \
-            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 1, !full, last, n, HK, ahead); \
+#define PV_CASE(R)                                                                         \
+    case R:                                                                                \
+        if (nv == 2 && full)                                                               \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, false, last, n, HK, \
+                    ahead, held);                                                          \
+        else if (nv == 2)                                                                  \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, true, last, n, HK,  \
+                    ahead, held);                                                          \
+        else                                                                               \
+            pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 1, !full, last, n, HK, \
+                    ahead, held);                                                          \
         break;
 
 /* Feature chunks outside, row tiles inside, so a V chunk stays in L1. */
 ALWAYS_INLINE void pv_chunks(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v,
                              int64_t ldv, int rows_all, int64_t nk, int64_t Ev, float *o_all,
-                             int64_t ldo, const float *alpha_all, const int HK, int64_t ahead) {
+                             int64_t ldo, const float *alpha_all, const int HK, int64_t ahead,
+                             int64_t held) {
     const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 8 * VECS) {
         const void *ve = (const char *)v + (size_t)e * es;
@@ -444,29 +451,30 @@ enum { PV_KEYS = 32 };
  * in the same order: O is stored and reloaded between sub-blocks (times 1). */
 ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
                       int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
-                      const float *alpha_all, bool streamed, const int HK) {
+                      const float *alpha_all, int64_t streamed, const int HK) {
     const size_t es = HK == HK_F32 ? 4 : 2;
-    const int64_t ahead = streamed ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
+    const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
     if (rows_all > ROWS || Ev <= 8 * VECS || nk <= PV_KEYS) {
-        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, ahead);
+        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, ahead, streamed);
         return;
     }
     static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
     for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
         pv_chunks(p_all + j0 * p_cs, p_rs, p_cs, (const char *)v + (size_t)(j0 * ldv) * es, ldv,
                   rows_all, nk - j0 < PV_KEYS ? nk - j0 : PV_KEYS, Ev, o_all, ldo,
-                  j0 == 0 ? alpha_all : ones, HK, ahead);
+                  j0 == 0 ? alpha_all : ones, HK, ahead, streamed - j0);
 }
 
 static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
-                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha, bool streamed) {
+                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha,
+                 int64_t streamed) {
     pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, streamed, HK_F32);
 }
 
 /* pv_f over 16-bit V rows (ukernel.h: pv_h). */
 static void pv_h(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
                  attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
-                 const float *alpha, bool streamed) {
+                 const float *alpha, int64_t streamed) {
     if (vdt == ATTN_DTYPE_F16)
         pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, streamed, HK_F16);
     else

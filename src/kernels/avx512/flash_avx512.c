@@ -228,8 +228,9 @@ ALWAYS_INLINE __m512 load16(const void *base, int64_t at, __mmask16 mk, const in
                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-/* Requests the cache line of element `at` of `base` into L1 (a streamed
- * walk's row ahead of its loads; never faults, so past the end is harmless). */
+/* Requests the cache line of element `at` of `base` into L1: a streamed
+ * walk's row ahead of its loads (callers request only rows of the block
+ * they were given, never memory the call does not read). */
 ALWAYS_INLINE void request_line(const void *base, int64_t at, const int HK) {
     _mm_prefetch((const char *)base + (size_t)at * (HK == HK_F32 ? 4 : 2), _MM_HINT_T0);
 }
@@ -307,7 +308,8 @@ ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E,
 #define QK_ROWS_CASE(R)                                                             \
     case R:                                                                         \
         if (streamed)                                                               \
-            qk_rows_tile(q, ldq, k, ldk, E, R, s + j, lds, true, HK, ahead);        \
+            qk_rows_tile(q, ldq, k, ldk, E, R, s + j, lds, true, HK,                \
+                         j + 4 + ahead <= streamed ? ahead : 0);                    \
         else                                                                        \
             qk_rows_tile(q, ldq, k, ldk, E, R, s + j, lds, false, HK, 0);           \
         break;
@@ -315,10 +317,10 @@ ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E,
 /* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): keys four at a time,
  * then the last 1-3 one by one. */
 ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k_all, int64_t ldk,
-                           int64_t E, int rows, int64_t nk, float *s, int64_t lds, bool streamed,
-                           const int HK) {
+                           int64_t E, int rows, int64_t nk, float *s, int64_t lds,
+                           int64_t streamed, const int HK) {
     const size_t es = HK == HK_F32 ? 4 : 2;
-    const int64_t ahead = streamed ? attn__rows_ahead(ATTN__K_AHEAD, E * (int64_t)es) : 0;
+    const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__K_AHEAD, E * (int64_t)es) : 0;
     int64_t j = 0;
     for (; j + 4 <= nk; j += 4) {
         const void *k = (const char *)k_all + (size_t)(j * ldk) * es;
@@ -337,14 +339,14 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k_all, int64
 }
 
 static void qk_rows_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                      int rows, int64_t nk, float *s, int64_t lds, bool streamed) {
+                      int rows, int64_t nk, float *s, int64_t lds, int64_t streamed) {
     qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F32);
 }
 
 /* qk_rows_f over 16-bit K rows (ukernel.h: qk_rows_h). */
 static void qk_rows_h(const float *q, int64_t ldq, const uint16_t *k, int64_t ldk,
                       attn_dtype kdt, int64_t E, int rows, int64_t nk, float *s, int64_t lds,
-                      bool streamed) {
+                      int64_t streamed) {
     if (kdt == ATTN_DTYPE_F16)
         qk_rows(q, ldq, k, ldk, E, rows, nk, s, lds, streamed, HK_F16);
     else
@@ -391,7 +393,7 @@ ALWAYS_INLINE __m512 load_part(const float *x, __mmask16 mk, bool partial) {
 ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
                            int64_t nk, float *o, int64_t ldo, const float *alpha, const int R,
                            const int NV, __mmask16 last, const bool TAIL, const int HK,
-                           int64_t ahead) {
+                           int64_t ahead, int64_t held) {
     __m512 acc[ROWS][VECS], vv[VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
@@ -401,10 +403,11 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
             acc[r][vi] = _mm512_mul_ps(a, load_part(o + r * ldo + 16 * vi, last, TAIL && vi == NV - 1));
     }
     for (int64_t j = 0; j < nk; j++) {
-        if (ahead)
+        if (ahead && j + ahead < held) /* a row the call reads */
 #pragma GCC unroll 4
             for (int vi = 0; vi < NV; vi++) /* one per line: 16-bit vectors are half one */
-                if (HK == HK_F32 || vi % 2 == 0) request_line(v, (j + ahead) * ldv + 16 * vi, HK);
+                if (HK == HK_F32 || vi % 2 == 0)
+                    request_line(v, (j + ahead) * ldv + 16 * vi, HK);
 #pragma GCC unroll 4
         for (int vi = 0; vi < NV; vi++)
             vv[vi] = HK == HK_F32
@@ -428,9 +431,11 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
         }
 }
 
-#define PV_CALL(R, NV) \
-    (tail ? pv_tile(p, P1 ? 1 : p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, true, HK, ahead) \
-          : pv_tile(p, P1 ? 1 : p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, false, HK, ahead))
+#define PV_CALL(R, NV)                                                                         \
+    (tail ? pv_tile(p, P1 ? 1 : p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, true, HK, \
+                    ahead, held)                                                               \
+          : pv_tile(p, P1 ? 1 : p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, NV, last, false,   \
+                    HK, ahead, held))
 #define PV_CASE(R)                                    \
     case R:                                           \
         switch (nv) {                                 \
@@ -450,7 +455,7 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
 ALWAYS_INLINE void pv_chunks(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v,
                              int64_t ldv, int rows_all, int64_t nk, int64_t Ev, float *o_all,
                              int64_t ldo, const float *alpha_all, const int HK, const bool P1,
-                             int64_t ahead) {
+                             int64_t ahead, int64_t held) {
     const size_t es = HK == HK_F32 ? 4 : 2;
     for (int64_t e = 0; e < Ev; e += 16 * VECS) {
         const void *ve = (const char *)v + (size_t)e * es;
@@ -489,33 +494,35 @@ enum { PV_KEYS = 32 };
  * each chunk's walk (ukernel.h, attn__rows_ahead). */
 ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v, int64_t ldv,
                       int rows_all, int64_t nk, int64_t Ev, float *o_all, int64_t ldo,
-                      const float *alpha_all, bool streamed, const int HK) {
+                      const float *alpha_all, int64_t streamed, const int HK) {
     const size_t es = HK == HK_F32 ? 4 : 2;
-    const int64_t ahead = streamed ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
+    const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
     if (rows_all > ROWS || Ev <= 16 * VECS || nk <= PV_KEYS) {
         if (p_rs == 1) /* the lanes layout: a tile's weights side by side, one pointer */
-            pv_chunks(p_all, 1, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, true, 0);
+            pv_chunks(p_all, 1, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, true,
+                      0, 0);
         else
             pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK,
-                      false, ahead);
+                      false, ahead, streamed);
         return;
     }
     static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
     for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
         pv_chunks(p_all + j0 * p_cs, p_rs, p_cs, (const char *)v + (size_t)(j0 * ldv) * es, ldv,
                   rows_all, nk - j0 < PV_KEYS ? nk - j0 : PV_KEYS, Ev, o_all, ldo,
-                  j0 == 0 ? alpha_all : ones, HK, false, ahead);
+                  j0 == 0 ? alpha_all : ones, HK, false, ahead, streamed - j0);
 }
 
 static void pv_f(const float *p, int64_t p_rs, int64_t p_cs, const float *v, int64_t ldv, int rows,
-                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha, bool streamed) {
+                 int64_t nk, int64_t Ev, float *o, int64_t ldo, const float *alpha,
+                 int64_t streamed) {
     pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, streamed, HK_F32);
 }
 
 /* pv_f over 16-bit V rows (ukernel.h: pv_h). */
 static void pv_h(const float *p, int64_t p_rs, int64_t p_cs, const uint16_t *v, int64_t ldv,
                  attn_dtype vdt, int rows, int64_t nk, int64_t Ev, float *o, int64_t ldo,
-                 const float *alpha, bool streamed) {
+                 const float *alpha, int64_t streamed) {
     if (vdt == ATTN_DTYPE_F16)
         pv(p, p_rs, p_cs, v, ldv, rows, nk, Ev, o, ldo, alpha, streamed, HK_F16);
     else

@@ -72,7 +72,7 @@
     }                                                                                            \
     static void generic_pv_##SFX(const REAL *p, int64_t p_rs, int64_t p_cs, const REAL *v,       \
                                  int64_t ldv, int rows, int64_t nk, int64_t Ev, REAL *o,         \
-                                 int64_t ldo, const REAL *alpha, bool streamed) {                \
+                                 int64_t ldo, const REAL *alpha, int64_t streamed) {             \
         (void)streamed; /* the portable path leaves streams to the prefetchers */               \
         for (int r = 0; r < rows; r++) {                                                         \
             REAL *orow = o + r * ldo;                                                            \
