@@ -753,7 +753,8 @@ static void qk_cols_d(const attn__ukernel *kern, bool exact, int64_t streamed, c
  * another page, sequence or key slice. */
 static int64_t rows_read(const attn__problem *p, const attn__operand *op, int64_t b, int64_t j0) {
     const int64_t together = attn__rows_together(p, op, j0), held = attn__keys_of(p, b) - j0;
-    return together < held ? together : held;
+    const int64_t rows = together < held ? together : held;
+    return rows > 0 ? rows : 0;
 }
 
 /* O = alpha·O + P·V in the keys-in-columns layout, V rows of the compute

@@ -279,7 +279,7 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
                 float *sr = s + r * lds + j;
                 const int R = rows - r < 3 ? rows - r : 3;
                 const int64_t within = j + 4 + ahead <= streamed ? ahead : 0; /* rows read */
-                if (streamed)
+                if (streamed > 0)
                     R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK, within)
                     : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK, within)
                              : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true, HK, within);

@@ -307,7 +307,7 @@ ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E,
 
 #define QK_ROWS_CASE(R)                                                             \
     case R:                                                                         \
-        if (streamed)                                                               \
+        if (streamed > 0)                                                           \
             qk_rows_tile(q, ldq, k, ldk, E, R, s + j, lds, true, HK,                \
                          j + 4 + ahead <= streamed ? ahead : 0);                    \
         else                                                                        \
