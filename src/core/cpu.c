@@ -98,15 +98,21 @@ int64_t attn__l2_bytes(void) {
 }
 
 /* Requests ahead of a streamed K/V walk pay on AMD Zen 5 (family 0x1A):
- * a head-major decode, (1,32,1,32768,128) with 8 KV heads, 12.8 -> 6.7 ms
+ * a head-major decode, (1,32,1,32768,128) with 8 KV heads, 12.8 -> 5.4 ms
  * on two cores; its scores had waited on every K load, 65% of the time
  * (docs/design.md). On Zen 4 (0x19), K rows requested 8-32 rows ahead
  * inside qk_rows were 4-20% slower when tried. Other CPUs were not measured: they keep their own
  * prefetchers until they are. */
 bool attn__stream_prefetch_for(bool amd, unsigned family) { return amd && family >= 0x1A; }
 
+static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */
+
+void attn__stream_prefetch_force(int on) { atomic_store(&forced, on < 0 ? -1 : on != 0); }
+
 bool attn__stream_prefetch(void) {
     static atomic_int cached = -1; /* idempotent: racing first callers agree */
+    const int f = atomic_load_explicit(&forced, memory_order_relaxed);
+    if (f >= 0) return f != 0;
     int on = atomic_load_explicit(&cached, memory_order_relaxed);
     if (on < 0) {
         bool amd = false;

@@ -319,6 +319,8 @@ int64_t attn__l2_bytes(void);
 bool attn__stream_prefetch(void);
 /* The rule itself, on CPUID's vendor and family (a test reaches it). */
 bool attn__stream_prefetch_for(bool amd, unsigned family);
+/* Tests: requests on (1) or off (0) whatever the CPU, or the rule again (-1). */
+void attn__stream_prefetch_force(int on);
 /* Pure decoding of CPUID/XCR0 words, exposed so the detector can be tested
  * on feature sets this machine does not have. */
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx,

@@ -130,9 +130,10 @@ typedef struct attn__ukernel {
      * float64 sums cost more than streaming K (about four times the
      * multiply-adds, measured on Zen 4). `streamed` > 0: K is read in
      * place from memory (not from a buffer the driver filled), so keys are
-     * read in address order, and rows 0 .. streamed-1 of k (at least nk)
-     * are rows the call reads, which the kernel may request ahead; 0: K is
-     * in a buffer. */
+     * read in address order, and rows 0 .. streamed-1 of k (at least nk,
+     * possibly more: the attention call reads them in later blocks) lie one
+     * stride apart, so the kernel may request them ahead; 0: K is in a
+     * buffer. */
     void (*qk_rows_f)(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
                       int rows, int64_t nk, float *s, int64_t lds, int64_t streamed);
     void (*softmax_f)(float *s, int64_t lds, int rows, int64_t cols, float c, float *m,

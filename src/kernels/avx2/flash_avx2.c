@@ -201,8 +201,9 @@ ALWAYS_INLINE __m256 load_part8(const void *base, int64_t at, int n, const int H
 }
 
 /* Requests the cache line of element `at` of `base` into L1: a streamed
- * walk's row ahead of its loads (callers request only rows of the block
- * they were given, never memory the call does not read). */
+ * walk's row ahead of its loads. Callers request only rows below
+ * `streamed` (ukernel.h), which may lie past the kernel's own nk keys but
+ * are rows the attention call reads. */
 ALWAYS_INLINE void request_line(const void *base, int64_t at, const int HK) {
     _mm_prefetch((const char *)base + (size_t)at * (HK == HK_F32 ? 4 : 2), _MM_HINT_T0);
 }
@@ -374,7 +375,7 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
             acc[r][vi] = _mm256_mul_ps(a, load_vec(o + r * ldo + 8 * vi, vi, NV, TAIL, last));
     }
     for (int64_t j = 0; j < nk; j++) {
-        if (ahead && j + ahead < held) /* a row of the block; a chunk is 64 bytes or less */
+        if (ahead && j + ahead < held) /* below `streamed`; a chunk: 64 bytes or less */
             request_line(v, (j + ahead) * ldv, HK);
 #pragma GCC unroll 2
         for (int vi = 0; vi < NV; vi++)

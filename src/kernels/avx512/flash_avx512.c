@@ -229,8 +229,9 @@ ALWAYS_INLINE __m512 load16(const void *base, int64_t at, __mmask16 mk, const in
 }
 
 /* Requests the cache line of element `at` of `base` into L1: a streamed
- * walk's row ahead of its loads (callers request only rows of the block
- * they were given, never memory the call does not read). */
+ * walk's row ahead of its loads. Callers request only rows below
+ * `streamed` (ukernel.h), which may lie past the kernel's own nk keys but
+ * are rows the attention call reads. */
 ALWAYS_INLINE void request_line(const void *base, int64_t at, const int HK) {
     _mm_prefetch((const char *)base + (size_t)at * (HK == HK_F32 ? 4 : 2), _MM_HINT_T0);
 }
@@ -403,7 +404,7 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
             acc[r][vi] = _mm512_mul_ps(a, load_part(o + r * ldo + 16 * vi, last, TAIL && vi == NV - 1));
     }
     for (int64_t j = 0; j < nk; j++) {
-        if (ahead && j + ahead < held) /* a row the call reads */
+        if (ahead && j + ahead < held) /* below `streamed` */
 #pragma GCC unroll 4
             for (int vi = 0; vi < NV; vi++) /* one per line: 16-bit vectors are half one */
                 if (HK == HK_F32 || vi % 2 == 0)
