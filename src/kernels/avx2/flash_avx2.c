@@ -231,7 +231,8 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int6
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++)
             for (int64_t e = 0; e < E; e += 8) {
-                if (ahead && e % (HK == HK_F32 ? 16 : 32) == 0) request_line(k, (c + ahead) * ldk + e, HK);
+                if (ahead && e % (HK == HK_F32 ? 16 : 32) == 0) /* one per line */
+                    request_line(k, (c + ahead) * ldk + e, HK);
                 const __m256 kv = load8(k, c * ldk + e, HK);
 #pragma GCC unroll 3
                 for (int r = 0; r < R; r++)
@@ -456,7 +457,8 @@ ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void
     const size_t es = HK == HK_F32 ? 4 : 2;
     const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
     if (rows_all > ROWS || Ev <= 8 * VECS || nk <= PV_KEYS) {
-        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, ahead, streamed);
+        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, ahead,
+                  streamed);
         return;
     }
     static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
