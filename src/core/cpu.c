@@ -101,8 +101,8 @@ int64_t attn__l2_bytes(void) {
  * a head-major decode, (1,32,1,32768,128) with 8 KV heads, 12.8 -> 5.4 ms
  * on two cores; its scores had waited on every K load, 65% of the time
  * (docs/design.md). On Zen 4 (0x19), K rows requested 8-32 rows ahead
- * inside qk_rows were 4-20% slower when tried. Other CPUs were not measured: they keep their own
- * prefetchers until they are. */
+ * inside qk_rows were 4-20% slower when tried. Other CPUs were not
+ * measured: they keep their own prefetchers until they are. */
 bool attn__stream_prefetch_for(bool amd, unsigned family) { return amd && family >= 0x1A; }
 
 static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */

@@ -747,15 +747,20 @@ static void qk_cols_d(const attn__ukernel *kern, bool exact, int64_t streamed, c
     kern->qk_direct_d(q, ldq, k, ldk, E, rows, nk, s, lds);
 }
 
-/* Rows of K or V (operand op, batch index b) from key j0 on that lie one
- * stride apart and that the call reads (before j_end, the end of the keys
- * the block's rows see): the `streamed` of qk_cols and pv_cols, so kernels
- * that request rows ahead never request a row of another page, of another
- * sequence or key slice, or that no row sees. */
-static int64_t rows_read(const attn__problem *p, const attn__operand *op, int64_t b, int64_t j0,
-                         int64_t j_end) {
-    const int64_t held = attn__keys_of(p, b) < j_end ? attn__keys_of(p, b) : j_end;
-    const int64_t together = attn__rows_together(p, op, j0), rows = held - j0;
+/* The end of the keys of batch index b that a block reads: the sequence's
+ * own, or j_end, the end of the keys the block's rows see. */
+static int64_t keys_read(const attn__problem *p, int64_t b, int64_t j_end) {
+    const int64_t held = attn__keys_of(p, b);
+    return held < j_end ? held : j_end;
+}
+
+/* Rows of K or V (operand op) from key j0 on that lie one stride apart and
+ * come before `end` (keys_read): the `streamed` of qk_cols and pv_cols, so
+ * kernels that request rows ahead never request a row of another page, of
+ * another sequence or key slice, or that no row sees. */
+static int64_t rows_read(const attn__problem *p, const attn__operand *op, int64_t j0,
+                         int64_t end) {
+    const int64_t together = attn__rows_together(p, op, j0), rows = end - j0;
     const int64_t n = together < rows ? together : rows;
     return n > 0 ? n : 0;
 }

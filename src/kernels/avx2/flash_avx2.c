@@ -274,13 +274,13 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
     const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__K_AHEAD, E * (int64_t)es) : 0;
     int64_t j = 0;
     if (E % 8 == 0)
-        for (; j + 4 <= nk; j += 4)
+        for (; j + 4 <= nk; j += 4) {
+            const int64_t within = j + 4 + ahead <= streamed ? ahead : 0; /* rows read */
             for (int r = 0; r < rows; r += 3) {
                 const float *qr = q + r * ldq;
                 const void *kj = (const char *)k + (size_t)(j * ldk) * es;
                 float *sr = s + r * lds + j;
                 const int R = rows - r < 3 ? rows - r : 3;
-                const int64_t within = j + 4 + ahead <= streamed ? ahead : 0; /* rows read */
                 if (streamed > 0)
                     R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK, within)
                     : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK, within)
@@ -290,6 +290,7 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
                     : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, false, HK, 0)
                              : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, false, HK, 0);
             }
+        }
     for (; j < nk; j++)
         for (int r = 0; r < rows; r++) s[r * lds + j] = dot_ps(q + r * ldq, k, j * ldk, E, HK);
 }
