@@ -379,26 +379,48 @@ static void visible_span(const flash_row *rows, int64_t nr, int64_t S, int64_t *
     }
 }
 
+/* The rows' last visible keys as a lanes block asks for them, worked out
+ * once per task: a task's rows stay while its key blocks pass, and walking
+ * 96 rows for them at every block took 3-4% of a bfloat16 prefill (two
+ * chains of dependent compares over 104-byte rows; perf, Zen 5). */
+enum { MAX_LANE_GROUPS = 64 };
+
+typedef struct row_limits {
+    int64_t lowest; /* the smallest last visible key of any row              */
+    int64_t groups; /* lane groups (lanes / lane_step); 0: more than
+                       MAX_LANE_GROUPS, every group then takes every key     */
+    int64_t last[MAX_LANE_GROUPS]; /* each group's largest last visible key;
+                                      INT64_MAX for a group that runs past
+                                      the block's rows (it takes them all)  */
+} row_limits;
+
+static void row_limits_of(const attn__ukernel *kern, const flash_row *rows, int64_t nr,
+                          int64_t lanes, row_limits *out) {
+    const int64_t step = kern->lane_step;
+    out->lowest = INT64_MAX;
+    for (int64_t r = 0; r < nr; r++)
+        if (rows[r].limit < out->lowest) out->lowest = rows[r].limit;
+    out->groups = lanes / step > MAX_LANE_GROUPS ? 0 : lanes / step;
+    for (int64_t g = 0; g < out->groups; g++) {
+        int64_t last = (g + 1) * step > nr ? INT64_MAX : -1;
+        for (int64_t r = g * step; r < (g + 1) * step && r < nr; r++)
+            if (rows[r].limit > last) last = rows[r].limit;
+        out->last[g] = last;
+    }
+}
+
 /* The keys each group of lane_step lanes of a block needs (qkt's `keys`,
  * ukernel.h) for keys j0 .. j0+nk-1: up to its rows' last visible key, so
  * that the scores past the causal diagonal (or a window's right edge) are
  * not computed, only hidden; lanes past the block's rows take the whole
  * block. NULL when every group needs every key. */
-enum { MAX_LANE_GROUPS = 64 };
-
-static const int64_t *lane_group_keys(const attn__ukernel *kern, const flash_row *rows,
-                                      int64_t nr, int64_t lanes, int64_t j0, int64_t nk,
+static const int64_t *lane_group_keys(const row_limits *lim, int64_t j0, int64_t nk,
                                       int64_t *keys) {
-    const int64_t step = kern->lane_step, groups = lanes / step;
-    if (groups > MAX_LANE_GROUPS) return NULL;
+    if (lim->groups == 0) return NULL;
     bool all = true;
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t need = (g + 1) * step > nr ? nk : 0;
-        for (int64_t r = g * step; r < (g + 1) * step && r < nr; r++) {
-            const int64_t n = rows[r].limit - j0 + 1;
-            if (n > need) need = n;
-        }
-        keys[g] = need < nk ? need : nk;
+    for (int64_t g = 0; g < lim->groups; g++) {
+        const int64_t last = lim->last[g];
+        keys[g] = last >= j0 + nk - 1 ? nk : last < j0 ? 0 : last - j0 + 1;
         all &= keys[g] == nk;
     }
     return all ? NULL : keys;
@@ -923,3 +945,4 @@ attn_status attn__flash_balance(const attn__problem *p, const attn__ukernel *ker
     attn__free(rows);
     return ATTN_OK;
 }
+
