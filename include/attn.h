@@ -342,9 +342,11 @@ ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
  * and v all bfloat16) multiplies in bfloat16 where it processes many query
  * rows at once (prefill): each product is exact and summed in float32 as
  * before, but the weights P are rounded to bfloat16 before P·V, as
- * PyTorch's bfloat16 attention does, which moves each output by at most
- * 2^-9 · sum_j P_j·|v_j| / sum_j P_j (<= 2^-9 · max |v|); bfloat16 inputs
- * below 2^-126 count as 0 there. The lse and the sums are unchanged.
+ * PyTorch's bfloat16 attention does, and come from a shorter exp2 (within
+ * 3e-6 of the float32 one's value, far under that rounding), which moves
+ * each output by at most (2^-8 + 6e-6) · sum_j P_j·|v_j| / sum_j P_j
+ * (<= that times max |v|) and the lse by at most 3e-6; bfloat16 inputs
+ * below 2^-126 count as 0 there.
  * ATTN_ISA=avx512 (or attn_set_isa) keeps such calls on float32 products.
  *
  * Computes attention into caller-allocated outputs.

@@ -195,9 +195,10 @@ typedef struct attn__ukernel {
      * lane_step): a softmax tile's weights in key pairs */
     void (*pack_p_bf)(const float *st, int64_t ldst, int64_t nk, int64_t lanes, uint32_t *pp,
                       int64_t ldpp);
-    /* softmax_t_f's update with the weights written as pack_p_bf writes
-     * them (bits for bits), not to st: without dropout, which needs them
-     * in st first */
+    /* softmax_t_f's update (m and alpha bit for bit) with the weights
+     * rounded and paired as pack_p_bf writes them, not to st, and taken
+     * from exp2.h's bfloat16 fit, which l sums too: without dropout, which
+     * needs them in st first (softmax_t_f, then pack_p_bf) */
     void (*softmax_t_bf)(const float *st, int64_t ldst, int64_t nk, int64_t lanes, float c,
                          float *m, float *l, float *alpha, uint32_t *pp, int64_t ldpp);
     /* O = alpha·O + P·V as pv_f, over npairs key pairs: weights pp[p·ldpp + r]

@@ -19,6 +19,7 @@
  */
 #include <float.h>
 
+#include "kernels/exp2.h"
 #include "kernels/ukernel.h"
 #include "testutil.h"
 
@@ -661,8 +662,77 @@ static void overflowing_float32_scores(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* The bfloat16 products' softmax (softmax_t_bf) against the float64 one:
+ * each weight, paired as P·V reads it, is 2^((s - m)·c) rounded to
+ * bfloat16 up to exp2.h's bfloat16 fit (ATTN__EXP2F_BF16_ERR) and x's own
+ * float32 rounding; a masked key (-inf) weighs exactly 0; l is the old sum
+ * rescaled plus these weights to the fit; m and alpha are softmax_t_f's
+ * bits. Odd and even key counts, one to three lane vectors, the running
+ * state fresh and carried. */
+static void bf16_softmax_weights(void) {
+    enum { NK = 33, LANES = 48 };
+    const attn__ukernel *u = attn__ukernel_for(ATTN_ISA_AVX512_BF16);
+    if (!attn_isa_supported(ATTN_ISA_AVX512_BF16) || u->softmax_t_bf == NULL) {
+        printf("  (no AVX512-BF16 on this machine: skipped)\n");
+        return;
+    }
+    rng r = {harness_seed() ^ 0x5f7b};
+    static float st[NK * LANES], st2[NK * LANES];
+    static uint32_t pp[(NK + 1) / 2 * LANES];
+    float m[LANES], l[LANES], alpha[LANES], m2[LANES], l2[LANES], alpha2[LANES], l0[LANES];
+    double worst = 0;
+    for (int trial = 0; trial < 200; trial++) {
+        const int64_t nk = 1 + (int64_t)(rng_next(&r) % NK), lanes = 16 * (1 + trial % 3);
+        const float c = (float)(0.05 + 0.5 * rng_uniform(&r));
+        for (int64_t i = 0; i < nk * LANES; i++)
+            st[i] = rng_next(&r) % 9 == 0 ? -INFINITY : (float)(20 * rng_normal(&r));
+        for (int64_t x = 0; x < LANES; x++) {
+            const bool fresh = trial % 2 == 0;
+            m[x] = fresh ? -INFINITY : (float)(20 * rng_normal(&r));
+            l[x] = fresh ? 0 : (float)(1 + 10 * rng_uniform(&r));
+        }
+        memcpy(st2, st, sizeof st);
+        memcpy(m2, m, sizeof m), memcpy(l2, l, sizeof l), memcpy(l0, l, sizeof l);
+        u->softmax_t_bf(st, LANES, nk, lanes, c, m, l, alpha, pp, LANES);
+        u->softmax_t_f(st2, LANES, nk, lanes, c, m2, l2, alpha2);
+        for (int64_t x = 0; x < lanes; x++) {
+            CHECK(memcmp(&m[x], &m2[x], sizeof(float)) == 0 &&
+                      memcmp(&alpha[x], &alpha2[x], sizeof(float)) == 0,
+                  "lane %lld: m or alpha is not softmax_t_f's", (long long)x);
+            double sum = (double)l0[x] * alpha[x], bound = 0;
+            for (int64_t j = 0; j < nk; j++) {
+                const uint32_t pair = pp[j / 2 * LANES + x];
+                const float got = attn__bf16_to_float((uint16_t)(j % 2 ? pair >> 16 : pair));
+                const double s = st[j * LANES + x], xj = (s - (double)m[x]) * c;
+                if (s == -INFINITY || xj < ATTN__EXP2F_MIN) { /* masked, or flushed */
+                    CHECK(got == 0, "lane %lld key %lld: weight %g, not 0", (long long)x,
+                          (long long)j, got);
+                    continue;
+                }
+                const double want = exp2(xj);
+                /* rounding to bfloat16, the fit, and x's two float32 roundings,
+                 * which move 2^x by ln 2·dx of itself */
+                const double err_x = fabs(xj) * 0x1p-22 * 0.6931471805599453;
+                const double within = want * (0x1p-8 + ATTN__EXP2F_BF16_ERR + err_x);
+                CHECK(fabs(got - want) <= within,
+                      "nk %lld lane %lld key %lld: weight %.9g, want %.9g", (long long)nk,
+                      (long long)x, (long long)j, got, want);
+                if (want > 0) worst = fmax(worst, fabs(got - want) / want);
+                sum += want;
+                bound += want * (ATTN__EXP2F_BF16_ERR + err_x + (double)(nk + 2) * 0x1p-24);
+            }
+            bound += (double)l0[x] * alpha[x] * 0x1p-22;
+            CHECK(fabs(l[x] - sum) <= bound, "nk %lld lane %lld: l %.9g, want %.9g (bound %.3g)",
+                  (long long)nk, (long long)x, l[x], sum, bound);
+        }
+    }
+    printf("  worst relative weight error %.3g (rounding to bfloat16: up to 2^-8 = %.3g)\n", worst,
+           0x1p-8);
+}
+
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
              T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
-             T(bf16_hidden_special_values), T(overflowing_float32_scores))
+             T(bf16_hidden_special_values), T(overflowing_float32_scores),
+             T(bf16_softmax_weights))

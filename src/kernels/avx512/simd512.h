@@ -16,16 +16,25 @@
 
 /* ---- exp2 on 16 lanes: the polynomial of exp2.h ---- */
 
-static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x) {
+static inline __attribute__((always_inline)) __m512 exp2_reduce(__m512 x, __m512 *n,
+                                                               __mmask16 *keep) {
     /* Lanes below -125 (masked keys are -inf) give an exact 0 through the
      * zeroing mask, so no subnormal is ever produced: on Intel cores a
      * subnormal result costs a microcode assist per lane. Weights that small
      * are below float32 resolution next to the row's largest weight (1).
      * NaN keeps its lane: "not less than" is true for unordered operands. */
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
+    *keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
     x = _mm512_max_ps(_mm512_set1_ps(ATTN__EXP2F_MIN), x);
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
+    *n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_sub_ps(x, *n);
+}
+
+/* 2^x as exp2.h's polynomial: x = n + f (exp2_reduce), 2^f by Horner, then
+ * scaled by 2^n. */
+static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x) {
+    __m512 n;
+    __mmask16 keep;
+    const __m512 f = exp2_reduce(x, &n, &keep);
     __m512 p = _mm512_set1_ps(ATTN__EXP2F_C6);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C5));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C4));
