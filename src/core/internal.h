@@ -125,6 +125,15 @@ static inline void attn__prefetch_l2(const void *p) {
 #endif
 }
 
+/* The same into L1 (prefetcht0), for lines read next. */
+static inline void attn__prefetch_l1(const void *p) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p));
+#else
+    __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 /* Whether dtype is float32 or float64. */
 static inline bool attn__is_float(attn_dtype d) {
     return d == ATTN_DTYPE_F32 || d == ATTN_DTYPE_F64;
