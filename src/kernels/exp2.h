@@ -28,7 +28,7 @@
 /* 2^f on [-0.5, 0.5] for weights that are rounded to bfloat16 next (the
  * bfloat16 products' P, softmax_t_bf): a degree-4 fit, relative error
  * below ATTN__EXP2F_BF16_ERR, under 1/1000 of that rounding's 2^-8, for two
- * multiply-adds fewer per weight (4.5% of a bfloat16 prefill at E = 64,
+ * multiply-adds fewer per weight (about 4% of a bfloat16 prefill at E = 64,
  * where the softmax is a fifth of the time). The sums l add the same
  * weights, so out moves by at most 2·ERR of itself beyond the rounding. */
 #define ATTN__EXP2F_BF16_C0 0.9999992847442627f

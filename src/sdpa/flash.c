@@ -951,4 +951,3 @@ attn_status attn__flash_balance(const attn__problem *p, const attn__ukernel *ker
     attn__free(rows);
     return ATTN_OK;
 }
-
