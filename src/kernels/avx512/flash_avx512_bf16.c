@@ -235,15 +235,9 @@ static void pack_p_bf(const float *st, int64_t ldst, int64_t nk, int64_t lanes, 
 
 /* 2^x for a weight rounded to bfloat16 next: exp2.h's degree-4 fit. */
 ALWAYS_INLINE __m512 exp2_bf16_ps(__m512 x) {
-    __m512 n;
-    __mmask16 keep;
-    const __m512 f = exp2_reduce(x, &n, &keep);
-    __m512 p = _mm512_set1_ps(ATTN__EXP2F_BF16_C4);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_BF16_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_BF16_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_BF16_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_BF16_C0));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    static const float c[5] = {ATTN__EXP2F_BF16_C0, ATTN__EXP2F_BF16_C1, ATTN__EXP2F_BF16_C2,
+                               ATTN__EXP2F_BF16_C3, ATTN__EXP2F_BF16_C4};
+    return exp2_fit(x, c, 4);
 }
 
 /* The weights of keys 2p (row at) and 2p+1 (the next row; has_b false:

@@ -16,33 +16,31 @@
 
 /* ---- exp2 on 16 lanes: the polynomial of exp2.h ---- */
 
-static inline __attribute__((always_inline)) __m512 exp2_reduce(__m512 x, __m512 *n,
-                                                               __mmask16 *keep) {
+/* 2^x for a fit of 2^f on [-0.5, 0.5] with coefficients c[0..degree]
+ * (exp2.h): x = n + f, 2^f by Horner from c[degree] down, then scaled by
+ * 2^n, exactly. */
+static inline __attribute__((always_inline)) __m512 exp2_fit(__m512 x, const float *c,
+                                                            const int degree) {
     /* Lanes below -125 (masked keys are -inf) give an exact 0 through the
      * zeroing mask, so no subnormal is ever produced: on Intel cores a
      * subnormal result costs a microcode assist per lane. Weights that small
      * are below float32 resolution next to the row's largest weight (1).
      * NaN keeps its lane: "not less than" is true for unordered operands. */
-    *keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
     x = _mm512_max_ps(_mm512_set1_ps(ATTN__EXP2F_MIN), x);
-    *n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_sub_ps(x, *n);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(c[degree]);
+#pragma GCC unroll 8
+    for (int k = degree - 1; k >= 0; k--) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+    return _mm512_maskz_scalef_ps(keep, p, n); /* p * 2^n, exact */
 }
 
-/* 2^x as exp2.h's polynomial: x = n + f (exp2_reduce), 2^f by Horner, then
- * scaled by 2^n. */
+/* 2^x as exp2.h's polynomial. */
 static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x) {
-    __m512 n;
-    __mmask16 keep;
-    const __m512 f = exp2_reduce(x, &n, &keep);
-    __m512 p = _mm512_set1_ps(ATTN__EXP2F_C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ATTN__EXP2F_C0));
-    return _mm512_maskz_scalef_ps(keep, p, n); /* p * 2^n, exact */
+    static const float c[7] = {ATTN__EXP2F_C0, ATTN__EXP2F_C1, ATTN__EXP2F_C2, ATTN__EXP2F_C3,
+                               ATTN__EXP2F_C4, ATTN__EXP2F_C5, ATTN__EXP2F_C6};
+    return exp2_fit(x, c, 6);
 }
 
 /* ---- the online softmax down columns (queries in lanes) ---- */
