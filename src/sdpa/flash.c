@@ -132,7 +132,7 @@ static int64_t gang_size(const attn__problem *p, const flash_work *w) {
  * groups, so each key's score is the same sum as in one call. */
 enum { GANG_STEP = 8 };
 
-/* Rows ganged decoding requests ahead of its walk (gang_prefetch). The walk
+/* Rows ganged decoding requests ahead of its walk (gang_request). The walk
  * reads each head's slice of GANG_STEP rows, a pattern the prefetchers
  * follow poorly (attn_bench kv-read, Zen 4: 24 GB/s against a 33 GB/s
  * stream); whole rows requested in walk order make the misses one stream.
