@@ -19,13 +19,16 @@
 
 /* ---- exp2 on 8 lanes: the polynomial of exp2.h ---- */
 
-ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
+ALWAYS_INLINE __m256 exp2_ps(__m256 x) {
     /* Without vscalefps, 2^n is built in the exponent field. Lanes below
-     * -125 (masked keys are -inf) are set to an exact 0 afterwards, so no
-     * subnormal is produced (each costs a microcode assist on Intel cores);
-     * weights that small are below float32 resolution next to the row's
-     * largest weight (1). NaN passes through both steps. */
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(ATTN__EXP2F_MIN), x0);
+     * -125 (masked keys are -inf) are set to an exact 0 afterwards: what
+     * they computed (an exponent field out of range, NaN from -inf) is
+     * dropped, and no subnormal is produced on the way (each costs a
+     * microcode assist on Intel cores; a field of 0 or below is +0 or a
+     * large negative value, never a subnormal). Weights that small are
+     * below float32 resolution next to the row's largest weight (1). NaN
+     * passes through. (A clamp of x at -125 first kept the lanes finite,
+     * one operation per vector on the softmax's critical path.) */
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
     __m256 p = _mm256_set1_ps(ATTN__EXP2F_C6);
@@ -37,8 +40,8 @@ ALWAYS_INLINE __m256 exp2_ps(__m256 x0) {
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(ATTN__EXP2F_C0));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     p = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    /* keep lanes with x0 >= -125 or NaN (not-less-than is true for NaN) */
-    const __m256 keep = _mm256_cmp_ps(x0, _mm256_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
+    /* keep lanes with x >= -125 or NaN (not-less-than is true for NaN) */
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(ATTN__EXP2F_MIN), _CMP_NLT_UQ);
     return _mm256_and_ps(p, keep);
 }
 
