@@ -110,11 +110,12 @@ typedef struct attn__ukernel {
                         int64_t nrows, int64_t width, double *dst, int64_t ld);
 
     /* ---- micro-kernels, float32 ---- */
-    /* Optional (NULL: the driver transposes through load_rows): Qt[e][r] =
-     * scale · q[r·rs + e·cs] for r < nr, 0 for nr <= r < lanes; rows
-     * uniformly strided, q already in the compute type. */
+    /* Optional (NULL: the driver transposes through load_rows): Qt[e·ldqt +
+     * r] = scale · q[r·rs + e·cs] for r < nr, 0 for nr <= r < lanes; rows
+     * uniformly strided, q already in the compute type; ldqt >= lanes (a
+     * block's columns of a wider Qt, as the backward packs a group's). */
     void (*pack_qt_f)(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
-                      float *qt, int64_t lanes);
+                      float *qt, int64_t lanes, int64_t ldqt);
     /* St = K · Qt (keys x lanes). keys (or NULL: all nk): for each group of
      * lane_step lanes, the keys it needs; St entries of a group past its
      * count may be left as they are (rows past the causal diagonal, hidden
@@ -208,7 +209,7 @@ typedef struct attn__ukernel {
 
     /* ---- micro-kernels, float64: the same contracts ---- */
     void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
-                      double scale, double *qt, int64_t lanes);
+                      double scale, double *qt, int64_t lanes, int64_t ldqt);
     void (*qkt_d)(const double *qt, int64_t ldqt, const double *k, int64_t ldk, int64_t E,
                   int64_t nk, int64_t lanes, double *st, int64_t ldst, const int64_t *keys);
     void (*softmax_t_d)(double *st, int64_t ldst, int64_t nk, int64_t lanes, double c,

@@ -30,7 +30,7 @@
  * transposed in registers (about 4x fewer cycles than gathers; small heads,
  * MHA's 32 x 40 for one, spent 13% of their time packing with gathers). */
 static void pack_qt_rows_f(const float *q, int64_t rs, int64_t nr, int64_t E, float scale,
-                           float *qt, int64_t lanes) {
+                           float *qt, int64_t lanes, int64_t ldqt) {
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t c = 0; c < lanes; c += 16) {
         const int64_t live = nr - c < 0 ? 0 : nr - c < 16 ? nr - c : 16;
@@ -41,7 +41,7 @@ static void pack_qt_rows_f(const float *q, int64_t rs, int64_t nr, int64_t E, fl
             for (int i = 0; i < 16; i++)
                 r[i] = i < live ? _mm512_maskz_loadu_ps(em, q + (c + i) * rs + e0) : _mm512_setzero_ps();
             transpose16(r);
-            for (int k = 0; k < ne; k++) _mm512_storeu_ps(qt + (e0 + k) * lanes + c, _mm512_mul_ps(r[k], sc));
+            for (int k = 0; k < ne; k++) _mm512_storeu_ps(qt + (e0 + k) * ldqt + c, _mm512_mul_ps(r[k], sc));
         }
     }
 }
@@ -49,15 +49,15 @@ static void pack_qt_rows_f(const float *q, int64_t rs, int64_t nr, int64_t E, fl
 /* Otherwise one 16-lane gather per (e, 16 rows): far cheaper than a scalar
  * transpose. Falls back to the portable loop when row offsets exceed 32 bits. */
 static void pack_qt_f(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_t E, float scale,
-                      float *qt, int64_t lanes) {
+                      float *qt, int64_t lanes, int64_t ldqt) {
     if (cs == 1) {
-        pack_qt_rows_f(q, rs, nr, E, scale, qt, lanes);
+        pack_qt_rows_f(q, rs, nr, E, scale, qt, lanes, ldqt);
         return;
     }
     const int64_t span = (nr > 0 ? nr - 1 : 0) * (rs < 0 ? -rs : rs);
     if (span > INT32_MAX / 4) {
         for (int64_t e = 0; e < E; e++)
-            for (int64_t r = 0; r < lanes; r++) qt[e * lanes + r] = r < nr ? q[r * rs + e * cs] * scale : 0;
+            for (int64_t r = 0; r < lanes; r++) qt[e * ldqt + r] = r < nr ? q[r * rs + e * cs] * scale : 0;
         return;
     }
     const __m512 sc = _mm512_set1_ps(scale);
@@ -70,7 +70,7 @@ static void pack_qt_f(const float *q, int64_t rs, int64_t cs, int64_t nr, int64_
                                                _mm512_set1_epi32((int)rs));
         for (int64_t e = 0; e < E; e++) {
             const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, q + e * cs, 4);
-            _mm512_storeu_ps(qt + e * lanes + c, _mm512_mul_ps(x, sc));
+            _mm512_storeu_ps(qt + e * ldqt + c, _mm512_mul_ps(x, sc));
         }
     }
 }
