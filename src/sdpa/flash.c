@@ -347,6 +347,7 @@ static void setup_rows_at(const attn__problem *p, const flash_work *w, int64_t g
      * along without a division per row (the backward sets up a run of rows
      * at every key block: 2% of its profile with two per row). */
     int64_t b = -1, q0 = 0, out0 = 0, lse0 = 0, w0 = 0, m0[ATTN__MAX_MASKS] = {0}, held = 0;
+    if (n <= 0) return; /* (L may be 0 then) */
     int64_t h = r0 / p->L, i = r0 % p->L;
     for (int64_t r = 0; r < n; r++) {
         flash_row *row = &rows[r];
