@@ -1154,6 +1154,17 @@ static void varlen_hostile(void) {
     c.tcu_q.shape[1] = 1;
     EXPECT_FAIL(varlen_call(&c), ATTN_ERR_SHAPE, "cu_seqlens_q");
     c.tcu_q.rank = 1;
+    /* No sequence (cu_seqlens of one entry): that entry is still checked
+     * (it returned ATTN_OK for [5], [-3] or [7], and Python then trusted it) */
+    c.tcu_q.shape[0] = c.tcu_k.shape[0] = 1;
+    c.cu_q[0] = 5;
+    EXPECT_FAIL(varlen_call(&c), ATTN_ERR_INVALID, "cu_seqlens_q");
+    c.cu_q[0] = 0;
+    c.cu_k[0] = -3;
+    EXPECT_FAIL(varlen_call(&c), ATTN_ERR_INVALID, "cu_seqlens_k");
+    c.cu_k[0] = 0;
+    CHECK_OK(varlen_call(&c));
+    c.tcu_q.shape[0] = c.tcu_k.shape[0] = 3;
     EXPECT_FAIL(attn_sdpa_varlen(q, k, v, NULL, &c.tcu_k, 5, 6, NULL, out, NULL), ATTN_ERR_NULL,
                 "cu_seqlens_q");
     EXPECT_FAIL(attn_sdpa_varlen(q, k, v, &c.tcu_q, &c.tcu_k, 4, 6, NULL, out, NULL),

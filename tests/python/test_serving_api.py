@@ -337,6 +337,11 @@ def _varlen_error(rng, exc, match, arg=None, **changes):
      None),  # one sequence of keys for two of queries
     (dict(cu_seqlens_q=np.array([[0, 2, 5]], np.int32)), ValueError, "cu_seqlens_q",
      "cu_seqlens_q"),
+    # no sequence: the one offset must still be 0 (it passed, and lse came back 0, not -inf)
+    (dict(cu_seqlens_q=np.array([5], np.int32), cu_seqlens_k=np.array([5], np.int32)),
+     ValueError, r"cu_seqlens_q\[0\] is 5", "cu_seqlens_q"),
+    (dict(cu_seqlens_q=np.array([0], np.int32), cu_seqlens_k=np.array([-3], np.int32)),
+     ValueError, r"cu_seqlens_k\[0\] is -3", "cu_seqlens_k"),
     (dict(max_seqlen_q=2), ValueError, "max_seqlen_q", "max_seqlen_q"),
     (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k is -1", None),
     (dict(max_seqlen_k=3.0), TypeError, "max_seqlen_k must be an int", None),
