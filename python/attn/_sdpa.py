@@ -197,9 +197,10 @@ def check_modifiers(a, window_size, alibi_slopes, softcap, sinks, grad_ok=False)
     and attn.attention_with_kvcache."""
     a.window = check_window(window_size)
     a.softcap = check_softcap(softcap)
-    a.alibi = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes", FLOAT,
+    # any float dtype, as attn.h takes them (a bfloat16 model's sinks are bfloat16)
+    a.alibi = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes", TENSOR,
                                                          grad_ok)
-    a.sinks = None if sinks is None else as_array(sinks, "sinks", FLOAT, grad_ok)
+    a.sinks = None if sinks is None else as_array(sinks, "sinks", TENSOR, grad_ok)
 
 
 def check_dtypes(q, k, v, names=("query", "key", "value")):

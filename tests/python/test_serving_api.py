@@ -119,6 +119,36 @@ def test_sdpa_a_torch_sinks_tensor_makes_the_call_a_torch_call(rng):
     assert isinstance(out, torch.Tensor)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sdpa_16_bit_slopes_and_sinks_act_as_their_float32_values(rng, dtype):
+    # attn.h takes slopes and sinks of any float dtype; Python refused 16-bit
+    # ones ("expected float32 or float64"), so a bfloat16 model's own sinks
+    # parameter could not be passed. The call must equal the one with the
+    # same values widened, and the sinks' gradient comes back in their dtype.
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.tensor(randn(rng, 1, 4, n, 8), dtype=torch.float32) for n in (5, 7, 7))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).to(tdt)
+    sinks = torch.tensor([0.3, -1.0, 2.0, 0.0]).to(tdt).requires_grad_()
+    wide = sinks.detach().float().requires_grad_()
+    out = attn.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, sinks=sinks)
+    want = attn.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes.float(), sinks=wide)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.sum().backward()
+    want.sum().backward()
+    assert sinks.grad.dtype == tdt
+    torch.testing.assert_close(sinks.grad, wide.grad.to(tdt), rtol=0, atol=0)
+    if dtype == "float16":  # NumPy float16 too, and through varlen
+        got = attn.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(),
+                                                alibi_slopes=slopes.numpy(),
+                                                sinks=sinks.detach().numpy())
+        np.testing.assert_array_equal(got, want.detach().numpy())
+        pack = [x[0].transpose(0, 1).contiguous().numpy() for x in (q, k, v)]
+        cu_q, cu_k = np.array([0, 5], np.int32), np.array([0, 7], np.int32)
+        got = attn.varlen_attention(*pack, cu_q, cu_k, 5, 7, alibi_slopes=slopes.numpy(),
+                                    sinks=sinks.detach().numpy())
+        np.testing.assert_array_equal(got, want.detach()[0].transpose(0, 1).numpy())
+
+
 def test_sdpa_sink_row_without_keys_gives_zero_and_lse_sink(rng):
     q = randn(rng, 2, 3, 8)
     sinks = np.array([0.7, -2.0])
