@@ -24,8 +24,8 @@ ALWAYS_INLINE __m256 exp2_ps(__m256 x) {
      * -125 (masked keys are -inf) are set to an exact 0 afterwards: what
      * they computed (an exponent field out of range, NaN from -inf) is
      * dropped, and no subnormal is produced on the way (each costs a
-     * microcode assist on Intel cores; a field of 0 or below is +0 or a
-     * large negative value, never a subnormal). Weights that small are
+     * microcode assist on Intel cores; a field of 0 or below gives +0, -inf
+     * or a large negative value, never a subnormal). Weights that small are
      * below float32 resolution next to the row's largest weight (1). NaN
      * passes through. (A clamp of x at -125 first kept the lanes finite,
      * one operation per vector on the softmax's critical path.) */
