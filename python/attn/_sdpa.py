@@ -8,7 +8,6 @@ import numpy as np
 from . import _attn
 from ._arrays import (
     results,
-    FLOAT,
     TENSOR,
     _is_torch_tensor,
     MASK,

@@ -78,8 +78,7 @@ static attn_status check_offset_tensors(const varlen_args *a, int64_t *B) {
 /* Reads cu_seqlens (B + 1,) into start[n] and len[n] for n < B and checks
  * them: 0 first, non-decreasing, the last <= total (rows of `rows_of`), no
  * length above max_seqlen. *longest gets the longest length. With B = 0
- * only the first entry is read (start and len may be NULL): it must be 0
- * all the same, else a caller's [5] passed for "no sequence". */
+ * only the first entry is read: it must be 0 all the same. */
 static attn_status read_offsets(const attn_tensor *cu, const char *name, int64_t total,
                                 const char *rows_of, int64_t max_seqlen, const char *max_name,
                                 int64_t *start, int64_t *len, int64_t *longest) {
@@ -236,20 +235,13 @@ attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k, const a
     if ((st = check_args(&p, &a, &prm, &B)) != ATTN_OK) return st;
     /* A call cancelled before it starts fails even when it has nothing to do. */
     if (attn__cancelled(p.cancel)) return attn__fail_cancelled();
-    if (B == 0) { /* no sequence: nothing to compute, but the offsets still hold rules */
-        int64_t none;
-        st = read_offsets(cu_seqlens_q, "cu_seqlens_q", q->shape[0], a.qn, max_seqlen_q,
-                          "max_seqlen_q", NULL, NULL, &none);
-        if (st == ATTN_OK)
-            st = read_offsets(cu_seqlens_k, "cu_seqlens_k", k->shape[0], a.kn, max_seqlen_k,
-                              "max_seqlen_k", NULL, NULL, &none);
-        return st;
-    }
 
     /* Starts and lengths per sequence, int64 as the problem reads them:
      * (4, B) = q starts, q lengths, k starts, k lengths. Copied, so that
-     * the caller's offsets are read once, here, where they are checked. */
-    int64_t *seq = attn__alloc_array((size_t)B * 4, sizeof(int64_t));
+     * the caller's offsets are read once, here, where they are checked:
+     * with no sequence (B = 0) too, whose one offset must still be 0, and
+     * where nothing is computed after (L = 0). */
+    int64_t *seq = attn__alloc_array((size_t)(B > 0 ? B : 1) * 4, sizeof(int64_t));
     if (seq == NULL) return ATTN_ERR_NOMEM;
     int64_t *q_start = seq, *q_len = seq + B, *k_start = seq + 2 * B, *k_len = seq + 3 * B;
     int64_t longest_q = 0, longest_k = 0;
