@@ -666,6 +666,24 @@ static bool bwd_packs_group(const attn__problem *p, const flash_work *w, size_t 
     return nkb > w->nchunks && bytes <= BWD_PACK_BUDGET;
 }
 
+/* Whether the backward adds dQ straight into dq's rows (bwd_task zeroes a
+ * group's rows, then its key blocks add to them): one key chunk, so one
+ * task per group and no partial sums to add; dq in place and its own for
+ * every batch index; each group's rows one stride apart (heads after each
+ * other, as in (B, H, L, E)). Otherwise the chunks' sums go to a zeroed
+ * buffer of nchunks times dq's size, added into place afterwards
+ * (bwd_reduce_dq): a memset on one thread and a pass over dq more. */
+static bool bwd_dq_direct(const attn__problem *p, const flash_work *w) {
+    if (!p->has_dq || w->nchunks != 1 || !operand_in_place(p, &p->dq) ||
+        attn__operand_shared(p, &p->dq))
+        return false;
+    for (int64_t b = 0; b < p->nbatch; b++)
+        if (b % w->G != 0 && attn__batch_offset(p, &p->dq, b) !=
+                                 attn__batch_offset(p, &p->dq, b - 1) + p->L * p->dq.rs)
+            return false;
+    return true;
+}
+
 /* Whether each group's K (or V) head is its own: shared only along the head
  * dimension, by exactly the group's heads. Otherwise several groups add to
  * one gradient element, and the backward sums them by attn__grad_fold. */
