@@ -464,6 +464,7 @@ static void dropout_keep(const attn__problem *p, uint64_t index, int64_t n, unsi
 /* Scratch per thread, in elements of the compute type. */
 typedef struct flash_scratch_size {
     int64_t q, kp, vp, s, o, stat, keep;
+    int64_t stage;  /* a block's Q rows copied before their transpose (pack_q) */
     int64_t pairs;  /* bf16_pairs: P of a block and vslots blocks of V in key
                        pairs (uint32_t, a float's size) */
     int64_t vslots; /* key blocks of V kept packed (v_pairs)                */
@@ -485,6 +486,7 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     flash_scratch_size z;
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
     z.q = w->BR * p->E;                        /* Q rows, or Qt (E x lanes)     */
+    z.stage = w->direct ? 0 : w->BR * p->E;    /* Q rows (lanes x E)            */
     /* K rows, when loaded (a gang's: every head's) */
     z.kp = w->gang > 1 || key_buffer(p, &p->k) ? w->gang * w->BC * p->E : 0;
     z.vp = w->gang > 1 || key_buffer(p, &p->v) ? w->gang * w->BC * p->Ev : 0; /* likewise */
