@@ -541,10 +541,6 @@ static bool bwd_tiny(const attn__problem *p) {
 enum { BWD_TASKS_MIN = 8 }; /* split keys into chunks while there are fewer tasks */
 enum { BWD_FLUSH = 8 };      /* query blocks summed in registers before dK, dV take them */
 enum { BWD_KEYS_MAX = 256 };  /* keys per backward block, at most (bwd_keys) */
-/* Keys per call of bwd_key_sums on the diagonal and rows per call of
- * bwd_row_sums there: the pv micro-kernels' row tile (6 on AVX-512 and
- * AVX2), so that no call runs a narrower tile than it must. */
-enum { BWD_DIAGONAL_TILE = 6 };
 #define BWD_DQ_BUDGET ((int64_t)32 << 20) /* bytes of dq partial sums, unless one is more */
 #define BWD_PACK_BUDGET ((int64_t)8 << 20) /* bytes per thread of a group's packed Qt, dOt */
 
