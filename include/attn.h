@@ -489,6 +489,25 @@ ATTN_API attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k
                                       int64_t max_seqlen_k, const attn_sdpa_params *params,
                                       attn_tensor *out, attn_tensor *lse);
 
+/* The backward pass of attn_sdpa_varlen (FlashAttention's varlen backward):
+ * dq, dk, dv from dout and the forward's q, k, v, out and lse, with the same
+ * offsets and params. As for attn_sdpa_backward, lse is best asked of the
+ * forward with params->lse_for_backward set (the lse of the scores the
+ * backward recomputes); dropout is replayed from params' seed and
+ * rng_offset.
+ *   dout          (total_q, Hq, Ev), q's dtype, like out
+ *   out, lse      the forward's: (total_q, Hq, Ev) and (Hq, total_q)
+ *   dq, dk, dv    each optional (NULL: not computed), shaped and typed like
+ *                 q, k, v; dk and dv sum the Hq / Hkv query heads of a group
+ * Rows no sequence holds (past cu_seqlens_q[B], cu_seqlens_k[B]) get 0, as
+ * do keys no query row sees. Everything else is attn_sdpa_backward's:
+ * accumulation, bitwise identical results for any thread count, NaN rules. */
+ATTN_API attn_status attn_sdpa_varlen_backward(
+    const attn_tensor *dout, const attn_tensor *q, const attn_tensor *k, const attn_tensor *v,
+    const attn_tensor *out, const attn_tensor *lse, const attn_tensor *cu_seqlens_q,
+    const attn_tensor *cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    const attn_sdpa_params *params, attn_tensor *dq, attn_tensor *dk, attn_tensor *dv);
+
 /* Decoding (and chunked prefill) against a KV cache. First the new rows k, v
  * (when given) are written into the cache in place at rows cache_seqlens[b]
  * .. cache_seqlens[b] + Lnew - 1 of sequence b; then q attends to rows

@@ -61,7 +61,7 @@ void attn__problem_key_slice(const attn__problem *whole, int64_t j0, int64_t nk,
 
 bool attn__operand_shared(const attn__problem *p, const attn__operand *op) {
     for (int d = 0; d < p->nb; d++)
-        if (p->bshape[d] > 1 && (op->bstride[d] == 0 || op->bdiv[d] > 1)) return true;
+        if (p->bshape[d] > 1 && (attn__dim_broadcast(op, d) || op->bdiv[d] > 1)) return true;
     return false;
 }
 
@@ -71,7 +71,7 @@ static int64_t representative(const attn__problem *p, const attn__operand *op, i
     for (int d = p->nb - 1; d >= 0; d--) {
         const int64_t idx = b % p->bshape[d];
         b /= p->bshape[d];
-        const int64_t canon = op->bstride[d] == 0 ? 0 : idx / op->bdiv[d] * op->bdiv[d];
+        const int64_t canon = attn__dim_broadcast(op, d) ? 0 : idx / op->bdiv[d] * op->bdiv[d];
         rep += canon * mult;
         mult *= p->bshape[d];
     }
@@ -79,8 +79,8 @@ static int64_t representative(const attn__problem *p, const attn__operand *op, i
 }
 
 void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *partial,
-                     int64_t rows, int64_t width) {
-    const int64_t mat = rows * width;
+                     bool keys, int64_t width) {
+    const int64_t rows = keys ? p->S : p->L, mat = rows * width;
     for (int64_t b = 0; b < p->nbatch; b++) { /* batch indices onto their representative */
         const int64_t rep = representative(p, op, b);
         if (rep == b) continue;
@@ -98,7 +98,8 @@ void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *pa
                     if (rr != r || cc != c) m[rr * width + cc] += m[r * width + c];
                 }
         const int64_t off = attn__batch_offset(p, op, b);
-        const int64_t nr = op->rs == 0 ? 1 : rows, nc = op->cs == 0 ? 1 : width;
+        const int64_t held = keys ? attn__keys_of(p, b) : attn__rows_of(p, b);
+        const int64_t nr = op->rs == 0 ? 1 : held, nc = op->cs == 0 ? 1 : width;
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = 0; c < nc; c++)
                 attn__store(op->data, op->dtype, off + r * op->rs + c * op->cs, m[r * width + c]);

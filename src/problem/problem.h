@@ -191,6 +191,13 @@ static inline int64_t attn__rows_together(const attn__problem *p, const attn__op
     return op->page_rows - (p->k_pos0 + r) % op->page_rows;
 }
 
+/* Whether op is broadcast along batch dimension d (the same elements for
+ * every index there): a zero stride, except along the sequences of a ragged
+ * operand, which seq_start locates instead (a packed varlen tensor). */
+static inline bool attn__dim_broadcast(const attn__operand *op, int d) {
+    return op->bstride[d] == 0 && !(d == 0 && op->seq_start != NULL && op->pages == NULL);
+}
+
 /* Query rows and keys that batch index b holds (< L, S when ragged). A key
  * slice of a ragged problem holds the part of each sequence's keys that
  * falls in it: none when the sequence ends before the slice. */
@@ -380,10 +387,12 @@ bool attn__operand_shared(const attn__problem *p, const attn__operand *op);
 /* Stores gradient contributions into the gradient `op` describes, summing
  * those that share an element in a fixed order (batch index, then row, then
  * column), in float64, and rounding once. `partial` is dense (nbatch, rows,
- * width) and is overwritten. Rows and columns reduce too where op's row or
- * column stride is 0 (a mask broadcast over queries or keys). */
+ * width), rows = S for a key-side gradient (`keys`: dk, dv), else L, and is
+ * overwritten. Ragged, only the rows a batch index holds are stored (the
+ * rest belong to other sequences). Rows and columns reduce too where op's
+ * row or column stride is 0 (a mask broadcast over queries or keys). */
 void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *partial,
-                     int64_t rows, int64_t width);
+                     bool keys, int64_t width);
 
 /* A slice of a whole problem: keys [j0, j0 + nk) (nk >= 1), with the
  * slice's global key position, so that causality and dropout stay those of

@@ -649,7 +649,10 @@ static int64_t bwd_end_row(const attn__problem *p, int64_t b, int64_t j, int64_t
  * the group's last row. */
 static int64_t bwd_next_rows(const attn__problem *p, const flash_work *w, int64_t g, int64_t j0,
                              int64_t j1, int64_t *r0) {
-    if (p->causal == ATTN_CAUSAL_NONE && p->window_left < 0 && p->window_right < 0) {
+    /* ragged rows take the runs below too: they end at the sequence's last
+     * row, and rows past it are another sequence's (or past the tensor) */
+    if (p->causal == ATTN_CAUSAL_NONE && p->window_left < 0 && p->window_right < 0 &&
+        p->q.seq_len == NULL) {
         const int64_t left = w->nrows - *r0;
         return left < w->BR ? left : w->BR;
     }
@@ -718,15 +721,17 @@ static bool bwd_dq_direct(const attn__problem *p, const flash_work *w) {
  * one gradient element, and the backward sums them by attn__grad_fold. */
 static bool group_owns(const attn__problem *p, const flash_work *w, const attn__operand *op) {
     for (int d = 0; d < p->nb - 1; d++)
-        if (p->bshape[d] > 1 && op->bstride[d] == 0) return false;
+        if (p->bshape[d] > 1 && attn__dim_broadcast(op, d)) return false;
     return head_sharing(p, op) == w->G;
 }
 
-/* Whether every element of a gradient is finite. */
-static bool grad_finite(const attn__problem *p, const attn__operand *op, int64_t rows,
+/* Whether every element of a gradient is finite: of the rows each batch
+ * index holds (a key-side gradient's: `keys`). */
+static bool grad_finite(const attn__problem *p, const attn__operand *op, bool keys,
                         int64_t width) {
     for (int64_t b = 0; b < p->nbatch; b++) {
         const int64_t base = attn__batch_offset(p, op, b);
+        const int64_t rows = keys ? attn__keys_of(p, b) : attn__rows_of(p, b);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t c = 0; c < width; c++)
                 if (!isfinite(attn__load(op->data, op->dtype, base + r * op->rs + c * op->cs)))
@@ -742,9 +747,9 @@ static bool bwd_grads_finite(const attn__problem *p, const flash_work *w) {
     const bool dq_checked = operand_in_place(p, &p->dq) && !attn__operand_shared(p, &p->dq);
     const bool dk_checked = operand_in_place(p, &p->dk) && group_owns(p, w, &p->dk);
     const bool dv_checked = operand_in_place(p, &p->dv) && group_owns(p, w, &p->dv);
-    return (!p->has_dq || dq_checked || grad_finite(p, &p->dq, p->L, p->E)) &&
-           (!p->has_dk || dk_checked || grad_finite(p, &p->dk, p->S, p->E)) &&
-           (!p->has_dv || dv_checked || grad_finite(p, &p->dv, p->S, p->Ev));
+    return (!p->has_dq || dq_checked || grad_finite(p, &p->dq, false, p->E)) &&
+           (!p->has_dk || dk_checked || grad_finite(p, &p->dk, true, p->E)) &&
+           (!p->has_dv || dv_checked || grad_finite(p, &p->dv, true, p->Ev));
 }
 
 /* tanh for the float32 soft-cap, written so that the compiler vectorizes

@@ -201,9 +201,9 @@ attn_status attn__sdpa_backward_reference(const attn__problem *p) {
     if ((p->has_dq && !gq) || (p->has_dk && !gk) || (p->has_dv && !gv)) st = ATTN_ERR_NOMEM;
     if (st == ATTN_OK && (gq || gk || gv)) st = reference_qkv(p, gq, gk, gv);
     if (st == ATTN_OK) {
-        if (gq) attn__grad_fold(p, &p->dq, gq, p->L, p->E);
-        if (gk) attn__grad_fold(p, &p->dk, gk, p->S, p->E);
-        if (gv) attn__grad_fold(p, &p->dv, gv, p->S, p->Ev);
+        if (gq) attn__grad_fold(p, &p->dq, gq, false, p->E);
+        if (gk) attn__grad_fold(p, &p->dk, gk, true, p->E);
+        if (gv) attn__grad_fold(p, &p->dv, gv, true, p->Ev);
     }
     attn__free(gq);
     attn__free(gk);

@@ -8,7 +8,7 @@
 #define SDPA_PARAMS_FIRST_SIZE ATTN__SIZE_THROUGH(attn_sdpa_params, arg_names)
 
 attn_status attn__serving_params(attn_sdpa_params *params, const attn_sdpa_params *user,
-                                 const char *call) {
+                                 const char *call, bool has_backward) {
     attn_sdpa_params_init(params);
     if (user == NULL) return ATTN_OK;
     attn_status st = attn__read_params(params, sizeof *params, SDPA_PARAMS_FIRST_SIZE, user,
@@ -30,7 +30,7 @@ attn_status attn__serving_params(attn_sdpa_params *params, const attn_sdpa_param
                                   "%s is %lld; %s computes whole sequences (positions come from "
                                   "each sequence's own lengths): leave it 0",
                                   slice[i].name, (long long)slice[i].value, call);
-    if (params->lse_for_backward != 0)
+    if (params->lse_for_backward != 0 && !has_backward)
         return attn__fail_arg(ATTN_ERR_INVALID, "params.lse_for_backward",
                               "params.lse_for_backward is set, but %s has no backward pass; its "
                               "lse is always exact",

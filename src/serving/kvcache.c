@@ -448,7 +448,7 @@ attn_status attn_sdpa_kvcache(const attn_tensor *q, attn_tensor *k_cache, attn_t
                               const attn_sdpa_params *params, attn_tensor *out, attn_tensor *lse) {
     attn__clear_error();
     attn_sdpa_params prm;
-    attn_status st = attn__serving_params(&prm, params, "attn_sdpa_kvcache");
+    attn_status st = attn__serving_params(&prm, params, "attn_sdpa_kvcache", false);
     if (st != ATTN_OK) return st;
     kv_args a;
     memset(&a, 0, sizeof a);

@@ -16,10 +16,11 @@
 
 /* The caller's params (NULL: the defaults) read into *params, refusing the
  * fields a serving call has no use for: attn_mask, the slice fields
- * (q_offset, k_offset, q_total, k_total) and lse_for_backward. `call` names
- * the entry point in messages. */
+ * (q_offset, k_offset, q_total, k_total), and lse_for_backward unless the
+ * call has a backward pass (`has_backward`: attn_sdpa_varlen and its
+ * backward). `call` names the entry point in messages. */
 attn_status attn__serving_params(attn_sdpa_params *params, const attn_sdpa_params *user,
-                                 const char *call);
+                                 const char *call, bool has_backward);
 
 /* What messages call operand `role` (q, k, v, out, lse): params->arg_names
  * when it renames it, else its C name. */

@@ -207,13 +207,55 @@ static attn_status check_args(attn__problem *p, const varlen_args *a,
     return attn__serving_scalars(p, params);
 }
 
+/* The sequences of a call, read once from the caller's offsets where they
+ * are checked: (4, B) int64 = q starts, q lengths, k starts, k lengths. */
+typedef struct varlen_seqs {
+    int64_t *buf;
+    int64_t *q_start, *q_len, *k_start, *k_len;
+} varlen_seqs;
+
+/* Reads and checks the offsets into s (freed by the caller, also on
+ * failure) and sets p's L and S: the longest sequences (not max_seqlen, a
+ * bound the caller may round up), so the work and the dropout index depend
+ * on the sequences alone. A row with no key still has an output (0), so S
+ * is at least 1; k's seq_len keeps every key past a sequence's own out.
+ * With no sequence (B = 0) the one offset must still be 0, and L is 0. */
+static attn_status read_sequences(attn__problem *p, const varlen_args *a, int64_t B,
+                                  varlen_seqs *s) {
+    s->buf = attn__alloc_array((size_t)(B > 0 ? B : 1) * 4, sizeof(int64_t));
+    if (s->buf == NULL) return ATTN_ERR_NOMEM;
+    s->q_start = s->buf;
+    s->q_len = s->buf + B;
+    s->k_start = s->buf + 2 * B;
+    s->k_len = s->buf + 3 * B;
+    int64_t longest_q = 0, longest_k = 0;
+    attn_status st = read_offsets(a->cu_q, "cu_seqlens_q", a->q->shape[0], a->qn, a->max_q,
+                                  "max_seqlen_q", s->q_start, s->q_len, &longest_q);
+    if (st == ATTN_OK)
+        st = read_offsets(a->cu_k, "cu_seqlens_k", a->k->shape[0], a->kn, a->max_k,
+                          "max_seqlen_k", s->k_start, s->k_len, &longest_k);
+    p->L = longest_q;
+    p->S = longest_k > 0 ? longest_k : 1;
+    if (st == ATTN_OK) st = attn__serving_sizes(p, a->qn);
+    return st;
+}
+
+/* q, k, v (and the backward's dout, out, dq, dk, dv, which take q's, k's
+ * or v's layout) as packed operands of the sequences in s. */
+static void packed_inputs(attn__problem *p, const varlen_args *a, const varlen_seqs *s) {
+    const int64_t group = a->q->shape[1] / a->k->shape[1];
+    packed_operand(&p->q, a->q, 1, s->q_start, s->q_len);
+    packed_operand(&p->k, a->k, group, s->k_start, s->k_len);
+    packed_operand(&p->v, a->v, group, s->k_start, s->k_len);
+}
+
 attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k, const attn_tensor *v,
                              const attn_tensor *cu_seqlens_q, const attn_tensor *cu_seqlens_k,
                              int64_t max_seqlen_q, int64_t max_seqlen_k,
                              const attn_sdpa_params *params, attn_tensor *out, attn_tensor *lse) {
     attn__clear_error();
     attn_sdpa_params prm;
-    attn_status st = attn__serving_params(&prm, params, "attn_sdpa_varlen");
+    attn_status st = attn__serving_params(&prm, params, "attn_sdpa_varlen", true);
     if (st != ATTN_OK) return st;
     const varlen_args a = {q,
                            k,
@@ -235,41 +277,173 @@ attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k, const a
     if ((st = check_args(&p, &a, &prm, &B)) != ATTN_OK) return st;
     /* A call cancelled before it starts fails even when it has nothing to do. */
     if (attn__cancelled(p.cancel)) return attn__fail_cancelled();
-
-    /* Starts and lengths per sequence, int64 as the problem reads them:
-     * (4, B) = q starts, q lengths, k starts, k lengths. Copied, so that
-     * the caller's offsets are read once, here, where they are checked:
-     * with no sequence (B = 0) too, whose one offset must still be 0, and
-     * where nothing is computed after (L = 0). */
-    int64_t *seq = attn__alloc_array((size_t)(B > 0 ? B : 1) * 4, sizeof(int64_t));
-    if (seq == NULL) return ATTN_ERR_NOMEM;
-    int64_t *q_start = seq, *q_len = seq + B, *k_start = seq + 2 * B, *k_len = seq + 3 * B;
-    int64_t longest_q = 0, longest_k = 0;
-    st = read_offsets(cu_seqlens_q, "cu_seqlens_q", q->shape[0], a.qn, max_seqlen_q,
-                      "max_seqlen_q", q_start, q_len, &longest_q);
-    if (st == ATTN_OK)
-        st = read_offsets(cu_seqlens_k, "cu_seqlens_k", k->shape[0], a.kn, max_seqlen_k,
-                          "max_seqlen_k", k_start, k_len, &longest_k);
-    /* L and S are the longest sequences (not max_seqlen, a bound the
-     * caller may round up): the work and the dropout index depend on the
-     * sequences alone. A row with no key still has an output (0), so S is
-     * at least 1; k's seq_len keeps every key past a sequence's own out. */
-    p.L = longest_q;
-    p.S = longest_k > 0 ? longest_k : 1;
-    if (st == ATTN_OK) st = attn__serving_sizes(&p, a.qn);
+    varlen_seqs seqs;
+    st = read_sequences(&p, &a, B, &seqs);
     if (st == ATTN_OK && p.L > 0) {
-        const int64_t group = q->shape[1] / k->shape[1];
-        packed_operand(&p.q, q, 1, q_start, q_len);
-        packed_operand(&p.k, k, group, k_start, k_len);
-        packed_operand(&p.v, v, group, k_start, k_len);
-        packed_operand(&p.out, out, 1, q_start, q_len);
+        packed_inputs(&p, &a, &seqs);
+        packed_operand(&p.out, out, 1, seqs.q_start, seqs.q_len);
         if (lse != NULL) {
-            lse_operand(&p.lse, lse, q_start, q_len);
+            lse_operand(&p.lse, lse, seqs.q_start, seqs.q_len);
             p.has_lse = true;
-            p.lse_exact = true;
+            /* for attn_sdpa_varlen_backward: the lse of the scores it
+             * recomputes (the fused kernels' layout), as attn_sdpa's */
+            p.lse_for_backward = prm.lse_for_backward != 0;
+            p.lse_exact = !p.lse_for_backward;
         }
         st = attn__sdpa_execute(&p);
     }
-    attn__free(seq);
+    attn__free(seqs.buf);
+    return st;
+}
+
+/* ---- the backward pass ---- */
+
+/* The backward's tensors and their names in messages (the forward's
+ * out and lse are inputs here). */
+typedef struct varlen_grads {
+    const attn_tensor *dout;
+    attn_tensor *dq, *dk, *dv;
+} varlen_grads;
+
+/* A gradient (optional): the shape and dtype of its input. */
+static attn_status check_grad(const attn_tensor *g, const char *name, const attn_tensor *input,
+                              const char *input_name) {
+    if (g == NULL) return ATTN_OK;
+    attn_status st = attn__check_shape(g, name, ATTN__OUTPUT, 3, input->shape, NULL);
+    if (st != ATTN_OK) return st;
+    if (g->dtype != input->dtype)
+        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s like %s", name,
+                              attn_dtype_name(g->dtype), attn_dtype_name(input->dtype),
+                              input_name);
+    return ATTN_OK;
+}
+
+/* dout and out (total_q, Hq, Ev) in q's dtype, lse (Hq, total_q) in the
+ * compute dtype or float64; dq, dk, dv like q, k, v, writing nothing the
+ * call reads nor each other. */
+static attn_status check_backward_args(const attn__problem *p, const varlen_args *a,
+                                       const varlen_grads *g, const attn_sdpa_params *params) {
+    const int64_t out_shape[3] = {a->q->shape[0], a->q->shape[1], p->Ev};
+    const int64_t lse_shape[2] = {a->q->shape[1], a->q->shape[0]};
+    const attn_tensor *outs[2] = {g->dout, a->out};
+    const char *out_names[2] = {"dout", a->outn};
+    attn_status st;
+    for (int i = 0; i < 2; i++) {
+        if ((st = attn__check_shape(outs[i], out_names[i], ATTN__INPUT, 3, out_shape,
+                                    "(total_q, Hq, Ev)")) != ATTN_OK)
+            return st;
+        if (outs[i]->dtype != a->q->dtype)
+            return attn__fail_arg(ATTN_ERR_DTYPE, out_names[i], "%s is %s; expected %s like %s",
+                                  out_names[i], attn_dtype_name(outs[i]->dtype),
+                                  attn_dtype_name(a->q->dtype), a->qn);
+    }
+    if ((st = attn__check_shape(a->lse, a->lsen, ATTN__INPUT, 2, lse_shape, "(Hq, total_q)")) !=
+            ATTN_OK ||
+        (st = attn__check_lse_dtype(a->lse, a->lsen, p->dtype)) != ATTN_OK ||
+        (st = check_grad(g->dq, "dq", a->q, a->qn)) != ATTN_OK ||
+        (st = check_grad(g->dk, "dk", a->k, a->kn)) != ATTN_OK ||
+        (st = check_grad(g->dv, "dv", a->v, a->vn)) != ATTN_OK)
+        return st;
+    const attn__named_view writes[3] = {{g->dq, "dq"}, {g->dk, "dk"}, {g->dv, "dv"}};
+    const attn__named_view reads[10] = {{g->dout, "dout"},
+                                        {a->q, a->qn},
+                                        {a->k, a->kn},
+                                        {a->v, a->vn},
+                                        {a->out, a->outn},
+                                        {a->lse, a->lsen},
+                                        {a->cu_q, "cu_seqlens_q"},
+                                        {a->cu_k, "cu_seqlens_k"},
+                                        {params->alibi_slopes, "params.alibi_slopes"},
+                                        {params->sinks, "params.sinks"}};
+    return attn__serving_overlaps(writes, 3, reads, 10);
+}
+
+/* Rows from .. total-1 of a packed (total, heads, width) gradient set to 0:
+ * rows no sequence holds (past the last offset), whose gradient is 0. */
+static void zero_rows_from(attn_tensor *g, int64_t from) {
+    if (g == NULL) return;
+    const size_t size = attn_dtype_size(g->dtype);
+    for (int64_t r = from; r < g->shape[0]; r++)
+        for (int64_t h = 0; h < g->shape[1]; h++)
+            for (int64_t e = 0; e < g->shape[2]; e++) {
+                const int64_t at = r * g->strides[0] + h * g->strides[1] + e * g->strides[2];
+                memset((char *)g->data + at * (int64_t)size, 0, size); /* 0.0 in every dtype */
+            }
+}
+
+attn_status attn_sdpa_varlen_backward(const attn_tensor *dout, const attn_tensor *q,
+                                      const attn_tensor *k, const attn_tensor *v,
+                                      const attn_tensor *out, const attn_tensor *lse,
+                                      const attn_tensor *cu_seqlens_q,
+                                      const attn_tensor *cu_seqlens_k, int64_t max_seqlen_q,
+                                      int64_t max_seqlen_k, const attn_sdpa_params *params,
+                                      attn_tensor *dq, attn_tensor *dk, attn_tensor *dv) {
+    attn__clear_error();
+    attn_sdpa_params prm;
+    attn_status st = attn__serving_params(&prm, params, "attn_sdpa_varlen_backward", true);
+    if (st != ATTN_OK) return st;
+    /* out and lse are read here: varlen_args' output slots name them */
+    const varlen_args a = {q,
+                           k,
+                           v,
+                           cu_seqlens_q,
+                           cu_seqlens_k,
+                           (attn_tensor *)out,
+                           (attn_tensor *)lse,
+                           max_seqlen_q,
+                           max_seqlen_k,
+                           attn__serving_name(&prm, ATTN__Q),
+                           attn__serving_name(&prm, ATTN__K),
+                           attn__serving_name(&prm, ATTN__V),
+                           attn__serving_name(&prm, ATTN__OUT),
+                           attn__serving_name(&prm, ATTN__LSE)};
+    const varlen_grads g = {dout, dq, dk, dv};
+    attn__problem p;
+    memset(&p, 0, sizeof p);
+    int64_t B = 0;
+    if ((st = attn__check_tensor(dout, "dout", 1, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(out, a.outn, 1, ATTN__INPUT)) != ATTN_OK ||
+        (st = attn__check_tensor(lse, a.lsen, 1, ATTN__INPUT)) != ATTN_OK ||
+        (st = check_packed(&p, &a)) != ATTN_OK || (st = check_offset_tensors(&a, &B)) != ATTN_OK ||
+        (st = check_backward_args(&p, &a, &g, &prm)) != ATTN_OK)
+        return st;
+    if (a.max_q < 0 || a.max_k < 0)
+        return attn__fail_arg(ATTN_ERR_INVALID, a.max_q < 0 ? "max_seqlen_q" : "max_seqlen_k",
+                              "%s is %lld; expected >= 0 (the longest sequence's length)",
+                              a.max_q < 0 ? "max_seqlen_q" : "max_seqlen_k",
+                              (long long)(a.max_q < 0 ? a.max_q : a.max_k));
+    p.nb = 2;
+    p.bshape[0] = B;
+    p.bshape[1] = q->shape[1];
+    if ((st = attn__serving_scalars(&p, &prm)) != ATTN_OK) return st;
+    if (attn__cancelled(p.cancel)) return attn__fail_cancelled();
+    varlen_seqs seqs;
+    st = read_sequences(&p, &a, B, &seqs);
+    if (st == ATTN_OK && p.L > 0 && (dq != NULL || dk != NULL || dv != NULL)) {
+        packed_inputs(&p, &a, &seqs);
+        packed_operand(&p.out, (attn_tensor *)out, 1, seqs.q_start, seqs.q_len);
+        packed_operand(&p.dout, dout, 1, seqs.q_start, seqs.q_len);
+        lse_operand(&p.lse, lse, seqs.q_start, seqs.q_len);
+        p.has_lse = true;
+        attn__operand *const ops[3] = {&p.dq, &p.dk, &p.dv};
+        const attn__operand *const like[3] = {&p.q, &p.k, &p.v};
+        attn_tensor *const grads[3] = {dq, dk, dv};
+        bool *const has[3] = {&p.has_dq, &p.has_dk, &p.has_dv};
+        for (int i = 0; i < 3; i++) {
+            if (grads[i] == NULL) continue;
+            packed_operand(ops[i], grads[i], like[i]->bdiv[1], like[i]->seq_start,
+                           like[i]->seq_len);
+            *has[i] = true;
+        }
+        st = attn__sdpa_backward_execute(&p);
+    }
+    if (st == ATTN_OK) { /* rows no sequence holds: all of them with no query row */
+        const int64_t end_q = B > 0 && p.L > 0 ? attn__index1(cu_seqlens_q, B) : 0;
+        const int64_t end_k = B > 0 && p.L > 0 ? attn__index1(cu_seqlens_k, B) : 0;
+        zero_rows_from(dq, end_q);
+        zero_rows_from(dk, end_k);
+        zero_rows_from(dv, end_k);
+    }
+    attn__free(seqs.buf);
     return st;
 }

@@ -1230,9 +1230,6 @@ static void varlen_hostile(void) {
     c.p.k_total = 100;
     EXPECT_FAIL(varlen_call(&c), ATTN_ERR_INVALID, "params.k_total");
     c.p.k_total = 0;
-    c.p.lse_for_backward = 1;
-    EXPECT_FAIL(varlen_call(&c), ATTN_ERR_INVALID, "params.lse_for_backward");
-    c.p.lse_for_backward = 0;
     c.p.causal = (attn_causal)7;
     EXPECT_FAIL(varlen_call(&c), ATTN_ERR_INVALID, "params.causal");
     c.p.causal = ATTN_CAUSAL_NONE;
@@ -1498,6 +1495,9 @@ static void kvcache_hostile_args(void) {
     c.p.q_total = 9;
     REFUSED(kv_call(&c), ATTN_ERR_INVALID, "params.q_total");
     c.p.q_total = 0;
+    c.p.lse_for_backward = 1; /* a cache call has no backward pass (varlen has) */
+    REFUSED(kv_call(&c), ATTN_ERR_INVALID, "params.lse_for_backward");
+    c.p.lse_for_backward = 0;
     c.p.window_right = -7;
     REFUSED(kv_call(&c), ATTN_ERR_INVALID, "params.window_right");
     c.p.window_right = -1;

@@ -1,0 +1,477 @@
+/*
+ * test_varlen_backward.c — attn_sdpa_varlen_backward.
+ *
+ *  - on the reference path (float64), each sequence's gradients are those
+ *    of attn_sdpa_backward on its unpacked views, bit for bit (both add the
+ *    same float64 terms in the same order; without dropout, whose keep mask
+ *    is indexed over the packed batch);
+ *  - every fused path against the reference path, dropout, windows,
+ *    soft-capping and ALiBi included (float64 tight, float32 within a bound
+ *    that scales with the gradient's magnitude);
+ *  - bits identical for 1-3 threads on every fused path, with a long
+ *    sequence whose keys split into chunks and with GQA;
+ *  - rows no sequence holds get 0 (they hold a sentinel before the call),
+ *    and ASan builds check that no row outside the sequences is read;
+ *  - hostile arguments, each refused naming the argument.
+ */
+#include <float.h>
+
+#include "testutil.h"
+
+enum { MAXB = 8 };
+
+static const double SENTINEL = 7.25; /* what the gradients hold before a call */
+
+static const attn_causal CAUSALS[3] = {ATTN_CAUSAL_NONE, ATTN_CAUSAL_TOP_LEFT,
+                                       ATTN_CAUSAL_BOTTOM_RIGHT};
+
+typedef struct vb_case {
+    attn_dtype dt;
+    int64_t B, Hq, Hkv, E, Ev, total_q, total_k, max_q, max_k;
+    int32_t cu_q[MAXB + 1], cu_k[MAXB + 1];
+    attn_tensor tcu_q, tcu_k;
+    /* (total_q, Hq, E), (total_k, Hkv, E / Ev), out and dout (total_q, Hq, Ev),
+     * lse (Hq, total_q), gradients like q, k, v */
+    test_tensor q, k, v, out, lse, dout, dq, dk, dv;
+    float slopes[16];
+    attn_tensor alibi; /* (Hq,) */
+    attn_sdpa_params p;
+} vb_case;
+
+static void fill(const attn_tensor *t, double x) {
+    int64_t idx[ATTN_MAX_RANK] = {0}, n = attn_tensor_numel(t);
+    for (int64_t i = 0; i < n; i++) {
+        tt_set(t, idx, x);
+        for (int d = t->rank - 1; d >= 0; d--) {
+            if (++idx[d] < t->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+}
+
+static double get3(const attn_tensor *t, int64_t a, int64_t b, int64_t c) {
+    const int64_t idx[3] = {a, b, c};
+    return tt_get(t, idx);
+}
+
+/* Gradients of a case, full of the sentinel, in random layouts. */
+static void vb_grads(vb_case *c, rng *r) {
+    const int64_t qs[3] = {c->total_q, c->Hq, c->E}, ks[3] = {c->total_k, c->Hkv, c->E},
+                  vs[3] = {c->total_k, c->Hkv, c->Ev};
+    tt_make_output(&c->dq, r, c->dt, 3, qs, LAYOUT_RANDOM);
+    tt_make_output(&c->dk, r, c->dt, 3, ks, LAYOUT_RANDOM);
+    tt_make_output(&c->dv, r, c->dt, 3, vs, LAYOUT_RANDOM);
+    fill(&c->dq.t, SENTINEL);
+    fill(&c->dk.t, SENTINEL);
+    fill(&c->dv.t, SENTINEL);
+}
+
+/* Tensors for the sizes and offsets set in c; the forward's out and lse
+ * (lse_for_backward) computed on the current path. */
+static void vb_build(vb_case *c, rng *r) {
+    const int64_t qs[3] = {c->total_q, c->Hq, c->E}, ks[3] = {c->total_k, c->Hkv, c->E},
+                  vs[3] = {c->total_k, c->Hkv, c->Ev}, os[3] = {c->total_q, c->Hq, c->Ev},
+                  ls[2] = {c->Hq, c->total_q}, nb = c->B + 1;
+    tt_make(&c->q, r, c->dt, 3, qs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&c->k, r, c->dt, 3, ks, LAYOUT_RANDOM, 1, 0);
+    tt_make(&c->v, r, c->dt, 3, vs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&c->dout, r, c->dt, 3, os, LAYOUT_RANDOM, 1, 0);
+    tt_make_output(&c->out, r, c->dt, 3, os, LAYOUT_RANDOM);
+    tt_make_output(&c->lse, r, rng_int(r, 0, 1) ? ATTN_DTYPE_F64 : c->dt, 2, ls, LAYOUT_RANDOM);
+    attn_tensor_init(&c->tcu_q, c->cu_q, ATTN_DTYPE_I32, 1, &nb);
+    attn_tensor_init(&c->tcu_k, c->cu_k, ATTN_DTYPE_I32, 1, &nb);
+    vb_grads(c, r);
+}
+
+static attn_status vb_forward(vb_case *c) {
+    attn_sdpa_params p = c->p;
+    p.lse_for_backward = 1;
+    return attn_sdpa_varlen(&c->q.t, &c->k.t, &c->v.t, &c->tcu_q, &c->tcu_k, c->max_q, c->max_k,
+                            &p, &c->out.t, &c->lse.t);
+}
+
+static attn_status vb_backward(vb_case *c) {
+    return attn_sdpa_varlen_backward(&c->dout.t, &c->q.t, &c->k.t, &c->v.t, &c->out.t, &c->lse.t,
+                                     &c->tcu_q, &c->tcu_k, c->max_q, c->max_k, &c->p, &c->dq.t,
+                                     &c->dk.t, &c->dv.t);
+}
+
+static void vb_free(vb_case *c) {
+    test_tensor *all[] = {&c->q, &c->k, &c->v, &c->out, &c->lse, &c->dout, &c->dq, &c->dk, &c->dv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tt_free(all[i]);
+}
+
+/* Offsets for B sequences of random lengths (some empty, some past one key
+ * block); returns the total and sets *longest. */
+static int64_t draw_offsets(rng *r, int64_t B, int64_t most, int32_t *cu, int64_t *longest) {
+    cu[0] = 0;
+    *longest = 0;
+    for (int64_t n = 0; n < B; n++) {
+        const int64_t len = rng_int(r, 0, 7) == 0   ? 0
+                            : rng_int(r, 0, 3) == 0 ? rng_int(r, 1, most)
+                                                    : rng_int(r, 1, 30);
+        cu[n + 1] = (int32_t)(cu[n] + len);
+        if (len > *longest) *longest = len;
+    }
+    return cu[B];
+}
+
+/* A random case: sizes, offsets (rows past the last sequence too), causal,
+ * scale, and with `mods` dropout, a window, soft-capping and ALiBi. */
+static void vb_random(vb_case *c, rng *r, attn_dtype dt, bool mods) {
+    memset(c, 0, sizeof *c);
+    c->dt = dt;
+    c->B = rng_int(r, 1, 6);
+    c->Hkv = rng_int(r, 1, 2);
+    c->Hq = c->Hkv * rng_int(r, 1, 3);
+    c->E = rng_int(r, 0, 3) == 0 ? 64 : rng_int(r, 1, 20);
+    c->Ev = rng_int(r, 0, 3) == 0 ? c->E : rng_int(r, 1, 20);
+    int64_t longest_q, longest_k;
+    c->total_q = draw_offsets(r, c->B, 300, c->cu_q, &longest_q) + rng_int(r, 0, 3);
+    c->total_k = draw_offsets(r, c->B, 400, c->cu_k, &longest_k) + rng_int(r, 0, 3);
+    if (c->total_q == 0) c->total_q = 1; /* a tensor has rows; no sequence holds this one */
+    if (c->total_k == 0) c->total_k = 1;
+    c->max_q = longest_q + rng_int(r, 0, 2) * 5;
+    c->max_k = longest_k + rng_int(r, 0, 2) * 5;
+    attn_sdpa_params_init(&c->p);
+    c->p.causal = CAUSALS[rng_int(r, 0, 2)];
+    if (rng_int(r, 0, 3) == 0) {
+        c->p.has_scale = 1;
+        c->p.scale = rng_uniform(r) - 0.25;
+    }
+    if (mods) {
+        if (rng_int(r, 0, 2) == 0) c->p.dropout_p = 0.2;
+        c->p.seed = (uint64_t)rng_int(r, 0, 1000);
+        if (rng_int(r, 0, 3) == 0) {
+            c->p.window_left = rng_int(r, -1, 40);
+            c->p.window_right = rng_int(r, -1, 40);
+        }
+        if (rng_int(r, 0, 3) == 0) c->p.softcap = 2.0 + 10 * rng_uniform(r);
+        if (rng_int(r, 0, 3) == 0) {
+            for (int64_t h = 0; h < c->Hq; h++) c->slopes[h] = (float)(0.3 * rng_uniform(r));
+            attn_tensor_init(&c->alibi, c->slopes, ATTN_DTYPE_F32, 1, &c->Hq);
+            c->p.alibi_slopes = &c->alibi;
+        }
+    }
+    vb_build(c, r);
+}
+
+/* Rows [from, total) of a packed gradient are 0. */
+static void check_zero_tail(const attn_tensor *g, int64_t from, const char *name,
+                            const char *what) {
+    for (int64_t t = from; t < g->shape[0]; t++)
+        for (int64_t h = 0; h < g->shape[1]; h++)
+            for (int64_t e = 0; e < g->shape[2]; e++)
+                CHECK(get3(g, t, h, e) == 0, "%s: %s row %lld (no sequence's) is %g, not 0", what,
+                      name, (long long)t, get3(g, t, h, e));
+}
+
+/* A packed operand's rows of one sequence as an attn_sdpa view (H, n, width). */
+static attn_tensor unpacked(const attn_tensor *t, int64_t r0, int64_t n) {
+    attn_tensor x = *t;
+    x.data = (char *)t->data + r0 * t->strides[0] * (int64_t)attn_dtype_size(t->dtype);
+    x.shape[0] = t->shape[1];
+    x.shape[1] = n;
+    x.strides[0] = t->strides[1];
+    x.strides[1] = t->strides[0];
+    return x;
+}
+
+/* lse (Hq, total) columns [r0, r0 + n): (Hq, n). */
+static attn_tensor lse_columns(const attn_tensor *t, int64_t r0, int64_t n) {
+    attn_tensor x = *t;
+    x.data = (char *)t->data + r0 * t->strides[1] * (int64_t)attn_dtype_size(t->dtype);
+    x.shape[1] = n;
+    return x;
+}
+
+/* Whether rows [r0, r0 + n) of packed g equal the (H, n, width) tensor x, bit
+ * for bit; a sequence with no keys (or no queries) has zero gradients. */
+static bool same_rows(const attn_tensor *g, int64_t r0, int64_t n, const attn_tensor *x) {
+    bool same = true;
+    for (int64_t h = 0; h < g->shape[1]; h++)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t e = 0; e < g->shape[2]; e++) {
+                const double want = x != NULL ? get3(x, h, i, e) : 0.0;
+                same &= get3(g, r0 + i, h, e) == want;
+            }
+    return same;
+}
+
+/* On the reference path: sequence by sequence, attn_sdpa_backward on the
+ * unpacked views gives the same bits. */
+static void vs_sdpa_backward(vb_case *c, const char *what) {
+    for (int64_t n = 0; n < c->B; n++) {
+        const int64_t q0 = c->cu_q[n], L = c->cu_q[n + 1] - q0;
+        const int64_t k0 = c->cu_k[n], S = c->cu_k[n + 1] - k0;
+        if (L == 0 || S == 0) { /* attn_sdpa takes no empty tensor: zeros */
+            CHECK(same_rows(&c->dq.t, q0, L, NULL) && same_rows(&c->dk.t, k0, S, NULL) &&
+                      same_rows(&c->dv.t, k0, S, NULL),
+                  "%s: sequence %lld (L %lld, S %lld) has nonzero gradients", what, (long long)n,
+                  (long long)L, (long long)S);
+            continue;
+        }
+        attn_tensor q = unpacked(&c->q.t, q0, L), k = unpacked(&c->k.t, k0, S),
+                    v = unpacked(&c->v.t, k0, S), out = unpacked(&c->out.t, q0, L),
+                    dout = unpacked(&c->dout.t, q0, L), lse = lse_columns(&c->lse.t, q0, L);
+        const int64_t qs[3] = {c->Hq, L, c->E}, ks[3] = {c->Hkv, S, c->E},
+                      vs[3] = {c->Hkv, S, c->Ev};
+        test_tensor dq, dk, dv;
+        rng r = {(uint64_t)n + 1};
+        tt_make_output(&dq, &r, c->dt, 3, qs, LAYOUT_CONTIGUOUS);
+        tt_make_output(&dk, &r, c->dt, 3, ks, LAYOUT_CONTIGUOUS);
+        tt_make_output(&dv, &r, c->dt, 3, vs, LAYOUT_CONTIGUOUS);
+        attn_sdpa_params p = c->p;
+        p.enable_gqa = 1;
+        CHECK_OK(attn_sdpa_backward(&dout, &q, &k, &v, &out, &lse, &p, &dq.t, &dk.t, &dv.t, NULL));
+        CHECK(same_rows(&c->dq.t, q0, L, &dq.t) && same_rows(&c->dk.t, k0, S, &dk.t) &&
+                  same_rows(&c->dv.t, k0, S, &dv.t),
+              "%s: sequence %lld differs from attn_sdpa_backward on its unpacked views", what,
+              (long long)n);
+        tt_free(&dq);
+        tt_free(&dk);
+        tt_free(&dv);
+    }
+}
+
+static void test_reference_matches_sdpa_backward(void) {
+    rng r = {harness_seed() ^ 0x7b1du};
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    for (int i = 0; i < 60; i++) {
+        vb_case c;
+        vb_random(&c, &r, i % 2 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64, false);
+        char what[64];
+        snprintf(what, sizeof what, "reference case %d", i);
+        CHECK_OK(vb_forward(&c));
+        CHECK_OK(vb_backward(&c));
+        vs_sdpa_backward(&c, what);
+        check_zero_tail(&c.dq.t, c.cu_q[c.B], "dq", what);
+        check_zero_tail(&c.dk.t, c.cu_k[c.B], "dk", what);
+        check_zero_tail(&c.dv.t, c.cu_k[c.B], "dv", what);
+        vb_free(&c);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* max |a - b| over a tensor, and max |b|. */
+static void compare(const attn_tensor *a, const attn_tensor *b, double *diff, double *mag) {
+    double *x = tt_dense(a), *y = tt_dense(b);
+    const int64_t n = attn_tensor_numel(a);
+    *diff = max_abs_diff(x, y, n);
+    *mag = 0;
+    for (int64_t i = 0; i < n; i++) *mag = fabs(y[i]) > *mag ? fabs(y[i]) : *mag;
+    free(x);
+    free(y);
+}
+
+static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512,
+                                 ATTN_ISA_AVX512_BF16};
+
+/* The fused path's gradients against the reference path's on the same
+ * inputs (test_backward's bound: relative to max(|grad|, 1), float32
+ * rounding growing like the square root of the lengths summed over). */
+static void check_against_reference(vb_case *c, rng *r, const char *what) {
+    vb_case ref = *c; /* the same inputs; gradients of its own */
+    vb_grads(&ref, r);
+    const attn_isa isa = attn_get_isa();
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    CHECK_OK(vb_backward(&ref));
+    CHECK_OK(attn_set_isa(isa));
+    const double n = (double)(c->max_q + c->max_k + c->E);
+    const double tol = c->dt == ATTN_DTYPE_F64 ? 1e-12 : 16 * FLT_EPSILON * sqrt(n);
+    const test_tensor *got[3] = {&c->dq, &c->dk, &c->dv}, *want[3] = {&ref.dq, &ref.dk, &ref.dv};
+    const char *names[3] = {"dq", "dk", "dv"};
+    for (int g = 0; g < 3; g++) {
+        double diff, mag;
+        compare(&got[g]->t, &want[g]->t, &diff, &mag);
+        CHECK(diff <= tol * (mag > 1 ? mag : 1),
+              "%s (%s, %s): %s |fused - reference| = %.3g, max |grad| %.3g (B %lld Hq %lld Hkv "
+              "%lld E %lld Ev %lld causal %d drop %g window %lld,%lld softcap %g alibi %d)",
+              what, attn_isa_name(isa), attn_dtype_name(c->dt), names[g], diff, mag,
+              (long long)c->B, (long long)c->Hq, (long long)c->Hkv, (long long)c->E,
+              (long long)c->Ev, (int)c->p.causal, c->p.dropout_p, (long long)c->p.window_left,
+              (long long)c->p.window_right, c->p.softcap, c->p.alibi_slopes != NULL);
+        tt_free((test_tensor *)want[g]);
+    }
+}
+
+static void test_fused_matches_reference(void) {
+    rng r = {harness_seed() ^ 0xbacc};
+    for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
+        if (!attn_isa_supported(FUSED[i])) continue;
+        CHECK_OK(attn_set_isa(FUSED[i]));
+        for (int n = 0; n < 50; n++) {
+            vb_case c;
+            vb_random(&c, &r, n % 2 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64, true);
+            char what[64];
+            snprintf(what, sizeof what, "case %d", n);
+            CHECK_OK(vb_forward(&c));
+            CHECK_OK(vb_backward(&c));
+            check_zero_tail(&c.dq.t, c.cu_q[c.B], "dq", what);
+            check_zero_tail(&c.dk.t, c.cu_k[c.B], "dk", what);
+            check_zero_tail(&c.dv.t, c.cu_k[c.B], "dv", what);
+            check_against_reference(&c, &r, what);
+            vb_free(&c);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* A fixed batch: B sequences of the given lengths and a few rows past them. */
+static void vb_fixed(vb_case *c, rng *r, int64_t B, const int *lq, const int *lk, int64_t Hq,
+                     int64_t Hkv, int64_t E, attn_causal causal, double dropout_p) {
+    memset(c, 0, sizeof *c);
+    c->dt = ATTN_DTYPE_F32;
+    c->B = B;
+    c->Hq = Hq;
+    c->Hkv = Hkv;
+    c->E = c->Ev = E;
+    for (int64_t n = 0; n < B; n++) {
+        c->cu_q[n + 1] = c->cu_q[n] + lq[n];
+        c->cu_k[n + 1] = c->cu_k[n] + lk[n];
+        c->max_q = lq[n] > c->max_q ? lq[n] : c->max_q;
+        c->max_k = lk[n] > c->max_k ? lk[n] : c->max_k;
+    }
+    c->total_q = c->cu_q[B] + 2;
+    c->total_k = c->cu_k[B] + 3;
+    attn_sdpa_params_init(&c->p);
+    c->p.causal = causal;
+    c->p.dropout_p = dropout_p;
+    c->p.seed = 99;
+    vb_build(c, r);
+}
+
+static bool same_bits(const attn_tensor *a, const attn_tensor *b) {
+    double *x = tt_dense(a), *y = tt_dense(b);
+    const int64_t n = attn_tensor_numel(a);
+    const bool same = memcmp(x, y, sizeof(double) * (size_t)n) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+static void test_bits_for_any_thread_count(void) {
+    rng r = {harness_seed() ^ 0x3b17u};
+    const int lq0[2] = {1100, 37}, lk0[2] = {1500, 20}; /* one head: key chunks */
+    const int lq1[5] = {130, 0, 64, 250, 7}, lk1[5] = {90, 40, 300, 250, 0}; /* GQA */
+    for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
+        if (!attn_isa_supported(FUSED[i])) continue;
+        CHECK_OK(attn_set_isa(FUSED[i]));
+        for (int n = 0; n < 2; n++) {
+            vb_case c;
+            if (n == 0) vb_fixed(&c, &r, 2, lq0, lk0, 1, 1, 16, ATTN_CAUSAL_BOTTOM_RIGHT, 0.1);
+            else vb_fixed(&c, &r, 5, lq1, lk1, 4, 2, 32, ATTN_CAUSAL_NONE, 0);
+            CHECK_OK(vb_forward(&c));
+            vb_case base = c;
+            vb_grads(&base, &r);
+            attn_set_num_threads(1);
+            CHECK_OK(vb_backward(&base));
+            for (int t = 2; t <= 3; t++) {
+                attn_set_num_threads(t);
+                CHECK_OK(vb_backward(&c));
+                CHECK(same_bits(&c.dq.t, &base.dq.t) && same_bits(&c.dk.t, &base.dk.t) &&
+                          same_bits(&c.dv.t, &base.dv.t),
+                      "%s case %d: gradients differ between 1 and %d threads",
+                      attn_isa_name(FUSED[i]), n, t);
+            }
+            tt_free(&base.dq);
+            tt_free(&base.dk);
+            tt_free(&base.dv);
+            vb_free(&c);
+        }
+    }
+    attn_set_num_threads(0);
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+/* Each hostile argument is refused, naming it, and writes nothing. */
+static void test_arguments(void) {
+    rng r = {harness_seed() ^ 0x4a5u};
+    const int lq[2] = {5, 3}, lk[2] = {4, 6};
+    vb_case c;
+    vb_fixed(&c, &r, 2, lq, lk, 2, 1, 8, ATTN_CAUSAL_NONE, 0);
+    CHECK_OK(vb_forward(&c));
+    fill(&c.dq.t, SENTINEL);
+#define REFUSED(call, want_arg)                                                                   \
+    do {                                                                                          \
+        CHECK((call) != ATTN_OK, "%s was accepted", want_arg);                                   \
+        CHECK(strcmp(attn_last_error_arg(), want_arg) == 0, "refusal names %s, not %s",          \
+              attn_last_error_arg(), want_arg);                                                   \
+    } while (0)
+    attn_tensor x;
+    /* dq with k's shape */
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                      &c.tcu_q, &c.tcu_k, c.max_q, c.max_k, &c.p, &c.dk.t, NULL,
+                                      NULL),
+            "dq");
+    /* dout of the wrong shape */
+    x = c.dout.t;
+    x.shape[1] = 1;
+    REFUSED(attn_sdpa_varlen_backward(&x, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t, &c.tcu_q,
+                                      &c.tcu_k, c.max_q, c.max_k, &c.p, &c.dq.t, NULL, NULL),
+            "dout");
+    /* lse transposed */
+    x = c.lse.t;
+    x.shape[0] = c.lse.t.shape[1];
+    x.shape[1] = c.lse.t.shape[0];
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &x, &c.tcu_q,
+                                      &c.tcu_k, c.max_q, c.max_k, &c.p, &c.dq.t, NULL, NULL),
+            "lse");
+    /* dk overlapping k */
+    x = c.k.t;
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                      &c.tcu_q, &c.tcu_k, c.max_q, c.max_k, &c.p, NULL, &x, NULL),
+            "dk");
+    /* dv overlapping dk */
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                      &c.tcu_q, &c.tcu_k, c.max_q, c.max_k, &c.p, NULL, &c.dk.t,
+                                      &c.dk.t),
+            "dv");
+    /* a sequence longer than max_seqlen_k; offsets decreasing */
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                      &c.tcu_q, &c.tcu_k, c.max_q, 5, &c.p, &c.dq.t, NULL, NULL),
+            "max_seqlen_k");
+    c.cu_q[1] = 9;
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                      &c.tcu_q, &c.tcu_k, 20, c.max_k, &c.p, &c.dq.t, NULL, NULL),
+            "cu_seqlens_q");
+    c.cu_q[1] = 5;
+    /* dq of another dtype; a mask */
+    test_tensor d64;
+    const int64_t qs[3] = {c.total_q, c.Hq, c.E};
+    tt_make_output(&d64, &r, ATTN_DTYPE_F64, 3, qs, LAYOUT_CONTIGUOUS);
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                      &c.tcu_q, &c.tcu_k, c.max_q, c.max_k, &c.p, &d64.t, NULL,
+                                      NULL),
+            "dq");
+    tt_free(&d64);
+    attn_sdpa_params p = c.p;
+    p.attn_mask = &c.q.t;
+    REFUSED(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                      &c.tcu_q, &c.tcu_k, c.max_q, c.max_k, &p, &c.dq.t, NULL,
+                                      NULL),
+            "params.attn_mask");
+    REFUSED(attn_sdpa_varlen_backward(NULL, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t, &c.tcu_q,
+                                      &c.tcu_k, c.max_q, c.max_k, &c.p, &c.dq.t, NULL, NULL),
+            "dout");
+#undef REFUSED
+    for (int64_t t = 0; t < c.total_q; t++) /* nothing was written */
+        for (int64_t h = 0; h < c.Hq; h++)
+            for (int64_t e = 0; e < c.E; e++)
+                CHECK(get3(&c.dq.t, t, h, e) == SENTINEL, "a refused call wrote dq");
+    /* all gradients NULL: nothing to do */
+    CHECK_OK(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                       &c.tcu_q, &c.tcu_k, c.max_q, c.max_k, &c.p, NULL, NULL,
+                                       NULL));
+    vb_free(&c);
+}
+
+int main(int argc, char **argv) {
+    static const harness_test tests[] = {
+        T(test_reference_matches_sdpa_backward),
+        T(test_fused_matches_reference),
+        T(test_bits_for_any_thread_count),
+        T(test_arguments),
+    };
+    return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
+}
