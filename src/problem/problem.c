@@ -99,7 +99,9 @@ void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *pa
                 }
         const int64_t off = attn__batch_offset(p, op, b);
         const int64_t held = keys ? attn__keys_of(p, b) : attn__rows_of(p, b);
-        const int64_t nr = op->rs == 0 ? 1 : held, nc = op->cs == 0 ? 1 : width;
+        /* a ragged entry with no rows stores none: its start row may be
+         * another's when the row stride is 0 (a packed tensor of one row) */
+        const int64_t nr = op->rs == 0 && held > 0 ? 1 : held, nc = op->cs == 0 ? 1 : width;
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = 0; c < nc; c++)
                 attn__store(op->data, op->dtype, off + r * op->rs + c * op->cs, m[r * width + c]);

@@ -319,7 +319,7 @@ static void test_fused_matches_reference(void) {
 
 /* A fixed batch: B sequences of the given lengths and a few rows past them. */
 static void vb_fixed(vb_case *c, rng *r, int64_t B, const int *lq, const int *lk, int64_t Hq,
-                     int64_t Hkv, int64_t E, attn_causal causal, double dropout_p) {
+                     int64_t Hkv, int64_t E, attn_causal causal, double dropout_p, int64_t pad) {
     memset(c, 0, sizeof *c);
     c->dt = ATTN_DTYPE_F32;
     c->B = B;
@@ -332,8 +332,8 @@ static void vb_fixed(vb_case *c, rng *r, int64_t B, const int *lq, const int *lk
         c->max_q = lq[n] > c->max_q ? lq[n] : c->max_q;
         c->max_k = lk[n] > c->max_k ? lk[n] : c->max_k;
     }
-    c->total_q = c->cu_q[B] + 2;
-    c->total_k = c->cu_k[B] + 3;
+    c->total_q = c->cu_q[B] + pad > 0 ? c->cu_q[B] + pad : 1;
+    c->total_k = c->cu_k[B] + pad > 0 ? c->cu_k[B] + pad : 1;
     attn_sdpa_params_init(&c->p);
     c->p.causal = causal;
     c->p.dropout_p = dropout_p;
@@ -359,8 +359,8 @@ static void test_bits_for_any_thread_count(void) {
         CHECK_OK(attn_set_isa(FUSED[i]));
         for (int n = 0; n < 2; n++) {
             vb_case c;
-            if (n == 0) vb_fixed(&c, &r, 2, lq0, lk0, 1, 1, 16, ATTN_CAUSAL_BOTTOM_RIGHT, 0.1);
-            else vb_fixed(&c, &r, 5, lq1, lk1, 4, 2, 32, ATTN_CAUSAL_NONE, 0);
+            if (n == 0) vb_fixed(&c, &r, 2, lq0, lk0, 1, 1, 16, ATTN_CAUSAL_BOTTOM_RIGHT, 0.1, 2);
+            else vb_fixed(&c, &r, 5, lq1, lk1, 4, 2, 32, ATTN_CAUSAL_NONE, 0, 3);
             CHECK_OK(vb_forward(&c));
             vb_case base = c;
             vb_grads(&base, &r);
@@ -384,12 +384,53 @@ static void test_bits_for_any_thread_count(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* Batches at the edges, on every path: against attn_sdpa_backward per
+ * sequence on the reference path, and the fused paths against it. One
+ * query row in all (the row stride of a size-1 dimension is 0, so every
+ * sequence starts at that row: the empty one must not store over it),
+ * every sequence without queries, every one without keys, queries past
+ * their keys under bottom-right causality. */
+static void test_edges(void) {
+    static const struct {
+        int64_t B, pad;
+        int lq[3], lk[3];
+        attn_causal causal;
+    } edges[] = {
+        {2, 0, {1, 0}, {6, 1}, ATTN_CAUSAL_BOTTOM_RIGHT},
+        {2, 0, {0, 1}, {3, 2}, ATTN_CAUSAL_NONE},
+        {3, 1, {0, 0, 0}, {4, 0, 5}, ATTN_CAUSAL_NONE},
+        {2, 0, {3, 4}, {0, 0}, ATTN_CAUSAL_TOP_LEFT},
+        {3, 2, {7, 2, 9}, {3, 5, 1}, ATTN_CAUSAL_BOTTOM_RIGHT},
+    };
+    rng r = {harness_seed() ^ 0xed9e};
+    for (size_t e = 0; e < sizeof edges / sizeof edges[0]; e++)
+        for (int pi = -1; pi < (int)(sizeof FUSED / sizeof FUSED[0]); pi++) {
+            const attn_isa isa = pi < 0 ? ATTN_ISA_REF : FUSED[pi];
+            if (!attn_isa_supported(isa)) continue;
+            CHECK_OK(attn_set_isa(isa));
+            vb_case c;
+            vb_fixed(&c, &r, edges[e].B, edges[e].lq, edges[e].lk, 2, 1, 5, edges[e].causal, 0,
+                     edges[e].pad);
+            char what[64];
+            snprintf(what, sizeof what, "edge case %zu", e);
+            CHECK_OK(vb_forward(&c));
+            CHECK_OK(vb_backward(&c));
+            check_zero_tail(&c.dq.t, c.cu_q[c.B], "dq", what);
+            check_zero_tail(&c.dk.t, c.cu_k[c.B], "dk", what);
+            check_zero_tail(&c.dv.t, c.cu_k[c.B], "dv", what);
+            if (isa == ATTN_ISA_REF) vs_sdpa_backward(&c, what);
+            else check_against_reference(&c, &r, what);
+            vb_free(&c);
+        }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 /* Each hostile argument is refused, naming it, and writes nothing. */
 static void test_arguments(void) {
     rng r = {harness_seed() ^ 0x4a5u};
     const int lq[2] = {5, 3}, lk[2] = {4, 6};
     vb_case c;
-    vb_fixed(&c, &r, 2, lq, lk, 2, 1, 8, ATTN_CAUSAL_NONE, 0);
+    vb_fixed(&c, &r, 2, lq, lk, 2, 1, 8, ATTN_CAUSAL_NONE, 0, 2);
     CHECK_OK(vb_forward(&c));
     fill(&c.dq.t, SENTINEL);
 #define REFUSED(call, want_arg)                                                                   \
@@ -471,6 +512,7 @@ int main(int argc, char **argv) {
         T(test_reference_matches_sdpa_backward),
         T(test_fused_matches_reference),
         T(test_bits_for_any_thread_count),
+        T(test_edges),
         T(test_arguments),
     };
     return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
