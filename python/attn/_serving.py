@@ -3,9 +3,11 @@ flash_attn_varlen_func and flash_attn_with_kvcache (their argument names and
 meanings) over libattn's attn_sdpa_varlen and attn_sdpa_kvcache.
 
 NumPy arrays in give NumPy arrays out; torch CPU tensors in (any array
-argument) give torch tensors out. Neither has a backward pass (libattn has
-none for these layouts), so a torch input that requires grad in grad mode is
-refused rather than silently cut from the graph.
+argument) give torch tensors out. varlen_attention has a backward pass
+(attn_sdpa_varlen_backward, through the torch operator of
+attn/_varlen_torch.py); attention_with_kvcache has none, so a torch input
+that requires grad in grad mode is refused there rather than silently cut
+from the graph.
 """
 
 import numbers
@@ -149,14 +151,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Returns out (total_q, Hq, Ev) in q's dtype, or (out, lse) with
     ``return_softmax_lse``, lse (Hq, total_q) as FlashAttention shapes it.
-    NumPy in, NumPy out; torch in, torch out. No autograd: torch inputs that
-    require grad (in grad mode) raise RuntimeError.
+    NumPy in, NumPy out; torch in, torch out. Autograd: when q, k, v or
+    sinks are torch tensors that require grad (in grad mode), the result
+    carries a grad_fn and gradients flow to them (FlashAttention's varlen
+    backward, attn_sdpa_varlen_backward, dropout replayed); ALiBi slopes get
+    none, as in FlashAttention. The lse is then float64 (the log-sum-exp the
+    backward recomputes the weights from).
     """
     torch_call = any(_is_torch_tensor(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                      alibi_slopes, sinks))
-    _refuse_grad("varlen_attention", q=q, k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks)
+    grad = any(tracks_grad(x) for x in (q, k, v, sinks))  # recorded for autograd
     a = SimpleNamespace()
-    qa, ka, va = (as_array(x, n, TENSOR) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    qa, ka, va = (as_array(x, n, TENSOR, grad) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     check_dtypes(qa, ka, va, ("q", "k", "v"))
     _require_rank(qa, "q", 3, "(total_q, Hq, E)")
     _require_rank(ka, "k", 3, "(total_k, Hkv, E)")
@@ -168,11 +174,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     p = check_probability(dropout_p, "dropout_p")
     scale = check_scale(softmax_scale, "softmax_scale")
     is_causal = check_bool(causal, "causal")
-    check_modifiers(a, window_size, alibi_slopes, softcap, sinks)
+    check_modifiers(a, window_size, alibi_slopes, softcap, sinks, grad_ok=grad)
     want_lse = check_bool(return_softmax_lse, "return_softmax_lse")
     s = check_seed(seed)
     if s is None:
         s = _fresh_seed(torch_call) if p > 0.0 else 0
+    if grad:
+        from . import _varlen_torch  # torch is loaded: a tensor requires grad
+
+        a.q, a.k, a.v = qa, ka, va
+        out, lse = _varlen_torch.run(q, k, v, a, cu_q, cu_k, max_q, max_k, p, scale,
+                                     _BOTTOM_RIGHT if is_causal else 0, s, alibi_slopes, sinks)
+        return (out, lse) if want_lse else out
     try:
         # np.zeros: rows no sequence holds are left as allocated.
         out, lse = _attn.sdpa_varlen(

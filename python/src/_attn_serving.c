@@ -56,12 +56,14 @@ PyDoc_STRVAR(varlen_doc,
              "sdpa_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,\n"
              "     empty, causal=0, scale=None, dropout_p=0.0, seed=0, rng_offset=0,\n"
              "     window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,\n"
-             "     sinks=None, want_lse=False) -> (out, lse or None)\n\n"
+             "     sinks=None, want_lse=False, lse_for_backward=False)\n"
+             "     -> (out, lse or None)\n\n"
              "attn_sdpa_varlen() on buffers: q (total_q, Hq, E), k (total_k, Hkv, E),\n"
              "v (total_k, Hkv, Ev), cu_seqlens int32 (B + 1,). out (total_q, Hq, Ev) and\n"
              "lse (Hq, total_q) come from empty(shape, dtype_name); rows no sequence\n"
              "holds are left as empty made them. causal: 0 none, 1 top-left, 2\n"
-             "bottom-right (FlashAttention's causal=True).");
+             "bottom-right (FlashAttention's causal=True). lse_for_backward: the lse\n"
+             "sdpa_varlen_backward recomputes the weights from, in float64.");
 
 enum { VL_Q, VL_K, VL_V, VL_CUQ, VL_CUK, VL_NIN };
 
@@ -90,7 +92,8 @@ static PyObject *varlen_outputs(varlen_call *c, PyObject *empty) {
     Py_INCREF(lse);
     if (c->want_lse) {
         Py_DECREF(lse);
-        lse = new_output(empty, 2, lshape, lse_dtype_of(q->dtype, 0), "lse", &c->lse);
+        lse = new_output(empty, 2, lshape, lse_dtype_of(q->dtype, c->p.lse_for_backward), "lse",
+                         &c->lse);
         if (lse == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -104,23 +107,24 @@ static PyObject *py_sdpa_varlen(PyObject *self, PyObject *args, PyObject *kwds) 
     static char *kwlist[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                              "max_seqlen_k", "empty", "causal", "scale", "dropout_p", "seed",
                              "rng_offset", "window_left", "window_right", "softcap",
-                             "alibi_slopes", "sinks", "want_lse", NULL};
+                             "alibi_slopes", "sinks", "want_lse", "lse_for_backward", NULL};
     static const char *const names[VL_NIN] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"};
     PyObject *objs[VL_NIN], *empty = NULL, *scale = Py_None;
-    int causal = 0;
+    int causal = 0, for_backward = 0;
     double dropout_p = 0.0;
     uint64_t seed = 0, rng_offset = 0;
     modifiers m = MODIFIERS_DEFAULT;
     varlen_call c;
     memset(&c, 0, sizeof c);
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOOOLL|$OiOdO&O&LLdOOp:sdpa_varlen", kwlist, &objs[0], &objs[1],
+            args, kwds, "OOOOOLL|$OiOdO&O&LLdOOpp:sdpa_varlen", kwlist, &objs[0], &objs[1],
             &objs[2], &objs[3], &objs[4], &c.max_q, &c.max_k, &empty, &causal, &scale,
             &dropout_p, convert_u64, &seed, convert_u64, &rng_offset, &m.window_left,
-            &m.window_right, &m.softcap, &m.alibi, &m.sinks, &c.want_lse) ||
+            &m.window_right, &m.softcap, &m.alibi, &m.sinks, &c.want_lse, &for_backward) ||
         require_empty(empty, "sdpa_varlen") < 0)
         return NULL;
     if (serving_params(&c.p, causal, scale, dropout_p, seed, rng_offset) < 0) return NULL;
+    c.p.lse_for_backward = for_backward;
     PyObject *result = NULL;
     for (int i = 0; i < VL_NIN; i++)
         if (view_get(objs[i], names[i], 0, &c.in[i]) < 0) goto done;
@@ -253,11 +257,108 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------ */
+/* sdpa_varlen_backward                                                      */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(varlen_backward_doc,
+             "sdpa_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,\n"
+             "     max_seqlen_q, max_seqlen_k, *, empty, causal=0, scale=None, dropout_p=0.0,\n"
+             "     seed=0, rng_offset=0, window_left=-1, window_right=-1, softcap=0.0,\n"
+             "     alibi_slopes=None, sinks=None, want_dq=True, want_dk=True, want_dv=True)\n"
+             "     -> (dq, dk, dv), None where not wanted\n\n"
+             "attn_sdpa_varlen_backward() on buffers: the gradients of an sdpa_varlen call\n"
+             "(its out and lse, made with lse_for_backward, and the same options), each\n"
+             "shaped like its input and made by empty(shape, dtype_name).");
+
+enum { VB_DOUT, VB_Q, VB_K, VB_V, VB_OUT, VB_LSE, VB_CUQ, VB_CUK, VB_NIN };
+
+typedef struct varlen_backward_call {
+    buffer_view in[VB_NIN], grad[3];
+    int want[3];
+    long long max_q, max_k;
+    attn_sdpa_params p;
+} varlen_backward_call;
+
+static attn_status varlen_backward_run(void *ctx) {
+    varlen_backward_call *c = ctx;
+    attn_tensor *g[3];
+    for (int i = 0; i < 3; i++) g[i] = c->want[i] ? &c->grad[i].t : NULL;
+    return attn_sdpa_varlen_backward(&c->in[VB_DOUT].t, &c->in[VB_Q].t, &c->in[VB_K].t,
+                                     &c->in[VB_V].t, &c->in[VB_OUT].t, &c->in[VB_LSE].t,
+                                     &c->in[VB_CUQ].t, &c->in[VB_CUK].t, (int64_t)c->max_q,
+                                     (int64_t)c->max_k, &c->p, g[0], g[1], g[2]);
+}
+
+/* The wanted gradients, each like its input (q, k, v): a tuple with None
+ * for the others, or NULL. */
+static PyObject *varlen_gradients(varlen_backward_call *c, PyObject *empty) {
+    static const char *const names[3] = {"dq", "dk", "dv"};
+    PyObject *result = PyTuple_New(3);
+    for (int i = 0; result != NULL && i < 3; i++) {
+        PyObject *g = Py_None;
+        Py_INCREF(g);
+        if (c->want[i]) {
+            const attn_tensor *like = &c->in[VB_Q + i].t;
+            Py_DECREF(g);
+            g = new_output(empty, like->rank, like->shape, like->dtype, names[i], &c->grad[i]);
+            if (g == NULL) Py_CLEAR(result);
+        }
+        if (result != NULL) PyTuple_SET_ITEM(result, i, g);
+    }
+    return result;
+}
+
+static PyObject *py_sdpa_varlen_backward(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"dout", "q", "k", "v", "out", "lse", "cu_seqlens_q",
+                             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "empty", "causal",
+                             "scale", "dropout_p", "seed", "rng_offset", "window_left",
+                             "window_right", "softcap", "alibi_slopes", "sinks", "want_dq",
+                             "want_dk", "want_dv", NULL};
+    static const char *const names[VB_NIN] = {"dout", "q", "k", "v", "out", "lse",
+                                              "cu_seqlens_q", "cu_seqlens_k"};
+    PyObject *objs[VB_NIN], *empty = NULL, *scale = Py_None;
+    int causal = 0;
+    double dropout_p = 0.0;
+    uint64_t seed = 0, rng_offset = 0;
+    modifiers m = MODIFIERS_DEFAULT;
+    varlen_backward_call c;
+    memset(&c, 0, sizeof c);
+    c.want[0] = c.want[1] = c.want[2] = 1;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOOOOOOLL|$OiOdO&O&LLdOOppp:sdpa_varlen_backward", kwlist, &objs[0],
+            &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &objs[7], &c.max_q,
+            &c.max_k, &empty, &causal, &scale, &dropout_p, convert_u64, &seed, convert_u64,
+            &rng_offset, &m.window_left, &m.window_right, &m.softcap, &m.alibi, &m.sinks,
+            &c.want[0], &c.want[1], &c.want[2]) ||
+        require_empty(empty, "sdpa_varlen_backward") < 0)
+        return NULL;
+    if (serving_params(&c.p, causal, scale, dropout_p, seed, rng_offset) < 0) return NULL;
+    PyObject *result = NULL;
+    for (int i = 0; i < VB_NIN; i++)
+        if (view_get(objs[i], names[i], 0, &c.in[i]) < 0) goto done;
+    if (modifiers_apply(&m, &c.p) < 0 ||
+        require_rank(&c.in[VB_Q], "q", 3, "(total_q, Hq, E)") < 0 ||
+        require_rank(&c.in[VB_K], "k", 3, "(total_k, Hkv, E)") < 0 ||
+        require_rank(&c.in[VB_V], "v", 3, "(total_k, Hkv, Ev)") < 0)
+        goto done;
+    result = varlen_gradients(&c, empty);
+    if (result != NULL && run_call(varlen_backward_run, &c) < 0) Py_CLEAR(result);
+done:
+    for (int i = 0; i < VB_NIN; i++) view_release(&c.in[i]);
+    for (int i = 0; i < 3; i++) view_release(&c.grad[i]);
+    modifiers_release(&m);
+    return result;
+}
+
 static PyMethodDef serving_methods[] = {
     {"sdpa_varlen", (PyCFunction)(void (*)(void))py_sdpa_varlen, METH_VARARGS | METH_KEYWORDS,
      varlen_doc},
     {"sdpa_kvcache", (PyCFunction)(void (*)(void))py_sdpa_kvcache,
      METH_VARARGS | METH_KEYWORDS, kvcache_doc},
+    {"sdpa_varlen_backward", (PyCFunction)(void (*)(void))py_sdpa_varlen_backward,
+     METH_VARARGS | METH_KEYWORDS, varlen_backward_doc},
     {NULL, NULL, 0, NULL}};
 
 int serving_add_functions(PyObject *module) {

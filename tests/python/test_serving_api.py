@@ -390,14 +390,20 @@ def test_varlen_hostile_arguments_name_the_argument(rng, changes, exc, match, ar
     _varlen_error(rng, exc, match, arg, **changes)
 
 
-def test_varlen_refuses_inputs_that_require_grad(rng):
+def test_varlen_records_gradients_for_inputs_that_require_grad(rng):
+    """A torch q that requires grad beside NumPy k and v: the result is in
+    the graph and q gets its gradient (test_varlen_backward.py checks the
+    values); under no_grad nothing is recorded."""
     q, k, v, cu_q, cu_k = varlen_case(rng, [2, 3], [3, 4])
     tq = torch.from_numpy(q).requires_grad_()
-    with pytest.raises(RuntimeError, match="q requires grad.*no backward"):
-        attn.varlen_attention(tq, k, v, cu_q, cu_k, 3, 4)
-    with torch.no_grad():  # no graph: fine
-        out = attn.varlen_attention(tq, k, v, cu_q, cu_k, 3, 4)
-    assert isinstance(out, torch.Tensor) and out.grad_fn is None
+    out = attn.varlen_attention(tq, k, v, cu_q, cu_k, 3, 4)
+    assert isinstance(out, torch.Tensor) and out.grad_fn is not None
+    out.sum().backward()
+    assert tq.grad.shape == tq.shape and torch.isfinite(tq.grad).all()
+    with torch.no_grad():  # no graph
+        plain = attn.varlen_attention(tq, k, v, cu_q, cu_k, 3, 4)
+    assert isinstance(plain, torch.Tensor) and plain.grad_fn is None
+    torch.testing.assert_close(out.detach(), plain, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------
