@@ -297,8 +297,10 @@ def index_array(x, name):
     """An integer array (NumPy, torch or a list) as a C-contiguous int32 NumPy
     array: FlashAttention's index tensors (cu_seqlens, cache_seqlens,
     block_table) are int32, and other integer types are converted when
-    every value fits. Index arrays are small: the copy costs nothing."""
-    a = as_array(x, name, INDEX)
+    every value fits. Index arrays are small: the copy costs nothing. (An
+    index tensor cannot require grad; a float one is refused for its dtype,
+    not for its grad.)"""
+    a = as_array(x, name, INDEX, grad_ok=True)
     if a.dtype != np.int32 and a.size:
         lo, hi = int(a.min()), int(a.max())
         if lo < -2**31 or hi >= 2**31:

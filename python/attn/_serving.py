@@ -160,7 +160,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     torch_call = any(_is_torch_tensor(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                      alibi_slopes, sinks))
-    grad = any(tracks_grad(x) for x in (q, k, v, sinks))  # recorded for autograd
+    if torch_call:
+        from . import _varlen_torch  # torch is loaded: a torch tensor exists
+
+        if _varlen_torch.compiling():  # FakeTensors: nothing to read or check yet
+            return _varlen_torch.traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, dropout_p, softmax_scale, causal,
+                                        window_size, softcap, alibi_slopes, sinks,
+                                        return_softmax_lse, seed)
+    # recorded for autograd: an input requires grad (ALiBi slopes too, which
+    # get none, as scaled_dot_product_attention's), or carries a forward-mode
+    # tangent (the operators have no forward-mode formula: torch says so)
+    grad = torch_call and _varlen_torch.recorded(q, k, v, sinks, alibi_slopes)
     a = SimpleNamespace()
     qa, ka, va = (as_array(x, n, TENSOR, grad) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     check_dtypes(qa, ka, va, ("q", "k", "v"))
@@ -180,8 +191,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if s is None:
         s = _fresh_seed(torch_call) if p > 0.0 else 0
     if grad:
-        from . import _varlen_torch  # torch is loaded: a tensor requires grad
-
         a.q, a.k, a.v = qa, ka, va
         out, lse = _varlen_torch.run(q, k, v, a, cu_q, cu_k, max_q, max_k, p, scale,
                                      _BOTTOM_RIGHT if is_causal else 0, s, alibi_slopes, sinks)

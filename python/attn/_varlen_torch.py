@@ -4,8 +4,8 @@ attn_sdpa_varlen with lse_for_backward, and attn_sdpa_varlen_backward) with
 their autograd formula and fake (shape-only) functions, as attn/_torch.py
 does for scaled_dot_product_attention.
 
-Loaded by attn/_serving.py only once a torch tensor that requires grad has
-been handed to varlen_attention (so torch is already imported).
+Loaded by attn/_serving.py only once a torch tensor has been handed to
+varlen_attention (so torch is already imported).
 """
 
 from typing import Optional, Tuple
@@ -15,7 +15,7 @@ import torch
 
 from . import _attn
 from ._arrays import empty, library_error, torch_array, torch_result
-from ._torch import _seed, seed_tensor
+from ._torch import _seed, compiling, drawn_seed, has_tangent, seed_tensor  # noqa: F401
 
 Tensor = torch.Tensor
 
@@ -157,14 +157,25 @@ def _backward(ctx, dout, dlse):
 varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def recorded(*inputs):
+    """Whether autograd records a call on these inputs: one requires grad
+    in grad mode, or carries a forward-mode tangent."""
+    grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+    return grad or has_tangent(*inputs)
+
+
 def _tensor(x, checked):
     """The operator's argument: the caller's tensor itself (autograd needs
-    it), or a tensor over the checked NumPy array of a non-tensor."""
+    it, and its version counter guards what the backward saves), or a
+    tensor over a copy of the checked NumPy array of a non-tensor (a NumPy
+    array has no version counter: the caller may refill it before the
+    backward, which would then see other values)."""
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
         return x
-    t = torch.from_numpy(np.ascontiguousarray(checked))
+    t = torch.from_numpy(np.array(checked, copy=True, order="C"))
     return t.view(torch.bfloat16) if checked.dtype == np.int16 else t
 
 
@@ -173,8 +184,36 @@ def run(q, k, v, checked, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, se
     """The recorded call on arguments attn/_serving.py checked: `checked`
     holds the NumPy views of q, k, v, the slopes and the sinks; cu_q, cu_k
     are its int32 offsets. Returns (out, lse) with lse in float64."""
+    if has_tangent(q, k, v, alibi_slopes, sinks):  # the operator would drop it silently
+        raise NotImplementedError(
+            "attn.varlen_attention has no forward-mode AD (jvp) formula: an input carries a "
+            "tangent (torch.autograd.forward_ad), which the result could not carry; use "
+            "reverse mode (backward, torch.autograd.grad)")
+    # the offsets copied: index_array may return the caller's own int32
+    # memory, which a refill before the backward would change under it
     return varlen_op(
         _tensor(q, checked.q), _tensor(k, checked.k), _tensor(v, checked.v),
-        torch.from_numpy(cu_q), torch.from_numpy(cu_k), max_q, max_k, dropout_p, scale, causal,
+        torch.from_numpy(cu_q.copy()), torch.from_numpy(cu_k.copy()), max_q, max_k, dropout_p,
+        scale, causal,
         seed_tensor(seed), checked.window[0], checked.window[1], checked.softcap,
         _tensor(alibi_slopes, checked.alibi), _tensor(sinks, checked.sinks))
+
+
+def _traced_tensor(x):
+    return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+           softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, return_lse, seed):
+    """The call while torch.compile traces: only what shapes and the graph
+    need (as attn/_torch.py's traced). The checks of the eager call run
+    when the compiled graph calls the operator."""
+    cu_q, cu_k = (_traced_tensor(x).to(torch.int32) for x in (cu_seqlens_q, cu_seqlens_k))
+    p = float(dropout_p)
+    seed_t = (drawn_seed() if p > 0.0 else seed_tensor(0)) if seed is None else seed_tensor(seed)
+    out, lse = varlen_op(_traced_tensor(q), _traced_tensor(k), _traced_tensor(v), cu_q, cu_k,
+                         int(max_seqlen_q), int(max_seqlen_k), p, softmax_scale,
+                         2 if causal else 0, seed_t, int(window_size[0]),
+                         int(window_size[1]), float(softcap), _traced_tensor(alibi_slopes),
+                         _traced_tensor(sinks))
+    return (out, lse) if return_lse else out

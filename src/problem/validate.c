@@ -76,6 +76,9 @@ static attn_status check_output(const attn_tensor *t, const char *name, attn_dty
  * off, which the backward's recomputed weights would inherit). */
 attn_status attn__check_lse_dtype(const attn_tensor *lse, const char *name, attn_dtype compute) {
     if (lse->dtype == compute || lse->dtype == ATTN_DTYPE_F64) return ATTN_OK;
+    if (compute == ATTN_DTYPE_F64)
+        return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected float64 (the computation's)",
+                              name, attn_dtype_name(lse->dtype));
     return attn__fail_arg(ATTN_ERR_DTYPE, name, "%s is %s; expected %s (the computation's), or float64",
                           name, attn_dtype_name(lse->dtype), attn_dtype_name(compute));
 }

@@ -331,3 +331,85 @@ def test_varlen_gradient_cases_cover_every_option():
             counts[f] = counts.get(f, 0) + 1
     missing = {f: (counts.get(f, 0), n) for f, n in REQUIRED.items() if counts.get(f, 0) < n}
     assert not missing, f"features below their count (have, want): {missing}"
+
+
+# ---------------------------------------------------------------------------
+# What a caller may do between the forward and the backward
+# ---------------------------------------------------------------------------
+
+
+def _small(requires_grad=True):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(12, 4, 8, generator=g, dtype=F64, requires_grad=requires_grad)
+    k = torch.randn(12, 2, 8, generator=g, dtype=F64, requires_grad=requires_grad)
+    v = torch.randn(12, 2, 8, generator=g, dtype=F64, requires_grad=requires_grad)
+    return q, k, v
+
+
+def test_offsets_refilled_before_the_backward_do_not_change_it():
+    """The backward uses the offsets of its forward: a caller refilling its
+    int32 offsets buffer (torch or NumPy, which index_array would otherwise
+    pass through uncopied) for the next micro-batch changes nothing."""
+    q, k, v = _small()
+    for kind in ("torch", "numpy"):
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        cu = cu if kind == "torch" else cu.numpy()
+        ref = torch.autograd.grad(attn.varlen_attention(q, k, v, cu, cu, 7, 7).sum(), (q, k, v))
+        out = attn.varlen_attention(q, k, v, cu, cu, 7, 7)
+        cu[1] = 6  # in place, after the forward
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), kind
+
+
+def test_numpy_inputs_beside_tensors_that_require_grad_are_copied():
+    q, k, v = _small()
+    kn, slopes = k.detach().numpy().copy(), np.full(4, 0.3)
+    ref = torch.autograd.grad(
+        attn.varlen_attention(q, kn, v, [0, 5, 12], [0, 5, 12], 7, 7, alibi_slopes=slopes).sum(),
+        (q, v))
+    out = attn.varlen_attention(q, kn, v, [0, 5, 12], [0, 5, 12], 7, 7, alibi_slopes=slopes)
+    kn += 1.0
+    slopes *= 2
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, v)), ref):
+        assert torch.equal(a, b)
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = _small(requires_grad=False)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with fwAD.dual_level():
+        qd = fwAD.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            attn.varlen_attention(qd, k, v, cu, cu, 7, 7)
+
+
+def test_slopes_requiring_grad_alone_and_float_offsets():
+    q, k, v = _small(requires_grad=False)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    slopes = torch.rand(4, dtype=F64, requires_grad=True)
+    out = attn.varlen_attention(q, k, v, cu, cu, 7, 7, alibi_slopes=slopes)
+    out.sum().backward()  # slopes get no gradient, as in FlashAttention
+    assert slopes.grad is None
+    with pytest.raises(TypeError, match="cu_seqlens_q has dtype float32"):
+        attn.varlen_attention(q, k, v, torch.tensor([0.0, 5, 12], requires_grad=True), cu, 7, 7)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    q, k, v = _small()
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    sinks = torch.zeros(4, dtype=F64, requires_grad=True)
+
+    def f(q, k, v, sinks):
+        out, lse = attn.varlen_attention(q, k, v, cu, cu, 7, 7, causal=True, window_size=(3, 0),
+                                         sinks=sinks, dropout_p=0.2, seed=3,
+                                         return_softmax_lse=True)
+        return (out * out).sum() + lse.sum().detach()
+
+    eager = torch.autograd.grad(f(q, k, v, sinks), (q, k, v, sinks))
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
