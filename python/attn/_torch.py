@@ -246,11 +246,16 @@ def compiling():
     return torch.compiler.is_compiling()
 
 
-def _tensor(x, checked):
+def _tensor(x, checked, saved=False):
     """The operator's argument for one input: the tensor itself (autograd
-    needs it), or a tensor holding the checked array of a non-tensor."""
+    needs it), or a tensor holding the checked array of a non-tensor; a copy
+    of it when the backward saves it (`saved`): a NumPy array has no version
+    counter, and a caller refilling it before the backward would change the
+    gradients silently."""
     if isinstance(x, torch.Tensor):
         return x
+    if saved:
+        checked = np.array(checked, copy=True, order="C")
     try:
         t = torch.from_numpy(checked)
     except ValueError:  # negative strides: torch has none
@@ -287,13 +292,16 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     when a mode or tracer should see the operator, through AttnSdpa when
     autograd records it (an input requires grad), else the function alone.
     The three run the same code."""
+    saved = torch.is_grad_enabled() and any(  # autograd will record the call
+        isinstance(x, torch.Tensor) and x.requires_grad
+        for x in (query, key, value, attn_mask, alibi_slopes, sinks))
     mask = None
     if a.mask is not None:
-        mask = _tensor(attn_mask, a.mask)
+        mask = _tensor(attn_mask, a.mask, saved)
         if mask.dim() == 0:  # a scalar broadcasts like any size-1 tensor
             mask = mask.reshape(1)
-    slopes = None if a.alibi is None else _tensor(alibi_slopes, a.alibi)
-    sink_logits = None if a.sinks is None else _tensor(sinks, a.sinks)
+    slopes = None if a.alibi is None else _tensor(alibi_slopes, a.alibi, saved)
+    sink_logits = None if a.sinks is None else _tensor(sinks, a.sinks, saved)
     if _operator_needed():
         call = sdpa_op
     elif _recorded(query, key, value, mask, slopes, sink_logits) or has_tangent(
@@ -302,8 +310,8 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     else:  # nothing to record: the function itself (what the other two run), 20 us less
         call = _sdpa
     out, w, lse = call(
-        _tensor(query, a.q), _tensor(key, a.k), _tensor(value, a.v), mask, a.dropout_p,
-        a.causal, a.scale, a.gqa, _seed_for(a.seed, a.dropout_p), a.want_w,
+        _tensor(query, a.q, saved), _tensor(key, a.k, saved), _tensor(value, a.v, saved), mask,
+        a.dropout_p, a.causal, a.scale, a.gqa, _seed_for(a.seed, a.dropout_p), a.want_w,
         a.window[0], a.window[1], slopes, a.softcap, sink_logits,
     )
     return results(a, out, w, lse)

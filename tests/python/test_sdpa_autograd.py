@@ -373,3 +373,17 @@ def test_torch_compile_as_the_first_call_of_a_process():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_numpy_inputs_beside_tensors_that_require_grad_are_copied(rng):
+    """A NumPy key and mask next to a query that requires grad: the backward
+    saves copies, so refilling the arrays before it changes nothing (NumPy
+    has no version counter that would refuse the backward instead)."""
+    q = leaf(rng, 2, 5, 8)
+    k, v = rng.standard_normal((2, 6, 8)), rng.standard_normal((2, 6, 8))
+    mask = rng.standard_normal((5, 6))
+    ref = torch.autograd.grad(attn.scaled_dot_product_attention(q, k, v, mask).sum(), q)[0]
+    out = attn.scaled_dot_product_attention(q, k, v, mask)
+    k += 1.0
+    mask *= 3
+    assert torch.equal(torch.autograd.grad(out.sum(), q)[0], ref)
