@@ -188,13 +188,28 @@ static void lse_operand(attn__operand *op, const attn_tensor *t, const int64_t *
     op->seq_len = len;
 }
 
-/* Everything checkable before the offsets are read: tensors, outputs and
+/* The backward's tensors (the forward's out and lse are inputs there). */
+typedef struct varlen_grads {
+    const attn_tensor *dout;
+    attn_tensor *dq, *dk, *dv;
+} varlen_grads;
+
+static attn_status check_backward_args(const attn__problem *p, const varlen_args *a,
+                                       const varlen_grads *g, const attn_sdpa_params *params);
+
+/* Everything checkable before the offsets are read: tensors, the outputs
+ * (a forward call), or the backward's tensors (g: a backward call), and
  * params. Sets p's dtype, sizes but L and S, batch shape and scalars. */
-static attn_status check_args(attn__problem *p, const varlen_args *a,
+static attn_status check_args(attn__problem *p, const varlen_args *a, const varlen_grads *g,
                               const attn_sdpa_params *params, int64_t *B) {
     attn_status st;
+    if (g != NULL && ((st = attn__check_tensor(g->dout, "dout", 1, ATTN__INPUT)) != ATTN_OK ||
+                      (st = attn__check_tensor(a->out, a->outn, 1, ATTN__INPUT)) != ATTN_OK ||
+                      (st = attn__check_tensor(a->lse, a->lsen, 1, ATTN__INPUT)) != ATTN_OK))
+        return st;
     if ((st = check_packed(p, a)) != ATTN_OK || (st = check_offset_tensors(a, B)) != ATTN_OK ||
-        (st = check_outputs(p, a, params)) != ATTN_OK)
+        (st = g != NULL ? check_backward_args(p, a, g, params) : check_outputs(p, a, params)) !=
+            ATTN_OK)
         return st;
     if (a->max_q < 0 || a->max_k < 0)
         return attn__fail_arg(ATTN_ERR_INVALID, a->max_q < 0 ? "max_seqlen_q" : "max_seqlen_k",
@@ -205,6 +220,22 @@ static attn_status check_args(attn__problem *p, const varlen_args *a,
     p->bshape[0] = *B;
     p->bshape[1] = a->q->shape[1];
     return attn__serving_scalars(p, params);
+}
+
+/* A call's tensors with their names in messages (params->arg_names). out
+ * and lse are the backward's inputs, read only there. */
+static varlen_args args_of(const attn_sdpa_params *prm, const attn_tensor *q,
+                           const attn_tensor *k, const attn_tensor *v, const attn_tensor *cu_q,
+                           const attn_tensor *cu_k, const attn_tensor *out, const attn_tensor *lse,
+                           int64_t max_q, int64_t max_k) {
+    varlen_args a = {q, k, v, cu_q, cu_k, (attn_tensor *)out, (attn_tensor *)lse, max_q, max_k,
+                     NULL, NULL, NULL, NULL, NULL};
+    a.qn = attn__serving_name(prm, ATTN__Q);
+    a.kn = attn__serving_name(prm, ATTN__K);
+    a.vn = attn__serving_name(prm, ATTN__V);
+    a.outn = attn__serving_name(prm, ATTN__OUT);
+    a.lsen = attn__serving_name(prm, ATTN__LSE);
+    return a;
 }
 
 /* The sequences of a call, read once from the caller's offsets where they
@@ -257,24 +288,12 @@ attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k, const a
     attn_sdpa_params prm;
     attn_status st = attn__serving_params(&prm, params, "attn_sdpa_varlen", true);
     if (st != ATTN_OK) return st;
-    const varlen_args a = {q,
-                           k,
-                           v,
-                           cu_seqlens_q,
-                           cu_seqlens_k,
-                           out,
-                           lse,
-                           max_seqlen_q,
-                           max_seqlen_k,
-                           attn__serving_name(&prm, ATTN__Q),
-                           attn__serving_name(&prm, ATTN__K),
-                           attn__serving_name(&prm, ATTN__V),
-                           attn__serving_name(&prm, ATTN__OUT),
-                           attn__serving_name(&prm, ATTN__LSE)};
+    const varlen_args a = args_of(&prm, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse,
+                                  max_seqlen_q, max_seqlen_k);
     attn__problem p;
     memset(&p, 0, sizeof p);
     int64_t B = 0;
-    if ((st = check_args(&p, &a, &prm, &B)) != ATTN_OK) return st;
+    if ((st = check_args(&p, &a, NULL, &prm, &B)) != ATTN_OK) return st;
     /* A call cancelled before it starts fails even when it has nothing to do. */
     if (attn__cancelled(p.cancel)) return attn__fail_cancelled();
     varlen_seqs seqs;
@@ -297,13 +316,6 @@ attn_status attn_sdpa_varlen(const attn_tensor *q, const attn_tensor *k, const a
 }
 
 /* ---- the backward pass ---- */
-
-/* The backward's tensors and their names in messages (the forward's
- * out and lse are inputs here). */
-typedef struct varlen_grads {
-    const attn_tensor *dout;
-    attn_tensor *dq, *dk, *dv;
-} varlen_grads;
 
 /* A gradient (optional): the shape and dtype of its input. */
 static attn_status check_grad(const attn_tensor *g, const char *name, const attn_tensor *input,
@@ -382,40 +394,13 @@ attn_status attn_sdpa_varlen_backward(const attn_tensor *dout, const attn_tensor
     attn_sdpa_params prm;
     attn_status st = attn__serving_params(&prm, params, "attn_sdpa_varlen_backward", true);
     if (st != ATTN_OK) return st;
-    /* out and lse are read here: varlen_args' output slots name them */
-    const varlen_args a = {q,
-                           k,
-                           v,
-                           cu_seqlens_q,
-                           cu_seqlens_k,
-                           (attn_tensor *)out,
-                           (attn_tensor *)lse,
-                           max_seqlen_q,
-                           max_seqlen_k,
-                           attn__serving_name(&prm, ATTN__Q),
-                           attn__serving_name(&prm, ATTN__K),
-                           attn__serving_name(&prm, ATTN__V),
-                           attn__serving_name(&prm, ATTN__OUT),
-                           attn__serving_name(&prm, ATTN__LSE)};
+    const varlen_args a = args_of(&prm, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse,
+                                  max_seqlen_q, max_seqlen_k);
     const varlen_grads g = {dout, dq, dk, dv};
     attn__problem p;
     memset(&p, 0, sizeof p);
     int64_t B = 0;
-    if ((st = attn__check_tensor(dout, "dout", 1, ATTN__INPUT)) != ATTN_OK ||
-        (st = attn__check_tensor(out, a.outn, 1, ATTN__INPUT)) != ATTN_OK ||
-        (st = attn__check_tensor(lse, a.lsen, 1, ATTN__INPUT)) != ATTN_OK ||
-        (st = check_packed(&p, &a)) != ATTN_OK || (st = check_offset_tensors(&a, &B)) != ATTN_OK ||
-        (st = check_backward_args(&p, &a, &g, &prm)) != ATTN_OK)
-        return st;
-    if (a.max_q < 0 || a.max_k < 0)
-        return attn__fail_arg(ATTN_ERR_INVALID, a.max_q < 0 ? "max_seqlen_q" : "max_seqlen_k",
-                              "%s is %lld; expected >= 0 (the longest sequence's length)",
-                              a.max_q < 0 ? "max_seqlen_q" : "max_seqlen_k",
-                              (long long)(a.max_q < 0 ? a.max_q : a.max_k));
-    p.nb = 2;
-    p.bshape[0] = B;
-    p.bshape[1] = q->shape[1];
-    if ((st = attn__serving_scalars(&p, &prm)) != ATTN_OK) return st;
+    if ((st = check_args(&p, &a, &g, &prm, &B)) != ATTN_OK) return st;
     if (attn__cancelled(p.cancel)) return attn__fail_cancelled();
     varlen_seqs seqs;
     st = read_sequences(&p, &a, B, &seqs);

@@ -201,17 +201,6 @@ static bw_case random_case(rng *r) {
     return c;
 }
 
-/* max |a - b| over a tensor, and max |b|. */
-static void compare(const attn_tensor *a, const attn_tensor *b, double *diff, double *mag) {
-    double *x = tt_dense(a), *y = tt_dense(b);
-    const int64_t n = attn_tensor_numel(a);
-    *diff = max_abs_diff(x, y, n);
-    *mag = 0;
-    for (int64_t i = 0; i < n; i++) *mag = fabs(y[i]) > *mag ? fabs(y[i]) : *mag;
-    free(x);
-    free(y);
-}
-
 static void check_against_reference(bw_data *d, const bw_case *c, attn_dtype dtype, rng *r,
                                     const char *isa) {
     bw_data ref = *d; /* the same inputs; gradients of its own */
@@ -238,7 +227,7 @@ static void check_against_reference(bw_data *d, const bw_case *c, attn_dtype dty
     for (int g = 0; g < 4; g++) {
         if (got[g]->storage == NULL) continue;
         double diff, mag;
-        compare(&got[g]->t, &want[g]->t, &diff, &mag);
+        tt_compare(&got[g]->t, &want[g]->t, &diff, &mag);
         CHECK(diff <= tol * (mag > 1 ? mag : 1),
               "%s %s %s: |fused - reference| = %.3g, max |grad| %.3g (L %lld S %lld E %lld mask %d causal %d scale %d %g drop %g gqa %d)",
               isa, attn_dtype_name(dtype), names[g], diff, mag, (long long)c->q[2],
@@ -281,15 +270,6 @@ static const bw_case THREAD_CASES[] = {
      ATTN_CAUSAL_TOP_LEFT, 0, 0, 0, 0},
 };
 
-static bool same_bits(const attn_tensor *a, const attn_tensor *b) {
-    double *x = tt_dense(a), *y = tt_dense(b);
-    const int64_t n = attn_tensor_numel(a);
-    const bool same = memcmp(x, y, sizeof(double) * (size_t)n) == 0;
-    free(x);
-    free(y);
-    return same;
-}
-
 static void test_bits_for_any_thread_count(void) {
     rng r = {harness_seed() ^ 0x7a11u};
     for (size_t i = 0; i < sizeof FUSED / sizeof FUSED[0]; i++) {
@@ -311,9 +291,9 @@ static void test_bits_for_any_thread_count(void) {
             for (int t = 2; t <= 4; t++) {
                 attn_set_num_threads(t);
                 CHECK_OK(bw_run(&d));
-                CHECK(same_bits(&d.dq.t, &base.dq.t) && same_bits(&d.dk.t, &base.dk.t) &&
-                          same_bits(&d.dv.t, &base.dv.t) &&
-                          (!d.dmask.storage || same_bits(&d.dmask.t, &base.dmask.t)),
+                CHECK(tt_same_bits(&d.dq.t, &base.dq.t) && tt_same_bits(&d.dk.t, &base.dk.t) &&
+                          tt_same_bits(&d.dv.t, &base.dv.t) &&
+                          (!d.dmask.storage || tt_same_bits(&d.dmask.t, &base.dmask.t)),
                       "%s case %zu: gradients differ between 1 and %d threads",
                       attn_isa_name(FUSED[i]), n, t);
             }
@@ -396,10 +376,10 @@ static void test_lse_for_backward(void) {
         CHECK_OK(attn_sdpa(&d.q.t, &d.k.t, &d.v.t, &d.params, &d.out.t, NULL, &d.lse.t));
         d.params.lse_for_backward = 1;
         CHECK_OK(attn_sdpa(&d.q.t, &d.k.t, &d.v.t, &d.params, &out2.t, NULL, &lse2.t));
-        CHECK(same_bits(&d.out.t, &out2.t), "%s: lse_for_backward changed out",
+        CHECK(tt_same_bits(&d.out.t, &out2.t), "%s: lse_for_backward changed out",
               attn_isa_name(FUSED[i]));
         double diff, mag;
-        compare(&lse2.t, &d.lse.t, &diff, &mag);
+        tt_compare(&lse2.t, &d.lse.t, &diff, &mag);
         CHECK(diff <= 64 * FLT_EPSILON * (mag > 1 ? mag : 1), "%s: lse moved by %.3g",
               attn_isa_name(FUSED[i]), diff);
         /* A float64 lse for the float32 call: the same value, unrounded

@@ -218,17 +218,6 @@ static int64_t draw_offsets(rng *r, int64_t B, int64_t most, int32_t *cu, int64_
     return cu[B];
 }
 
-static void fill(const attn_tensor *t, double x) {
-    int64_t idx[ATTN_MAX_RANK] = {0}, n = attn_tensor_numel(t);
-    for (int64_t i = 0; i < n; i++) {
-        tt_set(t, idx, x);
-        for (int d = t->rank - 1; d >= 0; d--) {
-            if (++idx[d] < t->shape[d]) break;
-            idx[d] = 0;
-        }
-    }
-}
-
 /* Tensors for the sizes and offsets set in c: random layouts, out and lse
  * full of the sentinel, default params. */
 static void varlen_build(varlen_case *c, rng *r) {
@@ -239,9 +228,9 @@ static void varlen_build(varlen_case *c, rng *r) {
     tt_make(&c->k, r, c->dt, 3, ks, LAYOUT_RANDOM, 1, 0);
     tt_make(&c->v, r, c->dt, 3, vs, LAYOUT_RANDOM, 1, 0);
     tt_make_output(&c->out, r, c->dt, 3, os, LAYOUT_RANDOM);
-    fill(&c->out.t, SENTINEL);
+    tt_fill(&c->out.t, SENTINEL);
     tt_make_output(&c->lse, r, rng_int(r, 0, 1) ? ATTN_DTYPE_F64 : c->dt, 2, ls, LAYOUT_RANDOM);
-    fill(&c->lse.t, SENTINEL);
+    tt_fill(&c->lse.t, SENTINEL);
     attn_tensor_init(&c->tcu_q, c->cu_q, ATTN_DTYPE_I32, 1, &nb);
     attn_tensor_init(&c->tcu_k, c->cu_k, ATTN_DTYPE_I32, 1, &nb);
     attn_sdpa_params_init(&c->p);
@@ -697,11 +686,11 @@ static void kv_build(kv_case *c, rng *r) {
         tt_make(&c->v, r, c->dt, 4, vs, LAYOUT_RANDOM, 1, 0);
     }
     tt_make_output(&c->out, r, c->dt, 4, os, LAYOUT_RANDOM);
-    fill(&c->out.t, SENTINEL);
+    tt_fill(&c->out.t, SENTINEL);
     const bool half = c->dt == ATTN_DTYPE_F16 || c->dt == ATTN_DTYPE_BF16; /* lse: float32 */
     tt_make_output(&c->lse, r, rng_int(r, 0, 1) ? ATTN_DTYPE_F64 : half ? ATTN_DTYPE_F32 : c->dt,
                    3, ls, LAYOUT_RANDOM);
-    fill(&c->lse.t, SENTINEL);
+    tt_fill(&c->lse.t, SENTINEL);
     attn_tensor_init(&c->tseq, c->seqlens, ATTN_DTYPE_I32, 1, &c->B);
     attn_sdpa_params_init(&c->p);
     c->m.causal = ATTN_CAUSAL_NONE;

@@ -38,17 +38,6 @@ typedef struct vb_case {
     attn_sdpa_params p;
 } vb_case;
 
-static void fill(const attn_tensor *t, double x) {
-    int64_t idx[ATTN_MAX_RANK] = {0}, n = attn_tensor_numel(t);
-    for (int64_t i = 0; i < n; i++) {
-        tt_set(t, idx, x);
-        for (int d = t->rank - 1; d >= 0; d--) {
-            if (++idx[d] < t->shape[d]) break;
-            idx[d] = 0;
-        }
-    }
-}
-
 static double get3(const attn_tensor *t, int64_t a, int64_t b, int64_t c) {
     const int64_t idx[3] = {a, b, c};
     return tt_get(t, idx);
@@ -61,9 +50,9 @@ static void vb_grads(vb_case *c, rng *r) {
     tt_make_output(&c->dq, r, c->dt, 3, qs, LAYOUT_RANDOM);
     tt_make_output(&c->dk, r, c->dt, 3, ks, LAYOUT_RANDOM);
     tt_make_output(&c->dv, r, c->dt, 3, vs, LAYOUT_RANDOM);
-    fill(&c->dq.t, SENTINEL);
-    fill(&c->dk.t, SENTINEL);
-    fill(&c->dv.t, SENTINEL);
+    tt_fill(&c->dq.t, SENTINEL);
+    tt_fill(&c->dk.t, SENTINEL);
+    tt_fill(&c->dv.t, SENTINEL);
 }
 
 /* Tensors for the sizes and offsets set in c; the forward's out and lse
@@ -253,17 +242,6 @@ static void test_reference_matches_sdpa_backward(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
-/* max |a - b| over a tensor, and max |b|. */
-static void compare(const attn_tensor *a, const attn_tensor *b, double *diff, double *mag) {
-    double *x = tt_dense(a), *y = tt_dense(b);
-    const int64_t n = attn_tensor_numel(a);
-    *diff = max_abs_diff(x, y, n);
-    *mag = 0;
-    for (int64_t i = 0; i < n; i++) *mag = fabs(y[i]) > *mag ? fabs(y[i]) : *mag;
-    free(x);
-    free(y);
-}
-
 static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512,
                                  ATTN_ISA_AVX512_BF16};
 
@@ -283,7 +261,7 @@ static void check_against_reference(vb_case *c, rng *r, const char *what) {
     const char *names[3] = {"dq", "dk", "dv"};
     for (int g = 0; g < 3; g++) {
         double diff, mag;
-        compare(&got[g]->t, &want[g]->t, &diff, &mag);
+        tt_compare(&got[g]->t, &want[g]->t, &diff, &mag);
         CHECK(diff <= tol * (mag > 1 ? mag : 1),
               "%s (%s, %s): %s |fused - reference| = %.3g, max |grad| %.3g (B %lld Hq %lld Hkv "
               "%lld E %lld Ev %lld causal %d drop %g window %lld,%lld softcap %g alibi %d)",
@@ -341,15 +319,6 @@ static void vb_fixed(vb_case *c, rng *r, int64_t B, const int *lq, const int *lk
     vb_build(c, r);
 }
 
-static bool same_bits(const attn_tensor *a, const attn_tensor *b) {
-    double *x = tt_dense(a), *y = tt_dense(b);
-    const int64_t n = attn_tensor_numel(a);
-    const bool same = memcmp(x, y, sizeof(double) * (size_t)n) == 0;
-    free(x);
-    free(y);
-    return same;
-}
-
 static void test_bits_for_any_thread_count(void) {
     rng r = {harness_seed() ^ 0x3b17u};
     const int lq0[2] = {1100, 37}, lk0[2] = {1500, 20}; /* one head: key chunks */
@@ -369,8 +338,8 @@ static void test_bits_for_any_thread_count(void) {
             for (int t = 2; t <= 3; t++) {
                 attn_set_num_threads(t);
                 CHECK_OK(vb_backward(&c));
-                CHECK(same_bits(&c.dq.t, &base.dq.t) && same_bits(&c.dk.t, &base.dk.t) &&
-                          same_bits(&c.dv.t, &base.dv.t),
+                CHECK(tt_same_bits(&c.dq.t, &base.dq.t) && tt_same_bits(&c.dk.t, &base.dk.t) &&
+                          tt_same_bits(&c.dv.t, &base.dv.t),
                       "%s case %d: gradients differ between 1 and %d threads",
                       attn_isa_name(FUSED[i]), n, t);
             }
@@ -432,7 +401,7 @@ static void test_arguments(void) {
     vb_case c;
     vb_fixed(&c, &r, 2, lq, lk, 2, 1, 8, ATTN_CAUSAL_NONE, 0, 2);
     CHECK_OK(vb_forward(&c));
-    fill(&c.dq.t, SENTINEL);
+    tt_fill(&c.dq.t, SENTINEL);
 #define REFUSED(call, want_arg)                                                                   \
     do {                                                                                          \
         CHECK((call) != ATTN_OK, "%s was accepted", want_arg);                                   \

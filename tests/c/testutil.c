@@ -175,6 +175,37 @@ double *tt_dense(const attn_tensor *t) {
     return out;
 }
 
+void tt_fill(const attn_tensor *t, double x) {
+    int64_t idx[ATTN_MAX_RANK] = {0};
+    const int64_t n = attn_tensor_numel(t);
+    for (int64_t i = 0; i < n; i++) {
+        tt_set(t, idx, x);
+        for (int d = t->rank - 1; d >= 0; d--) {
+            if (++idx[d] < t->shape[d]) break;
+            idx[d] = 0;
+        }
+    }
+}
+
+bool tt_same_bits(const attn_tensor *a, const attn_tensor *b) {
+    double *x = tt_dense(a), *y = tt_dense(b);
+    const int64_t n = attn_tensor_numel(a);
+    const bool same = memcmp(x, y, sizeof(double) * (size_t)n) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+void tt_compare(const attn_tensor *a, const attn_tensor *b, double *diff, double *mag) {
+    double *x = tt_dense(a), *y = tt_dense(b);
+    const int64_t n = attn_tensor_numel(a);
+    *diff = max_abs_diff(x, y, n);
+    *mag = 0;
+    for (int64_t i = 0; i < n; i++) *mag = fabs(y[i]) > *mag ? fabs(y[i]) : *mag;
+    free(x);
+    free(y);
+}
+
 /* ---- Philox-4x32-10, written from the paper's description ---- */
 
 void oracle_philox(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {

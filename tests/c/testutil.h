@@ -42,6 +42,13 @@ uint16_t tt_half_bits(double x, attn_dtype dtype);
 void tt_set(const attn_tensor *t, const int64_t *idx, double value);
 /* A dense row-major double copy (caller frees). */
 double *tt_dense(const attn_tensor *t);
+/* Every element of t set to x (a sentinel before a call, say). */
+void tt_fill(const attn_tensor *t, double x);
+/* Whether two tensors of one shape hold the same values bit for bit (as
+ * doubles: NaN payloads included). */
+bool tt_same_bits(const attn_tensor *a, const attn_tensor *b);
+/* max |a - b| over two tensors of one shape, and max |b|. */
+void tt_compare(const attn_tensor *a, const attn_tensor *b, double *diff, double *mag);
 
 /* Independent Philox-4x32-10. */
 void oracle_philox(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
