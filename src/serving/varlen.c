@@ -423,8 +423,8 @@ attn_status attn_sdpa_varlen_backward(const attn_tensor *dout, const attn_tensor
         st = attn__sdpa_backward_execute(&p);
     }
     if (st == ATTN_OK) { /* rows no sequence holds: all of them with no query row */
-        const int64_t end_q = B > 0 && p.L > 0 ? attn__index1(cu_seqlens_q, B) : 0;
-        const int64_t end_k = B > 0 && p.L > 0 ? attn__index1(cu_seqlens_k, B) : 0;
+        const int64_t end_q = B > 0 && p.L > 0 ? seqs.q_start[B - 1] + seqs.q_len[B - 1] : 0;
+        const int64_t end_k = B > 0 && p.L > 0 ? seqs.k_start[B - 1] + seqs.k_len[B - 1] : 0;
         zero_rows_from(dq, end_q);
         zero_rows_from(dk, end_k);
         zero_rows_from(dv, end_k);

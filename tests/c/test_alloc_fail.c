@@ -665,6 +665,160 @@ static void serving_failures(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- serving: attn_sdpa_varlen_backward ---- */
+
+/* Four sequences packed as attn_sdpa_varlen takes them, one with queries and
+ * no keys, one with keys and no queries, and rows past the last offset in
+ * every operand (their gradients are 0); or, long, two sequences of which
+ * one has 2,100 keys over one head (dq's partial sums per key chunk). out
+ * and lse come from the forward (lse_for_backward) on the path walked. */
+typedef struct vbwd_state {
+    test_tensor q, k, v, out, lse, dout, grad[3]; /* dq, dk, dv */
+    bool has[3];                                  /* which gradients the call asks for */
+    int32_t cu_q[5], cu_k[5];
+    attn_tensor tcu_q, tcu_k;
+    int64_t max_q, max_k;
+    float alibi[4];
+    attn_tensor talibi;
+    attn_sdpa_params p;
+    double *expect[3];
+} vbwd_state;
+
+static attn_status vbwd_run(void *state, bool compare) {
+    vbwd_state *s = state;
+    /* The reference run starts from zeros, every later one from a sentinel:
+     * the call that succeeds must write every element of a gradient (rows
+     * no sequence holds and keys no query sees get 0), whatever the failed
+     * calls before it left there. */
+    for (int g = 0; g < 3; g++)
+        if (s->has[g]) tt_fill(&s->grad[g].t, compare ? 7.25 : 0.0);
+    attn_status st = attn_sdpa_varlen_backward(
+        &s->dout.t, &s->q.t, &s->k.t, &s->v.t, &s->out.t, &s->lse.t, &s->tcu_q, &s->tcu_k,
+        s->max_q, s->max_k, &s->p, s->has[0] ? &s->grad[0].t : NULL,
+        s->has[1] ? &s->grad[1].t : NULL, s->has[2] ? &s->grad[2].t : NULL);
+    if (st != ATTN_OK) return st;
+    for (int g = 0; g < 3; g++) {
+        if (!s->has[g]) continue;
+        if (!compare) {
+            free(s->expect[g]);
+            s->expect[g] = tt_dense(&s->grad[g].t);
+        } else {
+            CHECK(same_dense(&s->grad[g].t, s->expect[g]),
+                  "varlen gradient %d differs after failure injection", g);
+        }
+    }
+    return st;
+}
+
+/* Hq query heads over Hkv key/value heads, E = 8, Ev = 6; lse in lse_dt;
+ * `grads` a bit mask of dq (1), dk (2), dv (4); dropout 0.25 or none;
+ * `mods`: a window, ALiBi and soft-capping. */
+static void vbwd_setup(vbwd_state *s, rng *r, attn_dtype dt, attn_dtype lse_dt, int64_t Hq,
+                       int64_t Hkv, int grads, double dropout_p, bool mods, bool long_keys) {
+    memset(s, 0, sizeof *s);
+    int64_t B;
+    if (long_keys) {
+        const int32_t cu_q[3] = {0, 6, 9}, cu_k[3] = {0, 2100, 2105};
+        B = 2;
+        memcpy(s->cu_q, cu_q, sizeof cu_q);
+        memcpy(s->cu_k, cu_k, sizeof cu_k);
+        s->max_q = 6;
+        s->max_k = 2100;
+    } else {
+        const int32_t cu_q[5] = {0, 5, 5, 9, 14}, cu_k[5] = {0, 7, 10, 10, 22};
+        B = 4;
+        memcpy(s->cu_q, cu_q, sizeof cu_q);
+        memcpy(s->cu_k, cu_k, sizeof cu_k);
+        s->max_q = 6; /* above the longest, as a caller may round them */
+        s->max_k = 12;
+    }
+    const int64_t nb = B + 1, total_q = s->cu_q[B] + 2, total_k = s->cu_k[B] + 3;
+    const int64_t qs[3] = {total_q, Hq, 8}, ks[3] = {total_k, Hkv, 8}, vs[3] = {total_k, Hkv, 6},
+                  os[3] = {total_q, Hq, 6}, ls[2] = {Hq, total_q};
+    attn_tensor_init(&s->tcu_q, s->cu_q, ATTN_DTYPE_I32, 1, &nb);
+    attn_tensor_init(&s->tcu_k, s->cu_k, ATTN_DTYPE_I32, 1, &nb);
+    tt_make(&s->q, r, dt, 3, qs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->k, r, dt, 3, ks, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->v, r, dt, 3, vs, LAYOUT_RANDOM, 1, 0);
+    tt_make(&s->dout, r, dt, 3, os, LAYOUT_RANDOM, 1, 0);
+    tt_make_output(&s->out, r, dt, 3, os, LAYOUT_RANDOM);
+    tt_make_output(&s->lse, r, lse_dt, 2, ls, LAYOUT_RANDOM);
+    const int64_t *shapes[3] = {qs, ks, vs};
+    for (int g = 0; g < 3; g++) {
+        s->has[g] = (grads >> g & 1) != 0;
+        if (s->has[g]) tt_make_output(&s->grad[g], r, dt, 3, shapes[g], LAYOUT_RANDOM);
+    }
+    attn_sdpa_params_init(&s->p);
+    s->p.causal = ATTN_CAUSAL_BOTTOM_RIGHT;
+    s->p.dropout_p = dropout_p;
+    s->p.seed = 41;
+    if (mods) {
+        for (int64_t h = 0; h < Hq; h++) s->alibi[h] = 0.25f * (float)(h + 1);
+        attn_tensor_init(&s->talibi, s->alibi, ATTN_DTYPE_F32, 1, &Hq);
+        s->p.alibi_slopes = &s->talibi;
+        s->p.window_left = 3;
+        s->p.softcap = 2.0;
+    }
+    attn_sdpa_params fwd = s->p;
+    fwd.lse_for_backward = 1;
+    CHECK_OK(attn_sdpa_varlen(&s->q.t, &s->k.t, &s->v.t, &s->tcu_q, &s->tcu_k, s->max_q,
+                              s->max_k, &fwd, &s->out.t, &s->lse.t));
+}
+
+static void vbwd_teardown(vbwd_state *s) {
+    test_tensor *all[6] = {&s->q, &s->k, &s->v, &s->out, &s->lse, &s->dout};
+    for (int i = 0; i < 6; i++) tt_free(all[i]);
+    for (int g = 0; g < 3; g++) {
+        tt_free(&s->grad[g]);
+        free(s->expect[g]);
+    }
+}
+
+static void varlen_backward_failures(void) {
+    rng r = {harness_seed() ^ 0x7a1b};
+    const struct {
+        const char *name;
+        attn_dtype dt, lse_dt;
+        int64_t Hq, Hkv;
+        int grads;
+        double dropout_p;
+        bool mods, long_keys;
+    } cases[] = {
+        {"attn_sdpa_varlen_backward (f32)", ATTN_DTYPE_F32, ATTN_DTYPE_F32, 2, 2, 7, 0, false,
+         false},
+        {"attn_sdpa_varlen_backward (f64)", ATTN_DTYPE_F64, ATTN_DTYPE_F64, 2, 2, 7, 0, false,
+         false},
+        {"attn_sdpa_varlen_backward (f32, gqa, dropout)", ATTN_DTYPE_F32, ATTN_DTYPE_F64, 4, 2, 7,
+         0.25, false, false},
+        {"attn_sdpa_varlen_backward (f64, gqa, dropout, window, ALiBi, softcap)", ATTN_DTYPE_F64,
+         ATTN_DTYPE_F64, 4, 2, 7, 0.25, true, false},
+        {"attn_sdpa_varlen_backward (f32, gqa, dk + dv only)", ATTN_DTYPE_F32, ATTN_DTYPE_F32, 4,
+         1, 6, 0, false, false},
+        {"attn_sdpa_varlen_backward (f32, dq only)", ATTN_DTYPE_F32, ATTN_DTYPE_F32, 2, 2, 1, 0,
+         false, false},
+        {"attn_sdpa_varlen_backward (bf16, gqa, dropout)", ATTN_DTYPE_BF16, ATTN_DTYPE_F32, 4, 2,
+         7, 0.25, false, false},
+        {"attn_sdpa_varlen_backward (f32, 2100 keys, dropout)", ATTN_DTYPE_F32, ATTN_DTYPE_F32, 1,
+         1, 7, 0.25, false, true},
+        {"attn_sdpa_varlen_backward (f64, 2100 keys)", ATTN_DTYPE_F64, ATTN_DTYPE_F64, 1, 1, 7, 0,
+         false, true},
+    };
+    for (int i = ATTN_ISA_REF; i <= ATTN_ISA_LAST; i++) {
+        if (!attn_isa_supported((attn_isa)i)) continue;
+        CHECK_OK(attn_set_isa((attn_isa)i));
+        printf(" path %s:\n", attn_isa_name((attn_isa)i));
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            vbwd_state st;
+            vbwd_setup(&st, &r, cases[c].dt, cases[c].lse_dt, cases[c].Hq, cases[c].Hkv,
+                       cases[c].grads, cases[c].dropout_p, cases[c].mods, cases[c].long_keys);
+            scenario s = {cases[c].name, vbwd_run, &st};
+            run_scenario(&s);
+            vbwd_teardown(&st);
+        }
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 static void mha_failures(void) {
     rng r = {harness_seed() ^ 0x3a};
     const char *names[5] = {"attn_mha_create+forward (padded masks)",
@@ -759,5 +913,6 @@ static void npy_failures(void) {
         }
 }
 
-HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(serving_failures), T(mha_failures),
-             T(encoder_failures), T(npy_failures), T(st_failures))
+HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(serving_failures),
+             T(varlen_backward_failures), T(mha_failures), T(encoder_failures), T(npy_failures),
+             T(st_failures))

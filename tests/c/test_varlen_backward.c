@@ -43,17 +43,21 @@ static double get3(const attn_tensor *t, int64_t a, int64_t b, int64_t c) {
     return tt_get(t, idx);
 }
 
-/* Gradients of a case, full of the sentinel, in random layouts. */
-static void vb_grads(vb_case *c, rng *r) {
+/* Gradients of a case, full of `fill` (the sentinel, or another value:
+ * an element two calls both leave unwritten then differs), in random
+ * layouts. */
+static void vb_grads_filled(vb_case *c, rng *r, double fill) {
     const int64_t qs[3] = {c->total_q, c->Hq, c->E}, ks[3] = {c->total_k, c->Hkv, c->E},
                   vs[3] = {c->total_k, c->Hkv, c->Ev};
     tt_make_output(&c->dq, r, c->dt, 3, qs, LAYOUT_RANDOM);
     tt_make_output(&c->dk, r, c->dt, 3, ks, LAYOUT_RANDOM);
     tt_make_output(&c->dv, r, c->dt, 3, vs, LAYOUT_RANDOM);
-    tt_fill(&c->dq.t, SENTINEL);
-    tt_fill(&c->dk.t, SENTINEL);
-    tt_fill(&c->dv.t, SENTINEL);
+    tt_fill(&c->dq.t, fill);
+    tt_fill(&c->dk.t, fill);
+    tt_fill(&c->dv.t, fill);
 }
+
+static void vb_grads(vb_case *c, rng *r) { vb_grads_filled(c, r, SENTINEL); }
 
 /* Tensors for the sizes and offsets set in c; the forward's out and lse
  * (lse_for_backward) computed on the current path. */
@@ -249,8 +253,8 @@ static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX51
  * inputs (test_backward's bound: relative to max(|grad|, 1), float32
  * rounding growing like the square root of the lengths summed over). */
 static void check_against_reference(vb_case *c, rng *r, const char *what) {
-    vb_case ref = *c; /* the same inputs; gradients of its own */
-    vb_grads(&ref, r);
+    vb_case ref = *c; /* the same inputs; gradients of its own, filled otherwise */
+    vb_grads_filled(&ref, r, -SENTINEL);
     const attn_isa isa = attn_get_isa();
     CHECK_OK(attn_set_isa(ATTN_ISA_REF));
     CHECK_OK(vb_backward(&ref));

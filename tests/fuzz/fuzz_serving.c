@@ -1,18 +1,24 @@
 /*
- * fuzz_serving.c — attn_sdpa_varlen and attn_sdpa_kvcache with shapes,
- * strides, dtypes, offsets, cache lengths, block tables and score
- * modifiers drawn from the fuzz input.
+ * fuzz_serving.c — attn_sdpa_varlen, attn_sdpa_varlen_backward and
+ * attn_sdpa_kvcache with shapes, strides, dtypes, offsets, cache lengths,
+ * block tables and score modifiers drawn from the fuzz input. Each varlen
+ * call that runs is followed by a backward call on its inputs (see
+ * varlen_backward: dout and the gradients drawn, lse from the forward or
+ * drawn, now and then an offset, max_seqlen or params changed).
  *
  * Most inputs describe a consistent call that is then perturbed: an offset,
  * a length or a block id out of range, a dimension, rank or dtype changed, a
  * pointer dropped, a wild window or softcap. Invariants, on every input:
  *  - status and attn_last_error() agree; no library block outlives a call;
  *  - a refused call (any failure but out of memory or cancelled, which may
- *    come after a KV cache's append) writes nothing: out, lse and both
- *    caches keep every byte;
+ *    come after a KV cache's append) writes nothing: out, lse, both caches
+ *    and dq, dk, dv keep every byte;
  *  - a kvcache call that succeeds changes exactly the appended elements of
  *    the caches, each to its new value rounded to the cache's dtype;
  *  - on success with finite, moderate inputs: out finite, lse finite or -inf;
+ *    and gradients finite when the backward had the forward's out and lse;
+ *  - a backward call that succeeds leaves 0 in every gradient row no query
+ *    reaches (past the last offset, a sequence without keys or queries);
  *  - an output aliasing an input, or a set cancel flag, never gives ATTN_OK;
  *  - ASan/UBSan: no access outside the exactly sized buffers (the index
  *    tensors' too), no UB.
@@ -50,7 +56,7 @@ static void perturb(fz *f, int *rank, int64_t *shape) {
 
 static void make(fz *f, fz_tensor *x, attn_dtype dt, int rank, const int64_t *shape_in,
                  bool output, fz_values *vals) {
-    int64_t shape[ATTN_MAX_RANK + 2];
+    int64_t shape[ATTN_MAX_RANK + 2] = {0}; /* dims a raised rank adds: 1 (perturb) */
     memcpy(shape, shape_in, sizeof(int64_t) * (size_t)rank);
     perturb(f, &rank, shape);
     fz_tensor_make(f, x, dt, rank, shape, output, BUF_LIMIT, vals, !output);
@@ -247,7 +253,242 @@ static int64_t draw_offsets(fz *f, int64_t B, int64_t most, int32_t *cu, int64_t
     return cu[B] + fz_range(f, 0, 2);
 }
 
-static void fuzz_varlen(fz *f, fz_values *vals) {
+/* ---- attn_sdpa_varlen_backward, on a varlen call's inputs ---- */
+
+/* A forward call as fuzz_varlen drew and made it. */
+typedef struct varlen_call {
+    attn_dtype dt;
+    int64_t max_q, max_k;
+    const int64_t *qs, *ks, *vs, *os, *ls; /* the shapes drawn for q, k, v, out, lse */
+    fz_tensor *q, *k, *v, *out, *lse, *cuq, *cuk; /* lse NULL: the forward had none */
+    const attn_sdpa_params *params;               /* as the forward took them */
+    attn_status st;                               /* the forward's status */
+} varlen_call;
+
+/* Rows [r0, r1) of a packed (total, heads, width) gradient hold 0. */
+static bool zero_rows(const attn_tensor *g, int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; t++)
+        for (int64_t h = 0; h < g->shape[1]; h++)
+            for (int64_t e = 0; e < g->shape[2]; e++) {
+                const int64_t at[3] = {t, h, e};
+                if (fz_get(g, at) != 0) return false;
+            }
+    return true;
+}
+
+/* After a backward call that succeeded, whatever the values: the rows no
+ * query row reaches are 0, as the header says. dq's rows of a sequence
+ * without keys, dk's and dv's of a sequence without queries, and every
+ * row past the last offset. The offsets are read from the index tensors
+ * (valid, since the call took them). */
+static void check_zero_rows(const attn_tensor *cuq, const attn_tensor *cuk,
+                            attn_tensor *const *grads) {
+    const int64_t B = cuq->shape[0] - 1;
+    for (int64_t n = 0; n <= B; n++) {
+        const int64_t i0[1] = {n}, i1[1] = {n + 1};
+        const int64_t q0 = (int64_t)fz_get(cuq, i0), k0 = (int64_t)fz_get(cuk, i0);
+        /* past the last offset: to the end of each gradient */
+        const int64_t q1 = n < B ? (int64_t)fz_get(cuq, i1) : -1;
+        const int64_t k1 = n < B ? (int64_t)fz_get(cuk, i1) : -1;
+        const bool no_keys = n < B && k1 == k0, no_queries = n < B && q1 == q0;
+        for (int g = 0; g < 3; g++) {
+            const attn_tensor *t = grads[g];
+            if (t == NULL) continue;
+            const int64_t r0 = g == 0 ? q0 : k0;
+            const int64_t r1 = n == B ? t->shape[0] : g == 0 ? q1 : k1;
+            if (n < B && !(g == 0 ? no_keys : no_queries)) continue;
+            FZ_ASSERT(zero_rows(t, r0, r1),
+                      "attn_sdpa_varlen_backward: gradient %d has a nonzero row in [%lld, %lld) "
+                      "(%s)",
+                      g, (long long)r0, (long long)r1,
+                      n == B ? "past the last offset"
+                      : g == 0 ? "a sequence without keys"
+                               : "a sequence without queries");
+        }
+    }
+}
+
+/* One offset changed in place to a value out of range or next to its own. */
+static void poke_offset(fz *f, fz_tensor *cu) {
+    if (!cu->backed || cu->t.dtype != ATTN_DTYPE_I32 || cu->t.rank != 1) return;
+    const int64_t n = cu->t.shape[0] < 64 ? cu->t.shape[0] : 64;
+    int32_t *at = (int32_t *)cu->t.data + (int64_t)(fz_u8(f) % n) * cu->t.strides[0];
+    *at = wild_index(f, *at > INT32_MIN && *at < INT32_MAX ? *at : 0);
+}
+
+/* The bytes the backward draws from: those the input has left after the
+ * forward, then bytes derived from the whole input (splitmix64 from its
+ * FNV-1a hash), enough for every draw the backward makes. Past its end an
+ * input reads as zeros, which take every rare branch (a dimension 0, a
+ * pointer dropped, no gradient asked for): without the derived bytes the
+ * checked-in corpus, written before the backward was fuzzed, would almost
+ * never reach a backward call. Deterministic, so replay gives the same
+ * calls. The caller frees the buffer. */
+static uint8_t *backward_bytes(const fz *rest, const fz *whole, size_t *n) {
+    const size_t derived = 5 * (BUF_LIMIT + 256) + 1024; /* five views' values and layouts */
+    *n = rest->n + derived;
+    uint8_t *buf = malloc(*n);
+    if (buf == NULL) abort();
+    if (rest->n) memcpy(buf, rest->p, rest->n);
+    uint64_t h = 0xcbf29ce484222325u;
+    for (size_t i = 0; i < whole->n; i++) h = (h ^ whole->p[i]) * 0x100000001b3u;
+    for (size_t i = 0; i < derived; i += 8) {
+        uint64_t z = (h += 0x9e3779b97f4a7c15u);
+        z = (z ^ z >> 30) * 0xbf58476d1ce4e5b9u;
+        z = (z ^ z >> 27) * 0x94d049bb133111ebu;
+        z ^= z >> 31;
+        for (size_t b = 0; b < 8 && i + b < derived; b++)
+            buf[rest->n + i + b] = (uint8_t)(z >> 8 * b);
+    }
+    return buf;
+}
+
+/* The backward of a varlen call, on its q, k, v and offsets, with dout,
+ * dq, dk, dv drawn (each gradient optional). When the forward succeeded,
+ * out and its lse (lse_for_backward; the forward is run again to get it
+ * when the first call had none) make a consistent call; otherwise, or now
+ * and then all the same, lse is drawn. Rarely: an offset or max_seqlen
+ * changed, other params, a pointer dropped, two gradients on one buffer.
+ * Invariants: the common ones (a refusal writes no gradient), and on
+ * success the rows no query reaches are 0 and, for a consistent call on
+ * tame values, every gradient is finite. */
+static void varlen_backward(const fz *input, const fz *whole, fz_values *vals,
+                            const varlen_call *c) {
+    size_t nbytes;
+    uint8_t *bytes = backward_bytes(input, whole, &nbytes);
+    fz stream = {bytes, nbytes}, *f = &stream;
+    attn_sdpa_params pf; /* the forward's params, lse for the backward */
+    if (c->params != NULL) pf = *c->params;
+    else attn_sdpa_params_init(&pf);
+    pf.lse_for_backward = 1;
+    fz_tensor dout, own_lse, grad[3];
+    memset(&own_lse, 0, sizeof own_lse);
+    memset(grad, 0, sizeof grad);
+    const fz_tensor *lse = NULL;
+    bool consistent = c->st == ATTN_OK && !fz_one_in(f, 16);
+    if (consistent && c->lse != NULL && c->params != NULL && c->params->lse_for_backward) {
+        lse = c->lse; /* the forward already gave the backward's lse */
+    } else if (consistent) {
+        const attn_dtype ldt = fz_bool(f) ? ATTN_DTYPE_F64 : c->dt;
+        fz_tensor_make(f, &own_lse, ldt, 2, c->ls, true, BUF_LIMIT, vals, false);
+        if (own_lse.backed) {
+            const attn_status st = attn_sdpa_varlen(&c->q->t, &c->k->t, &c->v->t, &c->cuq->t,
+                                                    &c->cuk->t, c->max_q, c->max_k, &pf,
+                                                    &c->out->t, &own_lse.t);
+            fz_check_status(st, "attn_sdpa_varlen (lse_for_backward)");
+            /* the same call as before but for lse, whose drawn layout may be refused */
+            FZ_ASSERT(st == ATTN_OK || st == ATTN_ERR_NOMEM ||
+                          strcmp(attn_last_error_arg(), "lse") == 0,
+                      "attn_sdpa_varlen succeeded, then refused lse_for_backward: %s",
+                      attn_last_error());
+            consistent = st == ATTN_OK;
+        } else {
+            consistent = false;
+        }
+        lse = &own_lse;
+    } else { /* drawn: any values, any dtype, now and then any shape */
+        make(f, &own_lse, pick_dtype(f, fz_bool(f) ? ATTN_DTYPE_F64 : c->dt), 2, c->ls, false,
+             vals);
+        lse = &own_lse;
+        consistent = false;
+    }
+    /* dout: usually of tame values only, so that finite gradients can be
+     * demanded (random bytes draw a wild value every 40 or so) */
+    if (fz_one_in(f, 4)) {
+        make(f, &dout, pick_dtype(f, c->dt), 3, c->os, false, vals);
+    } else {
+        int rank = 3;
+        int64_t shape[ATTN_MAX_RANK + 2] = {c->os[0], c->os[1], c->os[2]};
+        perturb(f, &rank, shape);
+        fz_tensor_make(f, &dout, pick_dtype(f, c->dt), rank, shape, false, BUF_LIMIT, vals,
+                       false);
+    }
+    const int64_t *shapes[3] = {c->qs, c->ks, c->vs};
+    attn_tensor *tg[3] = {NULL, NULL, NULL};
+    for (int g = 0; g < 3; g++) {
+        if (fz_one_in(f, 4)) continue; /* not asked for */
+        make(f, &grad[g], pick_dtype(f, c->dt), 3, shapes[g], true, vals);
+        tg[g] = &grad[g].t;
+    }
+    int64_t max_q = c->max_q, max_k = c->max_k; /* results do not depend on them */
+    if (fz_one_in(f, 12)) max_q = fz_range(f, -2, c->max_q + 1);
+    if (fz_one_in(f, 12)) max_k = fz_range(f, -2, c->max_k + 1);
+    if (fz_one_in(f, 10)) {
+        poke_offset(f, fz_bool(f) ? c->cuq : c->cuk);
+        consistent = false;
+    }
+    attn_sdpa_params pb; /* rarely: other params than the forward's */
+    const attn_sdpa_params *params = c->params;
+    if (fz_one_in(f, 16)) {
+        pb = pf;
+        switch (fz_u8(f) % 5) {
+        case 0: pb.causal = (attn_causal)(((int)pb.causal + 1) % 3); break;
+        case 1:
+            pb.dropout_p = 0.5;
+            pb.seed ^= 1;
+            break;
+        case 2: pb.attn_mask = &c->q->t; break; /* refused */
+        case 3: pb.k_offset = 2; break;         /* refused */
+        default: pb.lse_for_backward = 0; break;
+        }
+        params = &pb;
+        consistent = false;
+    }
+    const attn_tensor *in[8] = {&dout.t,    &c->q->t,   &c->k->t, &c->v->t,
+                                &c->out->t, &lse->t,    &c->cuq->t, &c->cuk->t};
+    bool must_refuse = false;
+    if (fz_one_in(f, 24)) { /* a required pointer dropped */
+        in[fz_u8(f) % 8] = NULL;
+        must_refuse = true;
+    }
+    const int a = (int)fz_range(f, 0, 2), b = (int)fz_range(f, 0, 2);
+    if (fz_one_in(f, 24) && a != b && tg[a] != NULL && tg[b] != NULL) {
+        tg[b] = tg[a]; /* two gradients in one buffer */
+        must_refuse = true;
+    }
+    bool backed = dout.backed && lse->backed;
+    for (int g = 0; g < 3; g++) backed = backed && (tg[g] == NULL || grad[g].backed);
+    if (backed) {
+        fz_tensor *outs[3] = {&grad[0], &grad[1], &grad[2]};
+        snapshot snaps[3];
+        for (int g = 0; g < 3; g++) snap(&snaps[g], &grad[g]);
+        fz_tensor *first = NULL;
+        for (int g = 2; g >= 0; g--)
+            if (tg[g] != NULL) first = &grad[g];
+        const fz_tensor *inputs[6] = {&dout, c->q, c->k, c->v, c->out, lse};
+        fz_hostile h;
+        fz_hostile_begin(f, &h, first, inputs[fz_u8(f) % 6]);
+        const attn_status st =
+            attn_sdpa_varlen_backward(in[0], in[1], in[2], in[3], in[4], in[5], in[6], in[7],
+                                      max_q, max_k, params, tg[0], tg[1], tg[2]);
+        fz_hostile_end(&h, st);
+        fz_check_status(st, "attn_sdpa_varlen_backward");
+        FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa_varlen_backward leaked %ld blocks",
+                  fz_live_blocks());
+        FZ_ASSERT(!must_refuse || st != ATTN_OK,
+                  "attn_sdpa_varlen_backward accepted a NULL operand or two gradients in one "
+                  "buffer");
+        for (int g = 0; g < 3 && refused(st); g++)
+            FZ_ASSERT(unchanged(&snaps[g], outs[g]),
+                      "attn_sdpa_varlen_backward refused (%s) but wrote gradient %d",
+                      attn_last_error(), g);
+        if (st == ATTN_OK) {
+            check_zero_rows(&c->cuq->t, &c->cuk->t, tg);
+            for (int g = 0; g < 3 && consistent && vals->tame; g++)
+                FZ_ASSERT(tg[g] == NULL || fz_all_finite(tg[g], false),
+                          "attn_sdpa_varlen_backward: finite inputs gave a non-finite "
+                          "gradient %d",
+                          g);
+        }
+        for (int g = 0; g < 3; g++) free(snaps[g].bytes);
+    }
+    fz_tensor_free(&dout);
+    fz_tensor_free(&own_lse);
+    for (int g = 0; g < 3; g++) fz_tensor_free(&grad[g]);
+    free(bytes);
+}
+
+static void fuzz_varlen(fz *f, const fz *whole, fz_values *vals) {
     const attn_dtype dt = fz_bool(f) ? ATTN_DTYPE_F64 : ATTN_DTYPE_F32;
     const int64_t B = fz_range(f, 0, MAXB - 1);
     const int64_t Hkv = fz_range(f, 1, 3);
@@ -311,6 +552,26 @@ static void fuzz_varlen(fz *f, fz_values *vals) {
                    with_lse ? &lse : NULL, vals);
         free(snaps[0].bytes);
         free(snaps[1].bytes);
+        /* Then the backward on the same inputs (its draws come after all of
+         * the forward's, so a corpus input drives the forward as before). */
+        const varlen_call c = {.dt = dt,
+                               .max_q = max_q,
+                               .max_k = max_k,
+                               .qs = qs,
+                               .ks = ks,
+                               .vs = vs,
+                               .os = os,
+                               .ls = ls,
+                               .q = &q,
+                               .k = &k,
+                               .v = &v,
+                               .out = &out,
+                               .lse = with_lse ? &lse : NULL,
+                               .cuq = &cuq,
+                               .cuk = &cuk,
+                               .params = params,
+                               .st = st};
+        varlen_backward(f, whole, vals, &c);
     }
     fz_tensor *all[7] = {&q, &k, &v, &out, &lse, &cuq, &cuk};
     for (int i = 0; i < 7; i++) fz_tensor_free(all[i]);
@@ -495,11 +756,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fz f = {data, size};
+    const fz whole = f;
     fz_values vals = {true};
     fz_begin_attention(&f);
     if (fz_bool(&f))
         fuzz_kvcache(&f, &vals);
     else
-        fuzz_varlen(&f, &vals);
+        fuzz_varlen(&f, &whole, &vals);
     return 0;
 }
