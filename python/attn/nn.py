@@ -356,8 +356,12 @@ def _torch_decides(m, query, key, value, key_padding_mask, attn_mask):
     run them, so that torch's answer (its result, or its error) stands:
     autocast (torch computes in the autocast dtype), a float mask of another
     dtype than the query (torch refuses it), inference tensors in grad mode
-    (torch trains on them; attn cannot save them for its backward)."""
+    (torch trains on them; attn cannot save them for its backward), empty
+    inputs (a batch of 0 sequences or of 0 tokens: torch returns its empty
+    result, attn takes no empty tensor)."""
     if torch.is_autocast_enabled("cpu"):
+        return True
+    if any(x.numel() == 0 for x in (query, key, value)):
         return True
     for x in (key_padding_mask, attn_mask):
         if x is not None and x.is_floating_point() and x.dtype != query.dtype:

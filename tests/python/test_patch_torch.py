@@ -175,6 +175,23 @@ def test_everything_else_goes_to_torch(rng):
         torch.testing.assert_close(a, b)
 
 
+def test_empty_mha_inputs_go_to_torch():
+    """A batch of no sequences, or of sequences of no tokens, through a
+    patched nn.MultiheadAttention: torch's own empty result (attn takes no
+    empty tensor), as without the patch."""
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    for shape in ((0, 3, 8), (2, 0, 8)):
+        x = torch.randn(*shape, requires_grad=True)
+        ref, ref_w = m(x, x, x)
+        with attn.patch_torch() as p:
+            out, w = m(x, x, x)
+        assert p.fell_back == 1 and p.routed == 0
+        assert out.shape == ref.shape and w.shape == ref_w.shape
+        out.sum().backward()  # a graph torch's own forward built
+        assert x.grad.shape == x.shape
+
+
 # ---- a TransformerEncoder trains the same with the patch on or off ----
 
 def _train(batch_first, patched, steps=4):
