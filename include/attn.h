@@ -1093,8 +1093,9 @@ ATTN_API const char *attn_blas_info(void);
  * names an int with attn_set_cancel_flag(&flag) before the call, and any
  * store of a nonzero value to it makes the call stop at its next check and
  * return ATTN_ERR_CANCELLED. Checks fall between blocks of work (a few
- * milliseconds apart), on every thread of the call. The outputs then hold
- * partial results; nothing leaks and the library stays usable. The setting
+ * milliseconds apart), on every thread of the call, backward passes
+ * included. The outputs (a backward's gradients too) then hold partial
+ * results, to be discarded; nothing leaks and the library stays usable. The setting
  * belongs to the calling thread and stays until changed; NULL turns it off
  * (the default). The flag must outlive the calls that read it; the library
  * only reads it (plain loads are enough for a store from a signal handler or
