@@ -39,6 +39,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"  sdpa backward: {g['checks']} gradients checked, at most "
             f"{100 * g['worst_usage']:.0f}% of the bar used"
         )
+    varlen = sys.modules.get("test_varlen_backward")
+    if varlen is not None and varlen.STATS["checks"]:
+        g = varlen.STATS
+        tr.write_line(
+            f"  varlen backward: {g['cases']} packed batches, {g['checks']} gradients checked on "
+            f"every kernel path (at most {100 * g['worst_usage']:.0f}% of the bar used); "
+            f"{g['gradchecks']} float64 gradchecks"
+        )
     serving = sys.modules.get("test_serving_conformance")
     if serving is not None:
         for line in serving.summary_lines():

@@ -1479,7 +1479,10 @@ def formula_grads(c, dtype):
     return res, size
 
 
-def check_grad(name, ours, ref, own, size, dtype, isa, ctx):
+def check_grad(name, ours, ref, own, size, dtype, isa, ctx, stats=None):
+    """One gradient against the formula's (the error model above); counted
+    in `stats` (default: this module's GRAD_STATS)."""
+    stats = GRAD_STATS if stats is None else stats
     assert ours.shape == ref.shape, f"d{name}: shape {ours.shape}, expected {ref.shape} ({ctx})"
     assert np.isfinite(ours).all(), f"d{name} on the {isa} path is not finite ({ctx})"
     err = float(np.max(np.abs(ours - ref), initial=0.0))
@@ -1490,9 +1493,9 @@ def check_grad(name, ours, ref, own, size, dtype, isa, ctx):
         terr = float(np.max(np.abs(own - ref), initial=0.0))
         bar = F32_FACTOR * terr + 1e-6 * size
         what = f"2 x torch float32's own error {terr:.3g} + 1e-6 x {size:.3g}"
-    GRAD_STATS["checks"] += 1
+    stats["checks"] += 1
     if bar > 0:
-        GRAD_STATS["worst_usage"] = max(GRAD_STATS["worst_usage"], err / bar)
+        stats["worst_usage"] = max(stats["worst_usage"], err / bar)
     assert err <= bar, (
         f"d{name} on the {isa} path: error {err:.3g} against the float64 formula's autograd "
         f"(terms up to {size:.3g}); the bar is {what} = {bar:.3g} ({ctx})"
