@@ -18,7 +18,7 @@
 
 #include "testutil.h"
 
-enum { MAXB = 8 };
+enum { MAXB = 256 };
 
 static const double SENTINEL = 7.25; /* what the gradients hold before a call */
 
@@ -398,6 +398,59 @@ static void test_edges(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- workspace that follows the rows, not batch x the longest ---- */
+
+/* An allocator that refuses any block above `limit` bytes (thread-safe:
+ * it keeps no state but the limit). */
+static void *capped_alloc(void *ctx, size_t size) {
+    return size > *(const size_t *)ctx ? NULL : malloc(size);
+}
+static void capped_release(void *ctx, void *ptr) {
+    (void)ctx;
+    free(ptr);
+}
+
+/* One sequence of 2,048 tokens beside 255 of 4, GQA (4 query heads over
+ * 2): 3,068 tokens. Indexed by batch x the longest, the backward's row
+ * statistics took 3 x 256 x 4 x 2,048 floats (25 MB) and dQ's partial sums
+ * 256 x 4 x 2,048 x 32 (268 MB) where the rows need 0.4 MB and 1.6 MB; under
+ * an allocator that refuses any block above 8 MiB, forward and backward
+ * now succeed on every path and give the unbounded calls' bits. */
+static void test_skewed_batch_workspace(void) {
+    enum { B = 256 };
+    int lq[B], lk[B];
+    for (int n = 0; n < B; n++) lq[n] = lk[n] = n == 0 ? 2048 : 4;
+    rng r = {harness_seed() ^ 0x5ce3u};
+    size_t limit = (size_t)8 << 20;
+    const attn_allocator capped = {capped_alloc, capped_release, &limit};
+    for (int pi = -1; pi < (int)(sizeof FUSED / sizeof FUSED[0]); pi++) {
+        const attn_isa isa = pi < 0 ? ATTN_ISA_REF : FUSED[pi];
+        if (!attn_isa_supported(isa) || isa == ATTN_ISA_REF) continue; /* (the reference is dense) */
+        CHECK_OK(attn_set_isa(isa));
+        vb_case c;
+        vb_fixed(&c, &r, B, lq, lk, 4, 2, 32, ATTN_CAUSAL_BOTTOM_RIGHT, 0, 1);
+        CHECK_OK(vb_forward(&c));
+        CHECK_OK(vb_backward(&c));
+        vb_case capped_case = c;
+        vb_grads(&capped_case, &r);
+        attn_set_allocator(&capped);
+        const attn_status fwd = vb_forward(&capped_case);
+        const attn_status bwd = vb_backward(&capped_case);
+        attn_set_allocator(NULL);
+        CHECK(fwd == ATTN_OK && bwd == ATTN_OK,
+              "%s: a skewed batch needs blocks above 8 MiB (forward %d, backward %d: %s)",
+              attn_isa_name(isa), (int)fwd, (int)bwd, attn_last_error());
+        CHECK(tt_same_bits(&capped_case.dq.t, &c.dq.t) && tt_same_bits(&capped_case.dk.t, &c.dk.t) &&
+                  tt_same_bits(&capped_case.dv.t, &c.dv.t),
+              "%s: the capped call's gradients differ", attn_isa_name(isa));
+        tt_free(&capped_case.dq);
+        tt_free(&capped_case.dk);
+        tt_free(&capped_case.dv);
+        vb_free(&c);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
 /* Each hostile argument is refused, naming it, and writes nothing. */
 static void test_arguments(void) {
     rng r = {harness_seed() ^ 0x4a5u};
@@ -486,6 +539,7 @@ int main(int argc, char **argv) {
         T(test_fused_matches_reference),
         T(test_bits_for_any_thread_count),
         T(test_edges),
+        T(test_skewed_batch_workspace),
         T(test_arguments),
     };
     return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
