@@ -173,6 +173,9 @@ GRADCHECK = {
     "window_softcap": dict(window=(2, 1), softcap=3.0),
     "alibi_negative_scale": dict(alibi=True, scale=-0.7),
     "sinks_causal": dict(sinks=True, causal=True),
+    "sinks_per_sequence": dict(sinks=(3, 2), causal=True),  # (B, Hq)
+    "sinks_per_sequence_shared_heads": dict(sinks=(3, 1)),  # (B, 1)
+    "sinks_one_row": dict(sinks=(1, 2), window=(1, 0)),  # (1, Hq)
     "everything": dict(causal=True, Hq=4, Hkv=2, dropout=0.25, window=(3, 0), softcap=5.0,
                        alibi=True, sinks=True),
     "empty_sequences_and_tail_rows": dict(lq=(0, 3, 4, 2), lk=(2, 0, 5, 3), pad=2),
@@ -202,7 +205,7 @@ def test_varlen_gradcheck(name):
     if o.get("alibi"):
         kw["alibi_slopes"] = torch.from_numpy(rng.uniform(0.1, 1.0, (Hq,)))
     if o.get("sinks"):
-        inputs.append(leaf(Hq))
+        inputs.append(leaf(*(o["sinks"] if isinstance(o["sinks"], tuple) else (Hq,))))
 
     def f(*xs):
         sinks = xs[3] if len(xs) > 3 else None
