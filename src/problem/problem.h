@@ -384,15 +384,23 @@ attn_status attn__problem_from_sdpa_backward(attn__problem *p, const attn_tensor
  * need a reduction. */
 bool attn__operand_shared(const attn__problem *p, const attn__operand *op);
 
+/* Where each batch index's rows begin when only the rows it holds are
+ * kept, one index after another: first[b] for b <= nbatch (first[nbatch]:
+ * them all), counting keys (attn__keys_of) or query rows (attn__rows_of).
+ * Unless the problem is ragged, first[b] = b x S or b x L. */
+void attn__held_row_starts(const attn__problem *p, bool keys, int64_t *first);
+
 /* Stores gradient contributions into the gradient `op` describes, summing
  * those that share an element in a fixed order (batch index, then row, then
- * column), in float64, and rounding once. `partial` is dense (nbatch, rows,
- * width), rows = S for a key-side gradient (`keys`: dk, dv), else L, and is
- * overwritten. Ragged, only the rows a batch index holds are stored (the
- * rest belong to other sequences). Rows and columns reduce too where op's
- * row or column stride is 0 (a mask broadcast over queries or keys). */
+ * column), in float64, and rounding once. `partial` holds batch index b's
+ * rows at first[b] x width (attn__held_row_starts), or, with first NULL,
+ * dense (nbatch, rows, width), rows = S for a key-side gradient (`keys`:
+ * dk, dv), else L; it is overwritten. Only the rows a batch index holds are
+ * stored (ragged, the rest belong to other sequences). Rows and columns
+ * reduce too where op's row or column stride is 0 (a mask broadcast over
+ * queries or keys). */
 void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *partial,
-                     bool keys, int64_t width);
+                     bool keys, int64_t width, const int64_t *first);
 
 /* A slice of a whole problem: keys [j0, j0 + nk) (nk >= 1), with the
  * slice's global key position, so that causality and dropout stay those of

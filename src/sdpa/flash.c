@@ -740,9 +740,7 @@ static bool bwd_dq_direct(const attn__problem *p, const flash_work *w) {
  * Returns first (nbatch + 1 entries; attn__work_free), or NULL. */
 static int64_t *bwd_row_starts(const attn__problem *p) {
     int64_t *first = attn__work_alloc((size_t)(p->nbatch + 1), sizeof(int64_t), false);
-    if (first == NULL) return NULL;
-    first[0] = 0;
-    for (int64_t b = 0; b < p->nbatch; b++) first[b + 1] = first[b] + attn__rows_of(p, b);
+    if (first != NULL) attn__held_row_starts(p, false, first);
     return first;
 }
 

@@ -165,8 +165,17 @@ static row_buffers thread_rows(const row_buffers *all, int64_t S) {
     return (row_buffers){all->p + at, all->w + at, all->ds + at, all->dcap + at, all->visible + at};
 }
 
+/* Where the contributions go: batch index b's query rows at qfirst[b] and
+ * its keys at kfirst[b] (rows, times E or Ev), only the rows it holds
+ * (attn__held_row_starts): a packed batch of one long sequence and many
+ * short ones needs its rows' worth, not batch x the longest. */
+typedef struct ref_starts {
+    int64_t *q, *k; /* nbatch + 1 each */
+} ref_starts;
+
 /* Every batch index's dq, dk, dv contributions, one batch index per task. */
-static attn_status reference_qkv(const attn__problem *p, double *gq, double *gk, double *gv) {
+static attn_status reference_qkv(const attn__problem *p, const ref_starts *at, double *gq,
+                                 double *gk, double *gv) {
     const int threads = attn__threads();
     row_buffers all;
     if (alloc_rows(threads, p->S, &all) != ATTN_OK) {
@@ -181,8 +190,8 @@ static attn_status reference_qkv(const attn__problem *p, double *gq, double *gk,
     for (int64_t b = 0; b < p->nbatch; b++) {
         if (attn__loop_cancelled(&cancelled, p->cancel)) continue;
         row_buffers rb = thread_rows(&all, p->S);
-        double *q = gq ? gq + b * p->L * p->E : NULL, *k = gk ? gk + b * p->S * p->E : NULL;
-        double *v = gv ? gv + b * p->S * p->Ev : NULL;
+        double *q = gq ? gq + at->q[b] * p->E : NULL, *k = gk ? gk + at->k[b] * p->E : NULL;
+        double *v = gv ? gv + at->k[b] * p->Ev : NULL;
         for (int64_t i = 0; i < attn__rows_of(p, b); i++) { /* a row: S·(2E + Ev) in float64 */
             if (attn__loop_cancelled(&cancelled, p->cancel)) break;
             if (backward_row(p, b, i, &rb)) accumulate_row(p, b, i, &rb, q, k, v);
@@ -194,17 +203,32 @@ static attn_status reference_qkv(const attn__problem *p, double *gq, double *gk,
 
 attn_status attn__sdpa_backward_reference(const attn__problem *p) {
     const size_t nb = (size_t)p->nbatch;
-    double *gq = p->has_dq ? attn__alloc_array(nb * (size_t)(p->L * p->E), sizeof(double)) : NULL;
-    double *gk = p->has_dk ? attn__alloc_array(nb * (size_t)(p->S * p->E), sizeof(double)) : NULL;
-    double *gv = p->has_dv ? attn__alloc_array(nb * (size_t)(p->S * p->Ev), sizeof(double)) : NULL;
-    attn_status st = ATTN_OK;
-    if ((p->has_dq && !gq) || (p->has_dk && !gk) || (p->has_dv && !gv)) st = ATTN_ERR_NOMEM;
-    if (st == ATTN_OK && (gq || gk || gv)) st = reference_qkv(p, gq, gk, gv);
-    if (st == ATTN_OK) {
-        if (gq) attn__grad_fold(p, &p->dq, gq, false, p->E);
-        if (gk) attn__grad_fold(p, &p->dk, gk, true, p->E);
-        if (gv) attn__grad_fold(p, &p->dv, gv, true, p->Ev);
+    ref_starts at = {attn__alloc_array(nb + 1, sizeof(int64_t)),
+                     attn__alloc_array(nb + 1, sizeof(int64_t))};
+    if (at.q == NULL || at.k == NULL) {
+        attn__free(at.q);
+        attn__free(at.k);
+        return ATTN_ERR_NOMEM;
     }
+    attn__held_row_starts(p, false, at.q);
+    attn__held_row_starts(p, true, at.k);
+    const size_t qrows = (size_t)at.q[nb], krows = (size_t)at.k[nb];
+    double *gq = p->has_dq ? attn__alloc_array(qrows * (size_t)p->E, sizeof(double)) : NULL;
+    double *gk = p->has_dk ? attn__alloc_array(krows * (size_t)p->E, sizeof(double)) : NULL;
+    double *gv = p->has_dv ? attn__alloc_array(krows * (size_t)p->Ev, sizeof(double)) : NULL;
+    attn_status st = ATTN_OK;
+    /* (an empty buffer is a valid NULL: no row to hold) */
+    if ((p->has_dq && !gq && qrows > 0) || (p->has_dk && !gk && krows > 0) ||
+        (p->has_dv && !gv && krows > 0))
+        st = ATTN_ERR_NOMEM;
+    if (st == ATTN_OK && (gq || gk || gv)) st = reference_qkv(p, &at, gq, gk, gv);
+    if (st == ATTN_OK) {
+        if (gq) attn__grad_fold(p, &p->dq, gq, false, p->E, at.q);
+        if (gk) attn__grad_fold(p, &p->dk, gk, true, p->E, at.k);
+        if (gv) attn__grad_fold(p, &p->dv, gv, true, p->Ev, at.k);
+    }
+    attn__free(at.q);
+    attn__free(at.k);
     attn__free(gq);
     attn__free(gk);
     attn__free(gv);
