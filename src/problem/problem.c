@@ -81,25 +81,24 @@ static int64_t representative(const attn__problem *p, const attn__operand *op, i
 void attn__held_row_starts(const attn__problem *p, bool keys, int64_t *first) {
     first[0] = 0;
     for (int64_t b = 0; b < p->nbatch; b++)
-        first[b + 1] = first[b] + (keys ? attn__keys_of(p, b) : attn__rows_of(p, b));
+        first[b + 1] = first[b] + attn__held(p, b, keys);
 }
 
 void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *partial,
                      bool keys, int64_t width, const int64_t *first) {
     const int64_t rows = keys ? p->S : p->L;
-#define HELD(b) (keys ? attn__keys_of(p, b) : attn__rows_of(p, b))
 #define START(b) (first != NULL ? first[b] * width : (b) * rows * width)
     for (int64_t b = 0; b < p->nbatch; b++) { /* batch indices onto their representative */
         const int64_t rep = representative(p, op, b);
         if (rep == b) continue;
         double *dst = partial + START(rep); /* (ragged: one sequence's, as many rows) */
         const double *src = partial + START(b);
-        for (int64_t x = 0; x < HELD(b) * width; x++) dst[x] += src[x];
+        for (int64_t x = 0; x < attn__held(p, b, keys) * width; x++) dst[x] += src[x];
     }
     for (int64_t b = 0; b < p->nbatch; b++) {
         if (representative(p, op, b) != b) continue;
         double *m = partial + START(b);
-        const int64_t held = HELD(b);
+        const int64_t held = attn__held(p, b, keys);
         if (op->rs == 0 || op->cs == 0) /* rows or columns onto the first */
             for (int64_t r = 0; r < held; r++)
                 for (int64_t c = 0; c < width; c++) {
@@ -114,6 +113,5 @@ void attn__grad_fold(const attn__problem *p, const attn__operand *op, double *pa
             for (int64_t c = 0; c < nc; c++)
                 attn__store(op->data, op->dtype, off + r * op->rs + c * op->cs, m[r * width + c]);
     }
-#undef HELD
 #undef START
 }

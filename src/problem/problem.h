@@ -209,6 +209,10 @@ static inline int64_t attn__keys_of(const attn__problem *p, int64_t b) {
     const int64_t held = p->k.seq_len[attn__seq_of(p, b)] - p->k_pos0;
     return held < 0 ? 0 : held < p->S ? held : p->S;
 }
+/* The keys (`keys`: a key-side operand's rows) or query rows b holds. */
+static inline int64_t attn__held(const attn__problem *p, int64_t b, bool keys) {
+    return keys ? attn__keys_of(p, b) : attn__rows_of(p, b);
+}
 
 /* The key (local index) on query row i's bottom-right diagonal: position
  * i + S - L over the whole lengths, or the sequence's own when ragged (a

@@ -744,9 +744,15 @@ static int64_t *bwd_row_starts(const attn__problem *p) {
     return first;
 }
 
-/* The batch index holding compact row x (bwd_row_starts; rows of an entry
- * with none skipped): a binary search. */
-static int64_t bwd_row_owner(const int64_t *first, int64_t nbatch, int64_t x) {
+/* The batch index holding compact row x (bwd_row_starts; entries with no
+ * rows skipped), b the one that held the row before it in a loop going
+ * forward: b itself or a step on from it, or, b < 0 (a thread's first row),
+ * a binary search. */
+static int64_t bwd_row_owner(const int64_t *first, int64_t nbatch, int64_t x, int64_t b) {
+    if (b >= 0) {
+        while (x >= first[b + 1]) b++;
+        return b;
+    }
     int64_t lo = 0, hi = nbatch - 1;
     while (lo < hi) {
         const int64_t mid = lo + (hi - lo + 1) / 2;
@@ -771,8 +777,7 @@ static bool grad_finite(const attn__problem *p, const attn__operand *op, bool ke
                         int64_t width) {
     for (int64_t b = 0; b < p->nbatch; b++) {
         const int64_t base = attn__batch_offset(p, op, b);
-        const int64_t rows = keys ? attn__keys_of(p, b) : attn__rows_of(p, b);
-        for (int64_t r = 0; r < rows; r++)
+        for (int64_t r = 0; r < attn__held(p, b, keys); r++)
             for (int64_t c = 0; c < width; c++)
                 if (!isfinite(attn__load(op->data, op->dtype, base + r * op->rs + c * op->cs)))
                     return false;
