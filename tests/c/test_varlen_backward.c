@@ -524,6 +524,14 @@ static void test_arguments(void) {
                                       &c.tcu_k, c.max_q, c.max_k, &c.p, &c.dq.t, NULL, NULL),
             "dout");
 #undef REFUSED
+    /* cancelled before it starts: ATTN_ERR_CANCELLED, nothing written */
+    volatile int cancel = 1;
+    attn_set_cancel_flag(&cancel);
+    CHECK_STATUS(attn_sdpa_varlen_backward(&c.dout.t, &c.q.t, &c.k.t, &c.v.t, &c.out.t, &c.lse.t,
+                                           &c.tcu_q, &c.tcu_k, c.max_q, c.max_k, &c.p, &c.dq.t,
+                                           NULL, NULL),
+                 ATTN_ERR_CANCELLED);
+    attn_set_cancel_flag(NULL);
     for (int64_t t = 0; t < c.total_q; t++) /* nothing was written */
         for (int64_t h = 0; h < c.Hq; h++)
             for (int64_t e = 0; e < c.E; e++)
