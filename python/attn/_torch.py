@@ -81,6 +81,29 @@ def _sdpa(
 sdpa_op = torch.library.custom_op("attn::sdpa", mutates_args=())(_sdpa)
 
 
+def _untracked(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, seed,
+               want_weights, want_lse, window_left=-1, window_right=-1, alibi_slopes=None,
+               softcap=0.0, sinks=None):
+    """attn_sdpa for a call autograd does not record, as a NumPy call makes
+    it: the layout the shape asks for, not the one a backward's lse needs
+    (keys in columns for decoding: (1,32,1,32768,128) with 8 KV heads took
+    2.3x the NumPy call's time through _sdpa), so torch and NumPy inputs
+    give the same bits. lse, when asked for, is float64 as from _sdpa
+    (widened exactly from a float32 one)."""
+    try:
+        out, w, lse = _attn.sdpa(
+            torch_array(query), torch_array(key), torch_array(value), empty=empty,
+            want_weights=want_weights, want_lse=want_lse,
+            **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
+                       window_right, alibi_slopes, softcap, sinks),
+        )
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        raise library_error(e) from None
+    w = torch_result(w, query.dtype) if want_weights else None
+    lse = torch.from_numpy(lse).to(torch.float64) if want_lse else None
+    return torch_result(out, query.dtype), w, lse
+
+
 def out_batch_shape(query, key, value, enable_gqa):
     """B... (with Hq last): the broadcast of the three batch shapes; with
     GQA the head dimension is the query's (keys and values are shared by a
@@ -290,8 +313,8 @@ def has_tangent(*inputs):
 def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     """The call on checked arguments `a` (attn/_sdpa.py): through attn::sdpa
     when a mode or tracer should see the operator, through AttnSdpa when
-    autograd records it (an input requires grad), else the function alone.
-    The three run the same code."""
+    autograd records it (an input requires grad), else as a NumPy call
+    (_untracked). The first two run the same code."""
     saved = torch.is_grad_enabled() and any(  # autograd will record the call
         isinstance(x, torch.Tensor) and x.requires_grad
         for x in (query, key, value, attn_mask, alibi_slopes, sinks))
@@ -302,19 +325,74 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
             mask = mask.reshape(1)
     slopes = None if a.alibi is None else _tensor(alibi_slopes, a.alibi, saved)
     sink_logits = None if a.sinks is None else _tensor(sinks, a.sinks, saved)
+    inputs = (_tensor(query, a.q, saved), _tensor(key, a.k, saved), _tensor(value, a.v, saved),
+              mask, a.dropout_p, a.causal, a.scale, a.gqa, _seed_for(a.seed, a.dropout_p),
+              a.want_w)
+    modifiers = (a.window[0], a.window[1], slopes, a.softcap, sink_logits)
     if _operator_needed():
-        call = sdpa_op
+        out, w, lse = sdpa_op(*inputs, *modifiers)
     elif _recorded(query, key, value, mask, slopes, sink_logits) or has_tangent(
             query, key, value, mask, slopes, sink_logits):
-        call = AttnSdpa.apply
-    else:  # nothing to record: the function itself (what the other two run), 20 us less
-        call = _sdpa
-    out, w, lse = call(
-        _tensor(query, a.q, saved), _tensor(key, a.k, saved), _tensor(value, a.v, saved), mask,
-        a.dropout_p, a.causal, a.scale, a.gqa, _seed_for(a.seed, a.dropout_p), a.want_w,
-        a.window[0], a.window[1], slopes, a.softcap, sink_logits,
-    )
+        out, w, lse = AttnSdpa.apply(*inputs, *modifiers)
+    else:  # nothing to record
+        out, w, lse = _untracked(*inputs, a.want_lse, *modifiers)
     return results(a, out, w, lse)
+
+
+_FAST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+with torch.inference_mode(False):  # a normal tensor even if attn is first used in that mode:
+    _NO_SEED = seed_tensor(0)       # autograd saves it; the seed of calls without dropout
+
+
+def _view(x):
+    """A NumPy view of a plain tensor (bfloat16 as its int16 bits), or None
+    where .numpy() refuses it (another device, a meta, nested, sparse or
+    negated view): the checked route then says what is wrong."""
+    try:
+        t = x.detach() if x.requires_grad else x
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    except (TypeError, RuntimeError):
+        return None
+
+
+def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
+    """attn.scaled_dot_product_attention on plain tensors with torch's own
+    arguments only (causal: attn_causal's code), or None when the call needs
+    the checked route (run): it skips _arguments and the conversions twice
+    over, which cost 30-45 us a call, 4-5x torch's own SDPA at 16 tokens
+    (a model's every attention layer pays it, patch_torch's too). What it
+    reads is what run() would: the same functions, the same bits."""
+    T = torch.Tensor
+    if type(query) is not T or type(key) is not T or type(value) is not T:
+        return None
+    dt = query.dtype
+    if dt not in _FAST_DTYPES or key.dtype != dt or value.dtype != dt:
+        return None
+    if attn_mask is not None and (type(attn_mask) is not T or attn_mask.dim() == 0 or not (
+            attn_mask.dtype == torch.bool or attn_mask.dtype == dt)):
+        return None
+    if not (0.0 <= dropout_p < 1.0) or not (scale is None or type(scale) is float):
+        return None
+    if _operator_needed() or has_tangent(query, key, value, attn_mask):
+        return None
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    if any(wrapped(x) for x in tensors):
+        return None
+    views = [_view(x) for x in tensors]
+    if any(v is None for v in views):
+        return None
+    seed = drawn_seed() if dropout_p > 0.0 else _NO_SEED
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
+                              enable_gqa, seed, False)[0]
+    try:
+        out, _, _ = _attn.sdpa(*views[:3], empty=empty, attn_mask=views[3] if attn_mask is not None
+                               else None, causal=causal, scale=scale, enable_gqa=enable_gqa,
+                               dropout_p=dropout_p, seed=_seed(seed))
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        raise library_error(e) from None
+    return torch_result(out, dt)
 
 
 def _traced_tensor(x):

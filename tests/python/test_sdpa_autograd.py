@@ -9,6 +9,7 @@ import sys
 import textwrap
 import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -198,9 +199,53 @@ def test_eager_route_and_operator_agree_bitwise(rng, dtype):
         assert "attn.sdpa.default" in mode.ops and "attn.sdpa_backward.default" in mode.ops
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b), kw
-        with torch.no_grad():  # nothing to record: the function without autograd
+        with torch.no_grad():  # nothing to record: computed as a NumPy call is
             untracked = attn.scaled_dot_product_attention(q, k, v, **kw)
-        assert untracked.grad_fn is None and torch.equal(untracked, eager.detach()), kw
+        numpy_kw = {n: x.detach().numpy() if isinstance(x, torch.Tensor) else x
+                    for n, x in kw.items()}
+        numpy_out = attn.scaled_dot_product_attention(
+            *(x.detach().numpy() for x in (q, k, v)), **numpy_kw)
+        assert untracked.grad_fn is None and np.array_equal(untracked.numpy(), numpy_out), kw
+        torch.testing.assert_close(untracked, eager.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16])
+def test_calls_autograd_does_not_record_are_numpy_calls(rng, dtype):
+    """A torch call that records nothing (no_grad, inference_mode, inputs
+    that do not require grad) computes exactly as the same call on NumPy
+    arrays: decoding (one query row per head over a long cache) keeps the
+    keys-in-columns layout, which the backward's lse would rule out, and the
+    bits are NumPy's. Plain tensors with torch's own arguments take a short
+    route (attn/_torch.py plain); with attn's options they take the checked
+    one; both agree with NumPy."""
+    def tensor(*shape):
+        return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
+
+    def as_numpy(x):  # bfloat16 as ml_dtypes' (NumPy's bfloat16)
+        bits = x.view(torch.int16).numpy() if x.dtype == torch.bfloat16 else None
+        return x.numpy() if bits is None else bits.view(ml_dtypes.bfloat16)
+
+    q, k, v = tensor(2, 8, 1, 64), tensor(2, 2, 700, 64), tensor(2, 2, 700, 64)
+    mask = tensor(2, 1, 1, 700) > -1.5
+    calls = [dict(enable_gqa=True), dict(attn_mask=mask, enable_gqa=True, is_causal=True,
+                                         causal_alignment="bottom-right"),
+             dict(enable_gqa=True, dropout_p=0.25, seed=11), dict(enable_gqa=True, softcap=3.0)]
+    for kw in calls:
+        numpy_kw = {n: x.numpy() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+        ref = attn.scaled_dot_product_attention(*(as_numpy(x) for x in (q, k, v)), **numpy_kw)
+        for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+            with mode():
+                out = attn.scaled_dot_product_attention(q, k, v, **kw)
+            assert out.dtype == dtype and out.grad_fn is None
+            assert np.array_equal(as_numpy(out).view(ref.dtype), ref, equal_nan=False), (kw, mode)
+    # A recorded call computes the layout the backward needs: the same values
+    # within rounding, and gradients.
+    qg = q.clone().requires_grad_()
+    out = attn.scaled_dot_product_attention(qg, k, v, enable_gqa=True)
+    assert out.grad_fn is not None
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out.detach(), attn.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True), **tol)
 
 
 def test_second_derivatives_raise_on_the_eager_route(rng):
