@@ -49,7 +49,7 @@ static bool key_visible(const attn__problem *p, const int64_t *mask_off, int64_t
  * soft-capping and dcap != NULL, dcap[j] = d cap(x_j) / d x_j = 1 - tanh²,
  * which the backward pass needs. */
 double attn__reference_scores(const attn__problem *p, int64_t b, int64_t i, double *s,
-                              bool *visible, double *dcap) {
+                              bool *visible, double *dcap, const double *q_i) {
     const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
     const int64_t ko = attn__batch_offset(p, &p->k, b);
     int64_t mask_off[ATTN__MAX_MASKS];
@@ -66,7 +66,7 @@ double attn__reference_scores(const attn__problem *p, int64_t b, int64_t i, doub
         const int64_t kr = ko + attn__row_offset(p, &p->k, b, j);
         double dot = 0.0;
         for (int64_t e = 0; e < p->E; e++)
-            dot += attn__load(p->q.data, p->q.dtype, qo + e * p->q.cs) *
+            dot += (q_i ? q_i[e] : attn__load(p->q.data, p->q.dtype, qo + e * p->q.cs)) *
                    attn__load(p->k.data, p->k.dtype, kr + e * p->k.cs);
         const double x = p->scale * dot;
         s[j] = attn__modified_score(p, x, slope, diagonal, j) + bias;
@@ -109,7 +109,7 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
                               bool *visible) {
     const int64_t vo = attn__batch_offset(p, &p->v, b);
     const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
-    const double max = attn__reference_scores(p, b, i, s, visible, NULL);
+    const double max = attn__reference_scores(p, b, i, s, visible, NULL, NULL);
 
     /* Softmax. A row with no visible key (or only -inf scores) and no sink
      * is empty: its output and weights are 0 and its log-sum-exp is -inf.

@@ -50,17 +50,32 @@
 #include <omp.h>
 #endif
 
-/* Per-thread row buffers, S entries each. */
+/* Per-thread row buffers: S entries each, and the row's q and dout read
+ * once (E and Ev entries) rather than once per key: the same values in the
+ * same sums, a third of the loads (tiny problems run this as their
+ * backward, bwd_tiny). */
 typedef struct row_buffers {
     double *p, *w, *ds, *dcap; /* dcap: the soft-cap's derivative per key */
     bool *visible;
+    double *q_i, *dout_i; /* E, Ev */
 } row_buffers;
+
+/* Row i of batch b's q (E) and dout (Ev) into rb. */
+static void read_row(const attn__problem *p, int64_t b, int64_t i, row_buffers *rb) {
+    const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
+    const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
+    for (int64_t e = 0; e < p->E; e++)
+        rb->q_i[e] = attn__load(p->q.data, p->q.dtype, qo + e * p->q.cs);
+    for (int64_t e = 0; e < p->Ev; e++)
+        rb->dout_i[e] = attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs);
+}
 
 /* Row i of batch b: p, w and ds for every key (0 where the row does not see
  * it). Returns false when the row saw no key (everything 0). The forward's
  * out is not read: see D above. */
 static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffers *rb) {
-    const double max = attn__reference_scores(p, b, i, rb->p, rb->visible, rb->dcap);
+    read_row(p, b, i, rb);
+    const double max = attn__reference_scores(p, b, i, rb->p, rb->visible, rb->dcap, rb->q_i);
     const double lse = attn__load(p->lse.data, p->lse.dtype,
                                   attn__batch_offset(p, &p->lse, b) + i * p->lse.rs);
     const bool empty = max == -INFINITY || lse == -INFINITY;
@@ -74,7 +89,6 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
             if (rb->visible[j]) sum += exp(rb->p[j] - ref);
     }
     const int64_t vo = attn__batch_offset(p, &p->v, b);
-    const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
     const double keep_scale = p->dropout_p < 1.0 ? 1.0 / (1.0 - p->dropout_p) : 0.0;
     for (int64_t j = 0; j < p->S; j++) {
         const double pj = rb->visible[j] && !empty ? exp(rb->p[j] - ref) / sum : 0.0;
@@ -89,10 +103,9 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
         }
         double dp = 0.0;
         if (z != 0.0) {
+            const int64_t vj = vo + attn__row_offset(p, &p->v, b, j);
             for (int64_t e = 0; e < p->Ev; e++)
-                dp += attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs) *
-                      attn__load(p->v.data, p->v.dtype,
-                                 vo + attn__row_offset(p, &p->v, b, j) + e * p->v.cs);
+                dp += rb->dout_i[e] * attn__load(p->v.data, p->v.dtype, vj + e * p->v.cs);
             dp *= z;
         }
         rb->w[j] = pj * z;
@@ -102,8 +115,7 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
     if (slice) {
         const int64_t oo = attn__batch_offset(p, &p->out, b) + i * p->out.rs;
         for (int64_t e = 0; e < p->Ev && !empty; e++)
-            D += attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs) *
-                 attn__load(p->out.data, p->out.dtype, oo + e * p->out.cs);
+            D += rb->dout_i[e] * attn__load(p->out.data, p->out.dtype, oo + e * p->out.cs);
     } else {
         for (int64_t j = 0; j < p->S; j++)
             if (rb->p[j] != 0.0) D += rb->p[j] * rb->ds[j];
@@ -113,13 +125,12 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
     return !empty;
 }
 
-/* Adds row i of batch b to the dense contributions of b: gq (L x E),
- * gk (S x E), gv (S x Ev); any may be NULL. */
+/* Adds row i of batch b (its q and dout in rb: backward_row) to the dense
+ * contributions of b: gq (L x E), gk (S x E), gv (S x Ev); any may be
+ * NULL. */
 static void accumulate_row(const attn__problem *p, int64_t b, int64_t i, const row_buffers *rb,
                            double *gq, double *gk, double *gv) {
-    const int64_t qo = attn__batch_offset(p, &p->q, b) + i * p->q.rs;
     const int64_t ko = attn__batch_offset(p, &p->k, b);
-    const int64_t go = attn__batch_offset(p, &p->dout, b) + i * p->dout.rs;
     for (int64_t j = 0; j < p->S; j++) {
         if (rb->p[j] == 0.0) continue;
         const double ds = p->scale * rb->ds[j] * (p->softcap > 0 ? rb->dcap[j] : 1.0);
@@ -127,24 +138,25 @@ static void accumulate_row(const attn__problem *p, int64_t b, int64_t i, const r
             if (gq != NULL)
                 gq[i * p->E + e] +=
                     ds * attn__load(p->k.data, p->k.dtype, ko + j * p->k.rs + e * p->k.cs);
-            if (gk != NULL)
-                gk[j * p->E + e] += ds * attn__load(p->q.data, p->q.dtype, qo + e * p->q.cs);
+            if (gk != NULL) gk[j * p->E + e] += ds * rb->q_i[e];
         }
         if (gv != NULL && rb->w[j] != 0.0)
-            for (int64_t e = 0; e < p->Ev; e++)
-                gv[j * p->Ev + e] +=
-                    rb->w[j] * attn__load(p->dout.data, p->dout.dtype, go + e * p->dout.cs);
+            for (int64_t e = 0; e < p->Ev; e++) gv[j * p->Ev + e] += rb->w[j] * rb->dout_i[e];
     }
 }
 
-static attn_status alloc_rows(int threads, int64_t S, row_buffers *all) {
-    const size_t n = (size_t)threads * (size_t)S;
+static attn_status alloc_rows(int threads, const attn__problem *pr, row_buffers *all) {
+    const size_t n = (size_t)threads * (size_t)pr->S;
     all->p = attn__alloc_array(n, sizeof(double));
     all->w = attn__alloc_array(n, sizeof(double));
     all->ds = attn__alloc_array(n, sizeof(double));
     all->dcap = attn__alloc_array(n, sizeof(double));
     all->visible = attn__alloc_array(n, sizeof(bool));
-    return all->p && all->w && all->ds && all->dcap && all->visible ? ATTN_OK : ATTN_ERR_NOMEM;
+    all->q_i = attn__alloc_array((size_t)threads * (size_t)pr->E, sizeof(double));
+    all->dout_i = attn__alloc_array((size_t)threads * (size_t)pr->Ev, sizeof(double));
+    return all->p && all->w && all->ds && all->dcap && all->visible && all->q_i && all->dout_i
+               ? ATTN_OK
+               : ATTN_ERR_NOMEM;
 }
 
 static void free_rows(row_buffers *all) {
@@ -153,16 +165,20 @@ static void free_rows(row_buffers *all) {
     attn__free(all->ds);
     attn__free(all->dcap);
     attn__free(all->visible);
+    attn__free(all->q_i);
+    attn__free(all->dout_i);
 }
 
-static row_buffers thread_rows(const row_buffers *all, int64_t S) {
+static row_buffers thread_rows(const row_buffers *all, const attn__problem *pr) {
 #ifdef _OPENMP
     const size_t t = (size_t)omp_get_thread_num();
 #else
     const size_t t = 0;
 #endif
-    const size_t at = t * (size_t)S;
-    return (row_buffers){all->p + at, all->w + at, all->ds + at, all->dcap + at, all->visible + at};
+    const size_t at = t * (size_t)pr->S;
+    return (row_buffers){all->p + at,  all->w + at,       all->ds + at,
+                         all->dcap + at, all->visible + at, all->q_i + t * (size_t)pr->E,
+                         all->dout_i + t * (size_t)pr->Ev};
 }
 
 /* Where the contributions go: batch index b's query rows at qfirst[b] and
@@ -178,7 +194,7 @@ static attn_status reference_qkv(const attn__problem *p, const ref_starts *at, d
                                  double *gk, double *gv) {
     const int threads = attn__threads();
     row_buffers all;
-    if (alloc_rows(threads, p->S, &all) != ATTN_OK) {
+    if (alloc_rows(threads, p, &all) != ATTN_OK) {
         free_rows(&all);
         return ATTN_ERR_NOMEM;
     }
@@ -189,7 +205,7 @@ static attn_status reference_qkv(const attn__problem *p, const ref_starts *at, d
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
     for (int64_t b = 0; b < p->nbatch; b++) {
         if (attn__loop_cancelled(&cancelled, p->cancel)) continue;
-        row_buffers rb = thread_rows(&all, p->S);
+        row_buffers rb = thread_rows(&all, p);
         double *q = gq ? gq + at->q[b] * p->E : NULL, *k = gk ? gk + at->k[b] * p->E : NULL;
         double *v = gv ? gv + at->k[b] * p->Ev : NULL;
         for (int64_t i = 0; i < attn__rows_of(p, b); i++) { /* a row: S·(2E + Ev) in float64 */
@@ -280,7 +296,7 @@ attn_status attn__sdpa_backward_dmask(const attn__problem *p) {
     double *acc = attn__alloc_array((size_t)x.size, sizeof(double));
     double *ds = attn__alloc_array((size_t)DMASK_ROWS * (size_t)p->S, sizeof(double));
     row_buffers all;
-    attn_status st = alloc_rows(threads, p->S, &all);
+    attn_status st = alloc_rows(threads, p, &all);
     if (acc == NULL || ds == NULL) st = ATTN_ERR_NOMEM;
     const bool parallel = threads > 1 && (double)p->L * p->S * (p->E + p->Ev) >= ATTN_PARALLEL_MIN_WORK;
     (void)parallel;
@@ -294,7 +310,7 @@ attn_status attn__sdpa_backward_dmask(const attn__problem *p) {
             }
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
             for (int64_t r = 0; r < n; r++) {
-                row_buffers rb = thread_rows(&all, p->S);
+                row_buffers rb = thread_rows(&all, p);
                 backward_row(p, b, i0 + r, &rb);
                 for (int64_t j = 0; j < p->S; j++) ds[r * p->S + j] = rb.ds[j];
             }

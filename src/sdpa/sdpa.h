@@ -18,9 +18,10 @@ void attn__sdpa_reference_row(const attn__problem *p, int64_t b, int64_t i, doub
                               bool *visible);
 
 /* Scores of the keys row i of batch b sees, in float64 (see reference.c);
- * dcap (NULL, or room for S) takes the soft-cap's derivative per key. */
+ * dcap (NULL, or room for S) takes the soft-cap's derivative per key;
+ * q_i (NULL, or the row's E values already read) saves reading them per key. */
 double attn__reference_scores(const attn__problem *p, int64_t b, int64_t i, double *s,
-                              bool *visible, double *dcap);
+                              bool *visible, double *dcap, const double *q_i);
 
 /* ---- the backward pass ---- */
 
