@@ -508,6 +508,28 @@ ATTN_API attn_status attn_sdpa_varlen_backward(
     const attn_tensor *cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     const attn_sdpa_params *params, attn_tensor *dq, attn_tensor *dk, attn_tensor *dv);
 
+/* [attn] The gradient of attn_sdpa_varlen's params->sinks, attn_sdpa_sinks_backward's
+ * formula over packed sequences: for sequence n and query head h,
+ *   - Σ_{rows r of n} exp(sink_nh - lse[h, r]) · (dout[r, h] · out[r, h])
+ * summed over what params->sinks was broadcast over ((Hq,) or (B, Hq)
+ * against the batch (B sequences, Hq heads)), in float64 in (sequence,
+ * head, row) order, rounded once. attn_sdpa_varlen_backward's dq, dk, dv
+ * already account for the sinks through lse; only params->sinks is read
+ * of params.
+ *   dout, out     (total_q, Hq, Ev), one float dtype: the forward's out and
+ *                 the loss's gradient of it
+ *   lse           (Hq, total_q), the forward's (float32, float64 for float64
+ *                 out, or float64)
+ *   cu_seqlens_q  the forward's: int32 (B + 1,)
+ *   dsinks        shaped and typed like params->sinks
+ * Rows no sequence holds and rows with lse = -inf take no part. */
+ATTN_API attn_status attn_sdpa_varlen_sinks_backward(const attn_tensor *dout,
+                                                     const attn_tensor *out,
+                                                     const attn_tensor *lse,
+                                                     const attn_tensor *cu_seqlens_q,
+                                                     const attn_sdpa_params *params,
+                                                     attn_tensor *dsinks);
+
 /* Decoding (and chunked prefill) against a KV cache. First the new rows k, v
  * (when given) are written into the cache in place at rows cache_seqlens[b]
  * .. cache_seqlens[b] + Lnew - 1 of sequence b; then q attends to rows

@@ -97,23 +97,18 @@ def _varlen_backward(
 
 
 def _sinks_gradient(dout, out, lse, sinks, cu_seqlens_q):
-    """attn_sdpa_sinks_backward's formula over the packed rows: for
-    sequence n and head h, -sum over its rows of exp(sink_nh - lse_row) *
-    (dout_row . out_row), in float64 (rows with lse = -inf, which saw no
-    key or no sequence holds, take no part); then summed over what the
-    sinks were broadcast over ((Hq,), (1, Hq), (B, Hq), (B, 1) ... against
-    the batch (B, Hq))."""
-    B, Hq = cu_seqlens_q.shape[0] - 1, lse.shape[0]
-    held = int(cu_seqlens_q[-1])
-    lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    seq = torch.repeat_interleave(torch.arange(B), lens)  # (held,): each row's sequence
-    d = (dout[:held].double() * out[:held].double()).sum(-1)  # (held, Hq)
-    per_seq = sinks.double().expand(B, Hq)  # (B, Hq), as attn.h broadcasts them
-    lse_rows = lse[:, :held].transpose(0, 1)  # (held, Hq)
-    share = torch.exp(per_seq[seq] - lse_rows)  # exp(-inf) = 0
-    share = torch.where(torch.isinf(lse_rows), torch.zeros_like(share), share)
-    grad = torch.zeros(B, Hq, dtype=torch.float64).index_add_(0, seq, -(share * d))
-    return grad.sum_to_size(sinks.shape).to(sinks.dtype)
+    """attn_sdpa_varlen_sinks_backward: for sequence n and head h, -sum over
+    its rows of exp(sink_nh - lse_row) * (dout_row . out_row), in float64
+    (rows with lse = -inf, which saw no key or no sequence holds, take no
+    part), summed over what the sinks were broadcast over ((Hq,), (1, Hq),
+    (B, Hq), (B, 1) ... against the batch (B, Hq)); in the sinks' dtype."""
+    try:
+        dsinks = _attn.sdpa_varlen_sinks_backward(
+            torch_array(dout), torch_array(out), torch_array(lse), torch_array(cu_seqlens_q),
+            torch_array(sinks), empty=empty)
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        raise library_error(e) from None
+    return torch_result(dsinks, sinks.dtype)
 
 
 varlen_backward_op = torch.library.custom_op(

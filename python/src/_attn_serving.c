@@ -352,6 +352,56 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------ */
+/* sdpa_varlen_sinks_backward                                                */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(varlen_sinks_backward_doc,
+             "sdpa_varlen_sinks_backward(dout, out, lse, cu_seqlens_q, sinks, *, empty)\n"
+             "     -> dsinks\n\n"
+             "attn_sdpa_varlen_sinks_backward() on buffers: the gradient of the sinks of an\n"
+             "sdpa_varlen call (its out and lse, its cu_seqlens_q), shaped like sinks.");
+
+static PyObject *py_sdpa_varlen_sinks_backward(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"dout", "out", "lse", "cu_seqlens_q", "sinks", "empty", NULL};
+    static const char *const names[4] = {"dout", "out", "lse", "cu_seqlens_q"};
+    PyObject *objs[4], *empty = NULL;
+    modifiers m = MODIFIERS_DEFAULT;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO|$O:sdpa_varlen_sinks_backward", kwlist,
+                                     &objs[0], &objs[1], &objs[2], &objs[3], &m.sinks, &empty) ||
+        require_empty(empty, "sdpa_varlen_sinks_backward") < 0)
+        return NULL;
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    buffer_view in[4], d;
+    memset(in, 0, sizeof in);
+    memset(&d, 0, sizeof d);
+    PyObject *r = NULL;
+    for (int i = 0; i < 4; i++)
+        if (view_get(objs[i], names[i], 0, &in[i]) < 0) goto done;
+    if (modifiers_apply(&m, &p) < 0) goto done;
+    if (p.sinks == NULL) {
+        PyErr_SetString(PyExc_TypeError, "sinks must be an array, not None");
+        goto done;
+    }
+    r = new_output(empty, p.sinks->rank, p.sinks->shape, p.sinks->dtype, "dsinks", &d);
+    if (r == NULL) goto done;
+    attn_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = attn_sdpa_varlen_sinks_backward(&in[0].t, &in[1].t, &in[2].t, &in[3].t, &p, &d.t);
+    Py_END_ALLOW_THREADS
+    if (st != ATTN_OK) {
+        raise_status(st);
+        Py_CLEAR(r);
+    }
+done:
+    for (int i = 0; i < 4; i++) view_release(&in[i]);
+    view_release(&d);
+    modifiers_release(&m);
+    return r;
+}
+
 static PyMethodDef serving_methods[] = {
     {"sdpa_varlen", (PyCFunction)(void (*)(void))py_sdpa_varlen, METH_VARARGS | METH_KEYWORDS,
      varlen_doc},
@@ -359,6 +409,8 @@ static PyMethodDef serving_methods[] = {
      METH_VARARGS | METH_KEYWORDS, kvcache_doc},
     {"sdpa_varlen_backward", (PyCFunction)(void (*)(void))py_sdpa_varlen_backward,
      METH_VARARGS | METH_KEYWORDS, varlen_backward_doc},
+    {"sdpa_varlen_sinks_backward", (PyCFunction)(void (*)(void))py_sdpa_varlen_sinks_backward,
+     METH_VARARGS | METH_KEYWORDS, varlen_sinks_backward_doc},
     {NULL, NULL, 0, NULL}};
 
 int serving_add_functions(PyObject *module) {

@@ -432,3 +432,82 @@ attn_status attn_sdpa_varlen_backward(const attn_tensor *dout, const attn_tensor
     attn__free(seqs.buf);
     return st;
 }
+
+/* ---- the sinks' gradient ---- */
+
+/* dout and out (total_q, Hq, Ev), one float dtype; lse (Hq, total_q) in
+ * its compute dtype or float64; cu_seqlens_q (B + 1,) int32. *B gets B. */
+static attn_status check_sinks_rows(const attn_tensor *dout, const attn_tensor *out,
+                                    const attn_tensor *lse, const attn_tensor *cu_q, int64_t *B) {
+    attn_status st;
+    if ((st = attn__check_tensor(out, "out", 1, ATTN__INPUT)) != ATTN_OK) return st;
+    if (out->rank != 3)
+        return attn__fail_arg(ATTN_ERR_SHAPE, "out",
+                              "out has rank %d; expected 3: (total_q, Hq, Ev)", out->rank);
+    if (!attn__is_floating(out->dtype))
+        return attn__fail_arg(ATTN_ERR_DTYPE, "out",
+                              "out is %s; expected float32, float64, float16 or bfloat16",
+                              attn_dtype_name(out->dtype));
+    if ((st = attn__check_shape(dout, "dout", ATTN__INPUT, 3, out->shape, "(total_q, Hq, Ev) "
+                                "like out")) != ATTN_OK)
+        return st;
+    if (dout->dtype != out->dtype)
+        return attn__fail_arg(ATTN_ERR_DTYPE, "dout", "dout is %s; expected %s like out",
+                              attn_dtype_name(dout->dtype), attn_dtype_name(out->dtype));
+    const int64_t lse_shape[2] = {out->shape[1], out->shape[0]};
+    if ((st = attn__check_shape(lse, "lse", ATTN__INPUT, 2, lse_shape, "(Hq, total_q)")) !=
+            ATTN_OK ||
+        (st = attn__check_lse_dtype(lse, "lse", attn__compute_dtype(out->dtype))) != ATTN_OK ||
+        (st = attn__check_index(cu_q, "cu_seqlens_q", 1, NULL,
+                                "rank 1: (B + 1,) offsets into the rows of out")) != ATTN_OK)
+        return st;
+    *B = cu_q->shape[0] - 1;
+    return ATTN_OK;
+}
+
+attn_status attn_sdpa_varlen_sinks_backward(const attn_tensor *dout, const attn_tensor *out,
+                                            const attn_tensor *lse,
+                                            const attn_tensor *cu_seqlens_q,
+                                            const attn_sdpa_params *params, attn_tensor *dsinks) {
+    attn__clear_error();
+    attn_sdpa_params prm;
+    attn_status st = attn__sinks_params(&prm, params);
+    int64_t B = 0;
+    if (st != ATTN_OK || (st = check_sinks_rows(dout, out, lse, cu_seqlens_q, &B)) != ATTN_OK)
+        return st;
+    attn__problem p; /* the batch shape (B sequences, Hq heads) the sinks broadcast to */
+    memset(&p, 0, sizeof p);
+    p.nb = 2;
+    p.bshape[0] = B;
+    p.bshape[1] = out->shape[1];
+    p.nbatch = B * p.bshape[1];
+    const attn_tensor *ins[5] = {dout, out, lse, cu_seqlens_q, prm.sinks};
+    attn__sinks_grad g;
+    memset(&g, 0, sizeof g);
+    int64_t *start = attn__alloc_array((size_t)(2 * B + 1), sizeof(int64_t)), longest;
+    if (start == NULL) st = ATTN_ERR_NOMEM;
+    if (st == ATTN_OK)
+        st = read_offsets(cu_seqlens_q, "cu_seqlens_q", out->shape[0], "out", out->shape[0],
+                          "cu_seqlens_q", start, start + B, &longest);
+    if (st == ATTN_OK) st = attn__sinks_grad_begin(&p, &prm, dsinks, ins, 5, &g);
+    if (st != ATTN_OK) {
+        attn__free(g.acc);
+        attn__free(start);
+        return st;
+    }
+    const int64_t *len = start + B, Ev = out->shape[2];
+    for (int64_t b = 0; b < p.nbatch; b++) { /* (sequence n, head h), rows in order */
+        const int64_t n = b / p.bshape[1], h = b % p.bshape[1];
+        const double s = attn__sinks_grad_sink(&p, &g, b);
+        double sum = 0;
+        for (int64_t r = start[n]; r < start[n] + len[n]; r++)
+            sum += attn__sink_row_term(
+                s, attn__load(lse->data, lse->dtype, h * lse->strides[0] + r * lse->strides[1]),
+                dout, r * dout->strides[0] + h * dout->strides[1], out,
+                r * out->strides[0] + h * out->strides[1], Ev);
+        attn__sinks_grad_add(&p, &g, b, sum);
+    }
+    attn__sinks_grad_end(&g, dsinks);
+    attn__free(start);
+    return ATTN_OK;
+}

@@ -819,6 +819,47 @@ static void varlen_backward_failures(void) {
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
+/* ---- serving: attn_sdpa_varlen_sinks_backward ---- */
+
+/* vbwd_state's batch with sinks (Hq,) in the forward, and their gradient. */
+typedef struct vsink_state {
+    vbwd_state b;
+    double sinks[4], dsinks[4], expect[4];
+    attn_tensor tsinks, tdsinks;
+} vsink_state;
+
+static attn_status vsink_run(void *state, bool compare) {
+    vsink_state *s = state;
+    for (int h = 0; h < 4; h++) s->dsinks[h] = compare ? 7.25 : 0.0;
+    attn_status st = attn_sdpa_varlen_sinks_backward(&s->b.dout.t, &s->b.out.t, &s->b.lse.t,
+                                                     &s->b.tcu_q, &s->b.p, &s->tdsinks);
+    if (st != ATTN_OK) return st;
+    for (int64_t h = 0; h < s->tdsinks.shape[0]; h++) {
+        if (!compare) s->expect[h] = s->dsinks[h];
+        else CHECK(s->dsinks[h] == s->expect[h], "dsinks[%lld] differs after failure injection",
+                   (long long)h);
+    }
+    return st;
+}
+
+static void varlen_sinks_failures(void) {
+    rng r = {harness_seed() ^ 0x51f};
+    vsink_state st;
+    vbwd_setup(&st.b, &r, ATTN_DTYPE_F32, ATTN_DTYPE_F64, 4, 2, 0, 0, false, false);
+    for (int h = 0; h < 4; h++) st.sinks[h] = 0.5 * h - 1;
+    const int64_t Hq = 4;
+    attn_tensor_init(&st.tsinks, st.sinks, ATTN_DTYPE_F64, 1, &Hq);
+    attn_tensor_init(&st.tdsinks, st.dsinks, ATTN_DTYPE_F64, 1, &Hq);
+    st.b.p.sinks = &st.tsinks;
+    attn_sdpa_params fwd = st.b.p; /* the forward again, with the sinks */
+    fwd.lse_for_backward = 1;
+    CHECK_OK(attn_sdpa_varlen(&st.b.q.t, &st.b.k.t, &st.b.v.t, &st.b.tcu_q, &st.b.tcu_k,
+                              st.b.max_q, st.b.max_k, &fwd, &st.b.out.t, &st.b.lse.t));
+    scenario s = {"attn_sdpa_varlen_sinks_backward", vsink_run, &st};
+    run_scenario(&s);
+    vbwd_teardown(&st.b);
+}
+
 static void mha_failures(void) {
     rng r = {harness_seed() ^ 0x3a};
     const char *names[5] = {"attn_mha_create+forward (padded masks)",
@@ -914,5 +955,5 @@ static void npy_failures(void) {
 }
 
 HARNESS_MAIN(T(sdpa_failures), T(backward_failures), T(serving_failures),
-             T(varlen_backward_failures), T(mha_failures), T(encoder_failures), T(npy_failures),
+             T(varlen_backward_failures), T(varlen_sinks_failures), T(mha_failures), T(encoder_failures), T(npy_failures),
              T(st_failures))

@@ -543,6 +543,163 @@ static void test_arguments(void) {
     vb_free(&c);
 }
 
+/* ---- attn_sdpa_varlen_sinks_backward ---- */
+
+/* dsinks of a case with sinks (float64, (Hq,) or (B, Hq)), against
+ * attn_sdpa_sinks_backward on each sequence's unpacked rows: with (B, Hq)
+ * sinks, row n is sequence n's own result; with (Hq,), the sequences'
+ * results added in sequence order. Both sum the same float64 terms in the
+ * same order, so the bits agree. */
+static void vs_sinks_backward(vb_case *c, const attn_tensor *sinks, const attn_tensor *dsinks,
+                              const char *what) {
+    const bool per_seq = sinks->rank == 2;
+    double want[MAXB * 16] = {0};
+    for (int64_t n = 0; n < c->B; n++) {
+        const int64_t q0 = c->cu_q[n], L = c->cu_q[n + 1] - q0;
+        if (L == 0) continue; /* attn_sdpa takes no empty tensor; it adds nothing */
+        attn_tensor out = unpacked(&c->out.t, q0, L), dout = unpacked(&c->dout.t, q0, L),
+                    lse = lse_columns(&c->lse.t, q0, L), s = *sinks;
+        if (per_seq) { /* row n: (Hq,) */
+            s.data = (double *)sinks->data + n * sinks->strides[0];
+            s.rank = 1;
+            s.shape[0] = sinks->shape[1];
+            s.strides[0] = sinks->strides[1];
+        }
+        double got[16];
+        attn_tensor tg;
+        attn_tensor_init(&tg, got, ATTN_DTYPE_F64, 1, &c->Hq);
+        attn_sdpa_params p = c->p;
+        p.sinks = &s;
+        CHECK_OK(attn_sdpa_sinks_backward(&dout, &out, &lse, &p, &tg));
+        for (int64_t h = 0; h < c->Hq; h++) want[(per_seq ? n * c->Hq : 0) + h] += got[h];
+    }
+    for (int64_t n = 0; n < (per_seq ? c->B : 1); n++)
+        for (int64_t h = 0; h < c->Hq; h++) {
+            const double g = per_seq ? ((const double *)dsinks->data)[n * dsinks->strides[0] +
+                                                                      h * dsinks->strides[1]]
+                                     : ((const double *)dsinks->data)[h * dsinks->strides[0]];
+            CHECK(g == want[(per_seq ? n * c->Hq : 0) + h],
+                  "%s: dsinks[%lld, %lld] is %.17g; per sequence %.17g", what, (long long)n,
+                  (long long)h, g, want[(per_seq ? n * c->Hq : 0) + h]);
+        }
+}
+
+static void test_sinks_gradient(void) {
+    rng r = {harness_seed() ^ 0x51c5u};
+    for (int i = 0; i < 60; i++) {
+        vb_case c;
+        vb_random(&c, &r, i % 2 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64, i % 3 == 0);
+        const bool per_seq = i % 4 >= 2;
+        double sv[MAXB * 16], dv[MAXB * 16];
+        const int64_t shape[2] = {per_seq ? c.B : c.Hq, c.Hq};
+        attn_tensor sinks, dsinks;
+        attn_tensor_init(&sinks, sv, ATTN_DTYPE_F64, per_seq ? 2 : 1, per_seq ? shape : shape + 1);
+        attn_tensor_init(&dsinks, dv, ATTN_DTYPE_F64, sinks.rank, sinks.shape);
+        for (int64_t x = 0; x < attn_tensor_numel(&sinks); x++)
+            sv[x] = rng_int(&r, 0, 9) == 0 ? -INFINITY : (float)(4 * rng_uniform(&r) - 1);
+        c.p.sinks = &sinks;
+        CHECK_OK(vb_forward(&c));
+        for (int64_t x = 0; x < attn_tensor_numel(&dsinks); x++) dv[x] = SENTINEL;
+        CHECK_OK(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p,
+                                                 &dsinks));
+        char what[64];
+        snprintf(what, sizeof what, "sinks case %d (%s)", i, per_seq ? "(B, Hq)" : "(Hq,)");
+        vs_sinks_backward(&c, &sinks, &dsinks, what);
+        /* float32 sinks (the same values: sv holds floats): the same sums,
+         * rounded once to float32 */
+        float sf[MAXB * 16], df[MAXB * 16];
+        attn_tensor sinks32 = sinks, dsinks32 = dsinks;
+        sinks32.data = sf;
+        sinks32.dtype = dsinks32.dtype = ATTN_DTYPE_F32;
+        dsinks32.data = df;
+        for (int64_t x = 0; x < attn_tensor_numel(&sinks); x++) sf[x] = (float)sv[x];
+        attn_sdpa_params p32 = c.p;
+        p32.sinks = &sinks32;
+        CHECK_OK(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &p32,
+                                                 &dsinks32));
+        for (int64_t x = 0; x < attn_tensor_numel(&dsinks); x++)
+            CHECK(df[x] == (float)dv[x],
+                  "%s: float32 dsinks[%lld] is %.9g, not the float64 one rounded (%.9g)", what,
+                  (long long)x, df[x], (float)dv[x]);
+        vb_free(&c);
+    }
+}
+
+/* Each bad argument named, dsinks untouched; no sequence: zeros. */
+static void test_sinks_gradient_arguments(void) {
+    rng r = {harness_seed() ^ 0x5a6u};
+    const int lq[2] = {5, 3}, lk[2] = {4, 6};
+    vb_case c;
+    vb_fixed(&c, &r, 2, lq, lk, 2, 1, 8, ATTN_CAUSAL_NONE, 0, 2);
+    double sv[2] = {0.5, -1.0}, dv[2] = {SENTINEL, SENTINEL};
+    const int64_t two = 2, three = 3;
+    attn_tensor sinks, dsinks, bad;
+    attn_tensor_init(&sinks, sv, ATTN_DTYPE_F64, 1, &two);
+    attn_tensor_init(&dsinks, dv, ATTN_DTYPE_F64, 1, &two);
+    c.p.sinks = &sinks;
+    CHECK_OK(vb_forward(&c));
+#define REFUSED(call, want_arg)                                                                   \
+    do {                                                                                          \
+        CHECK((call) != ATTN_OK, "%s was accepted", want_arg);                                   \
+        CHECK(strcmp(attn_last_error_arg(), want_arg) == 0, "refusal names %s, not %s",          \
+              attn_last_error_arg(), want_arg);                                                   \
+        CHECK(dv[0] == SENTINEL && dv[1] == SENTINEL, "a refused call (%s) wrote dsinks",        \
+              want_arg);                                                                          \
+    } while (0)
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, NULL,
+                                            &dsinks),
+            "params.sinks");
+    attn_sdpa_params none = c.p;
+    none.sinks = NULL;
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &none,
+                                            &dsinks),
+            "params.sinks");
+    attn_tensor_init(&bad, dv, ATTN_DTYPE_F64, 1, &three); /* 3 heads' sinks, 2 heads */
+    attn_sdpa_params wrong = c.p;
+    wrong.sinks = &bad;
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &wrong,
+                                            &dsinks),
+            "params.sinks");
+    bad = dsinks;
+    bad.dtype = ATTN_DTYPE_F32;
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p, &bad),
+            "dsinks");
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p, NULL),
+            "dsinks");
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p,
+                                            &sinks),
+            "dsinks"); /* dsinks is the sinks */
+    bad = c.lse.t; /* transposed */
+    bad.shape[0] = c.lse.t.shape[1];
+    bad.shape[1] = c.lse.t.shape[0];
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &bad, &c.tcu_q, &c.p, &dsinks),
+            "lse");
+    bad = c.dout.t;
+    bad.shape[1] = 1;
+    REFUSED(attn_sdpa_varlen_sinks_backward(&bad, &c.out.t, &c.lse.t, &c.tcu_q, &c.p, &dsinks),
+            "dout");
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, NULL, &c.lse.t, &c.tcu_q, &c.p, &dsinks),
+            "out");
+    c.cu_q[1] = 11; /* past the 10 rows of out */
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p,
+                                            &dsinks),
+            "cu_seqlens_q");
+    c.cu_q[1] = 6;
+    c.cu_q[2] = 4; /* decreasing */
+    REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p,
+                                            &dsinks),
+            "cu_seqlens_q");
+#undef REFUSED
+    /* no sequence (cu_seqlens_q = [0]): nothing takes part, dsinks = 0 */
+    const int64_t one = 1;
+    int32_t zero = 0;
+    attn_tensor cu0;
+    attn_tensor_init(&cu0, &zero, ATTN_DTYPE_I32, 1, &one);
+    CHECK_OK(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &cu0, &c.p, &dsinks));
+    CHECK(dv[0] == 0 && dv[1] == 0, "no sequence: dsinks is (%g, %g), not 0", dv[0], dv[1]);
+    vb_free(&c);
+}
+
 int main(int argc, char **argv) {
     static const harness_test tests[] = {
         T(test_reference_matches_sdpa_backward),
@@ -551,6 +708,8 @@ int main(int argc, char **argv) {
         T(test_edges),
         T(test_skewed_batch_workspace),
         T(test_arguments),
+        T(test_sinks_gradient),
+        T(test_sinks_gradient_arguments),
     };
     return harness_main(argc, argv, tests, (int)(sizeof tests / sizeof tests[0]));
 }

@@ -4,7 +4,8 @@
  * block tables and score modifiers drawn from the fuzz input. Each varlen
  * call that runs is followed by a backward call on its inputs (see
  * varlen_backward: dout and the gradients drawn, lse from the forward or
- * drawn, now and then an offset, max_seqlen or params changed).
+ * drawn, now and then an offset, max_seqlen or params changed), and, with
+ * sinks, by attn_sdpa_varlen_sinks_backward on the same rows.
  *
  * Most inputs describe a consistent call that is then perturbed: an offset,
  * a length or a block id out of range, a dimension, rank or dtype changed, a
@@ -352,6 +353,33 @@ static uint8_t *backward_bytes(const fz *rest, const fz *whole, size_t *n) {
  * Invariants: the common ones (a refusal writes no gradient), and on
  * success the rows no query reaches are 0 and, for a consistent call on
  * tame values, every gradient is finite. */
+/* attn_sdpa_varlen_sinks_backward on a backward's dout, out, lse and
+ * cu_seqlens_q (in[0], in[4], in[5], in[6]; any may be NULL or drawn):
+ * refusals write nothing, nothing leaks, and with the forward's own rows
+ * and tame values the gradient is finite. */
+static void varlen_sinks_backward(fz *f, fz_values *vals, const attn_tensor *const *in,
+                                  const attn_sdpa_params *params, bool consistent) {
+    fz_tensor ds;
+    fz_tensor_make(f, &ds, params->sinks->dtype, params->sinks->rank, params->sinks->shape, true,
+                   BUF_LIMIT, vals, false);
+    if (ds.backed) {
+        snapshot before;
+        snap(&before, &ds);
+        const attn_status st =
+            attn_sdpa_varlen_sinks_backward(in[0], in[4], in[5], in[6], params, &ds.t);
+        fz_check_status(st, "attn_sdpa_varlen_sinks_backward");
+        FZ_ASSERT(fz_live_blocks() == 0, "attn_sdpa_varlen_sinks_backward leaked %ld blocks",
+                  fz_live_blocks());
+        FZ_ASSERT(!refused(st) || unchanged(&before, &ds),
+                  "attn_sdpa_varlen_sinks_backward refused (%s) but wrote dsinks",
+                  attn_last_error());
+        FZ_ASSERT(st != ATTN_OK || !consistent || !vals->tame || fz_all_finite(&ds.t, false),
+                  "attn_sdpa_varlen_sinks_backward: finite inputs gave a non-finite gradient");
+        free(before.bytes);
+    }
+    fz_tensor_free(&ds);
+}
+
 static void varlen_backward(const fz *input, const fz *whole, fz_values *vals,
                             const varlen_call *c) {
     size_t nbytes;
@@ -481,6 +509,8 @@ static void varlen_backward(const fz *input, const fz *whole, fz_values *vals,
                           g);
         }
         for (int g = 0; g < 3; g++) free(snaps[g].bytes);
+        if (params != NULL && params->sinks != NULL)
+            varlen_sinks_backward(f, vals, in, params, consistent && st == ATTN_OK);
     }
     fz_tensor_free(&dout);
     fz_tensor_free(&own_lse);
