@@ -120,8 +120,18 @@ def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as e:
+        if t.dtype in _torch_dtypes(kind):  # the dtype is fine: say what torch said
+            raise TypeError(f"{name} cannot be read as an array: torch says {e!s}") from e
         raise TypeError(f"{name} is a torch tensor of dtype {t.dtype}; expected "
                         f"{_expected(kind)}") from e
+
+
+def _torch_dtypes(kind):
+    """The torch dtypes a `kind` takes (their NumPy views are checked after)."""
+    torch = _torch()
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    return {TENSOR: floats, CACHE: floats, MASK: floats + (torch.bool,),
+            FLOAT: floats[2:]}.get(kind, ())
 
 
 def torch_array(t):

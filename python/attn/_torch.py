@@ -8,6 +8,7 @@ handed a torch tensor (so torch is already imported), and patch_torch()
 loads it on purpose: ``import attn`` never imports torch.
 """
 
+import math
 from typing import Optional, Tuple
 
 import numpy as np
@@ -340,8 +341,19 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
 
 
 _FAST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-with torch.inference_mode(False):  # a normal tensor even if attn is first used in that mode:
-    _NO_SEED = seed_tensor(0)       # autograd saves it; the seed of calls without dropout
+_NO_SEED = []  # [the seed tensor of calls without dropout], made by _no_seed
+
+
+def _no_seed():
+    """The int64 seed 0 of every short-route call without dropout, made on
+    the first such call: plain() asks for it with no torch function or
+    dispatch mode active (a torch.device("meta") context, a FakeTensorMode
+    at import time would have made it a meta or fake tensor for good), and
+    outside inference mode (autograd saves it)."""
+    if not _NO_SEED:
+        with torch.inference_mode(False):
+            _NO_SEED.append(seed_tensor(0))
+    return _NO_SEED[0]
 
 
 def _view(x):
@@ -371,8 +383,9 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     if attn_mask is not None and (type(attn_mask) is not T or attn_mask.dim() == 0 or not (
             attn_mask.dtype == torch.bool or attn_mask.dtype == dt)):
         return None
-    if not (0.0 <= dropout_p < 1.0) or not (scale is None or type(scale) is float):
-        return None
+    if not (0.0 <= dropout_p < 1.0) or not (scale is None or (
+            type(scale) is float and math.isfinite(scale))):
+        return None  # the checked route says what is wrong
     if _operator_needed() or has_tangent(query, key, value, attn_mask):
         return None
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -382,7 +395,7 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     views = [_view(x) for x in tensors]
     if any(v is None for v in views):
         return None
-    seed = drawn_seed() if dropout_p > 0.0 else _NO_SEED
+    seed = drawn_seed() if dropout_p > 0.0 else _no_seed()
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
                               enable_gqa, seed, False)[0]

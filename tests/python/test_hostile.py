@@ -130,6 +130,25 @@ def test_torch_func_transforms_are_refused(rng, transform):
         getattr(torch.func, transform)(f)(q)
 
 
+def test_tensors_torch_cannot_show_as_arrays_are_refused_for_what_they_are(rng):
+    """A tensor of a fine dtype whose memory torch will not hand out (a
+    plain tensor inside a torch.func transform that differentiates another
+    input; a ZeroTensor) is refused with torch's reason, not blamed on its
+    dtype."""
+    q = torch.from_numpy(rng.standard_normal((1, 2, 4)))
+    mask = torch.zeros(2, 2, dtype=torch.float64)
+
+    def f(m):
+        return attn.scaled_dot_product_attention(q, q, q, attn_mask=m).sum()
+
+    with pytest.raises(TypeError, match="^query cannot be read as an array: torch says") as e:
+        torch.func.grad(f)(mask)
+    assert "dtype" not in str(e.value)
+    zero = torch._efficientzerotensor((1, 2, 4), dtype=torch.float32)
+    with pytest.raises(TypeError, match="^query cannot be read as an array: torch says"):
+        attn.scaled_dot_product_attention(zero, zero.clone(), zero.clone())
+
+
 def test_plain_subclasses_and_parameters_are_read(rng):
     class Plain(torch.Tensor):
         pass

@@ -283,19 +283,25 @@ def test_jit_trace_records_the_operator(rng):
 def test_first_call_under_inference_mode_then_training(rng):
     """Nothing of the first call's context (inference mode, torch.device)
     stays behind for later calls (a cached seed tensor once did)."""
-    code = textwrap.dedent("""
-        import torch, attn
-        x = torch.randn(1, 2, 4, 3)
+    first_calls = ["""
         with torch.inference_mode():
             attn.scaled_dot_product_attention(x, x, x)
         with torch.device("meta"):
             pass
-        q = x.clone().requires_grad_()
-        attn.scaled_dot_product_attention(q, q, q).sum().backward()
-        print(q.grad.shape == q.shape)
-    """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert run.stdout.strip() == "True", run.stderr
+    """, """
+        with torch.device("meta"):  # x is on the CPU: attn computes it there
+            attn.scaled_dot_product_attention(x, x, x)
+    """]
+    for first in first_calls:
+        code = "import torch, attn\nx = torch.randn(1, 2, 4, 3)\n" + textwrap.dedent(first) + \
+            textwrap.dedent("""
+            y = attn.scaled_dot_product_attention(x, x, x)
+            q = x.clone().requires_grad_()
+            attn.scaled_dot_product_attention(q, q, q).sum().backward()
+            print(q.grad.shape == q.shape and y.device.type == "cpu")
+        """)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.stdout.strip() == "True", run.stderr
 
 
 # ---- torch.compile ----
