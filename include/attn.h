@@ -511,8 +511,9 @@ ATTN_API attn_status attn_sdpa_varlen_backward(
 /* [attn] The gradient of attn_sdpa_varlen's params->sinks, attn_sdpa_sinks_backward's
  * formula over packed sequences: for sequence n and query head h,
  *   - Σ_{rows r of n} exp(sink_nh - lse[h, r]) · (dout[r, h] · out[r, h])
- * summed over what params->sinks was broadcast over ((Hq,) or (B, Hq)
- * against the batch (B sequences, Hq heads)), in float64 in (sequence,
+ * summed over what params->sinks was broadcast over (any shape that
+ * broadcasts to the batch (B sequences, Hq heads): (Hq,), (B, Hq), (B, 1),
+ * (1, Hq), ...), in float64 in (sequence,
  * head, row) order, rounded once. attn_sdpa_varlen_backward's dq, dk, dv
  * already account for the sinks through lse; only params->sinks is read
  * of params.

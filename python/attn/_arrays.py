@@ -120,9 +120,9 @@ def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as e:
-        if t.dtype in _torch_dtypes(kind):  # the dtype is fine: say what torch said
+        if x.dtype in _torch_dtypes(kind):  # the dtype is fine: say what torch said
             raise TypeError(f"{name} cannot be read as an array: torch says {e!s}") from e
-        raise TypeError(f"{name} is a torch tensor of dtype {t.dtype}; expected "
+        raise TypeError(f"{name} is a torch tensor of dtype {x.dtype}; expected "
                         f"{_expected(kind)}") from e
 
 

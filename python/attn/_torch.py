@@ -82,6 +82,19 @@ def _sdpa(
 sdpa_op = torch.library.custom_op("attn::sdpa", mutates_args=())(_sdpa)
 
 
+def _arrays_sdpa(q, k, v, dtype, want_weights=False, want_lse=False, **options):
+    """_attn.sdpa on NumPy views, its errors as Python's (library_error);
+    out and weights as torch tensors of `dtype`, lse (when asked for) the
+    float64 lse of the kernels' own scores (lse_for_backward), as _sdpa's."""
+    try:
+        out, w, lse = _attn.sdpa(q, k, v, empty=empty, want_weights=want_weights,
+                                 want_lse=want_lse, lse_for_backward=want_lse, **options)
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        raise library_error(e) from None
+    return (torch_result(out, dtype), torch_result(w, dtype) if want_weights else None,
+            torch.from_numpy(lse) if want_lse else None)
+
+
 def _untracked(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, seed,
                want_weights, want_lse, window_left=-1, window_right=-1, alibi_slopes=None,
                softcap=0.0, sinks=None):
@@ -89,20 +102,12 @@ def _untracked(query, key, value, attn_mask, dropout_p, causal, scale, enable_gq
     it: the layout the shape asks for, not the one a backward's lse needs
     (keys in columns for decoding: (1,32,1,32768,128) with 8 KV heads took
     2.3x the NumPy call's time through _sdpa), so torch and NumPy inputs
-    give the same bits. lse, when asked for, is float64 as from _sdpa
-    (widened exactly from a float32 one)."""
-    try:
-        out, w, lse = _attn.sdpa(
-            torch_array(query), torch_array(key), torch_array(value), empty=empty,
-            want_weights=want_weights, want_lse=want_lse,
-            **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
-                       window_right, alibi_slopes, softcap, sinks),
-        )
-    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        raise library_error(e) from None
-    w = torch_result(w, query.dtype) if want_weights else None
-    lse = torch.from_numpy(lse).to(torch.float64) if want_lse else None
-    return torch_result(out, query.dtype), w, lse
+    give the same bits. A call that asks for lse gets _sdpa's (float64, of
+    the kernels' own scores), and so _sdpa's layout and bits."""
+    return _arrays_sdpa(
+        torch_array(query), torch_array(key), torch_array(value), query.dtype, want_weights,
+        want_lse, **_options(attn_mask, dropout_p, causal, scale, enable_gqa, seed, window_left,
+                             window_right, alibi_slopes, softcap, sinks))
 
 
 def out_batch_shape(query, key, value, enable_gqa):
@@ -399,13 +404,9 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
                               enable_gqa, seed, False)[0]
-    try:
-        out, _, _ = _attn.sdpa(*views[:3], empty=empty, attn_mask=views[3] if attn_mask is not None
-                               else None, causal=causal, scale=scale, enable_gqa=enable_gqa,
-                               dropout_p=dropout_p, seed=_seed(seed))
-    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
-        raise library_error(e) from None
-    return torch_result(out, dt)
+    return _arrays_sdpa(*views[:3], dt, attn_mask=views[3] if attn_mask is not None else None,
+                        causal=causal, scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p,
+                        seed=_seed(seed))[0]
 
 
 def _traced_tensor(x):

@@ -344,15 +344,6 @@ static uint8_t *backward_bytes(const fz *rest, const fz *whole, size_t *n) {
     return buf;
 }
 
-/* The backward of a varlen call, on its q, k, v and offsets, with dout,
- * dq, dk, dv drawn (each gradient optional). When the forward succeeded,
- * out and its lse (lse_for_backward; the forward is run again to get it
- * when the first call had none) make a consistent call; otherwise, or now
- * and then all the same, lse is drawn. Rarely: an offset or max_seqlen
- * changed, other params, a pointer dropped, two gradients on one buffer.
- * Invariants: the common ones (a refusal writes no gradient), and on
- * success the rows no query reaches are 0 and, for a consistent call on
- * tame values, every gradient is finite. */
 /* attn_sdpa_varlen_sinks_backward on a backward's dout, out, lse and
  * cu_seqlens_q (in[0], in[4], in[5], in[6]; any may be NULL or drawn):
  * refusals write nothing, nothing leaks, and with the forward's own rows
@@ -380,6 +371,15 @@ static void varlen_sinks_backward(fz *f, fz_values *vals, const attn_tensor *con
     fz_tensor_free(&ds);
 }
 
+/* The backward of a varlen call, on its q, k, v and offsets, with dout,
+ * dq, dk, dv drawn (each gradient optional). When the forward succeeded,
+ * out and its lse (lse_for_backward; the forward is run again to get it
+ * when the first call had none) make a consistent call; otherwise, or now
+ * and then all the same, lse is drawn. Rarely: an offset or max_seqlen
+ * changed, other params, a pointer dropped, two gradients on one buffer.
+ * Invariants: the common ones (a refusal writes no gradient), and on
+ * success the rows no query reaches are 0 and, for a consistent call on
+ * tame values, every gradient is finite. */
 static void varlen_backward(const fz *input, const fz *whole, fz_values *vals,
                             const varlen_call *c) {
     size_t nbytes;

@@ -144,9 +144,17 @@ def test_tensors_torch_cannot_show_as_arrays_are_refused_for_what_they_are(rng):
     with pytest.raises(TypeError, match="^query cannot be read as an array: torch says") as e:
         torch.func.grad(f)(mask)
     assert "dtype" not in str(e.value)
-    zero = torch._efficientzerotensor((1, 2, 4), dtype=torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        zero = torch._efficientzerotensor((1, 2, 4), dtype=dtype)
+        with pytest.raises(TypeError, match="^query cannot be read as an array: torch says"):
+            attn.scaled_dot_product_attention(zero, zero.clone(), zero.clone())
+    q16 = q.to(torch.bfloat16)
+
+    def f16(m):
+        return attn.scaled_dot_product_attention(q16, q16, q16, attn_mask=m).float().sum()
+
     with pytest.raises(TypeError, match="^query cannot be read as an array: torch says"):
-        attn.scaled_dot_product_attention(zero, zero.clone(), zero.clone())
+        torch.func.grad(f16)(mask.to(torch.bfloat16))
 
 
 def test_plain_subclasses_and_parameters_are_read(rng):

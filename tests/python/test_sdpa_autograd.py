@@ -238,6 +238,14 @@ def test_calls_autograd_does_not_record_are_numpy_calls(rng, dtype):
                 out = attn.scaled_dot_product_attention(q, k, v, **kw)
             assert out.dtype == dtype and out.grad_fn is None
             assert np.array_equal(as_numpy(out).view(ref.dtype), ref, equal_nan=False), (kw, mode)
+    # return_lse: the recorded call's float64 lse, and so its layout and bits
+    q64 = q.clone().requires_grad_()
+    rec_out, rec_lse = attn.scaled_dot_product_attention(q64, k, v, enable_gqa=True,
+                                                         return_lse=True)
+    with torch.no_grad():
+        out, lse = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert lse.dtype == torch.float64 and torch.equal(lse, rec_lse)
+    assert torch.equal(out, rec_out.detach())
     # A recorded call computes the layout the backward needs: the same values
     # within rounding, and gradients.
     qg = q.clone().requires_grad_()
