@@ -153,6 +153,20 @@ def scaled_dot_product_attention(
         except (ValueError, TypeError, MemoryError, RuntimeError) as e:
             raise library_error(e) from None
         return out
+    if (_is_torch_tensor(query) and seed is None and alibi_slopes is None and sinks is None
+            and return_weights is False and return_lse is False and window_size is _NO_WINDOW
+            and type(softcap) is float and softcap == 0.0 and type(dropout_p) is float
+            and type(is_causal) is bool and type(enable_gqa) is bool
+            and type(causal_alignment) is str and causal_alignment in _CAUSAL):
+        # torch's own arguments on plain tensors (a model's layers,
+        # patch_torch): checked as the library reads them (_torch.plain)
+        from . import _torch  # torch is loaded: a torch tensor exists
+
+        if not _torch.compiling():  # FakeTensors take the traced route below
+            out = _torch.plain(query, key, value, attn_mask, dropout_p,
+                               _CAUSAL[causal_alignment] if is_causal else 0, scale, enable_gqa)
+            if out is not None:
+                return out
     # A CausalBias stands for an option, not for data: it alone does not make
     # the call a torch call.
     mask_data = attn_mask if _causal_bias(attn_mask) is None else None
@@ -165,17 +179,6 @@ def scaled_dot_product_attention(
             return _torch.traced(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                  enable_gqa, causal_alignment, seed, return_weights, return_lse,
                                  **modifiers)
-        if (seed is None and alibi_slopes is None and sinks is None and return_weights is False
-                and return_lse is False and window_size is _NO_WINDOW
-                and type(softcap) is float and softcap == 0.0 and type(dropout_p) is float
-                and type(is_causal) is bool and type(enable_gqa) is bool
-                and type(causal_alignment) is str and causal_alignment in _CAUSAL):
-            # torch's own arguments on plain tensors (a model's layers,
-            # patch_torch): checked as the library reads them (_torch.plain)
-            out = _torch.plain(query, key, value, attn_mask, dropout_p,
-                               _CAUSAL[causal_alignment] if is_causal else 0, scale, enable_gqa)
-            if out is not None:
-                return out
         a = _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        causal_alignment, seed, return_weights, return_lse, grad_ok=True,
                        **modifiers)
