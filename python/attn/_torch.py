@@ -16,7 +16,8 @@ import torch
 import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
 
 from . import _attn
-from ._arrays import empty, is_bfloat16, library_error, results, torch_array, torch_result
+from ._arrays import (TENSOR, _torch_dtypes, empty, is_bfloat16, library_error, results,
+                      torch_array, torch_result)
 
 Tensor = torch.Tensor
 
@@ -345,7 +346,7 @@ def run(a, query, key, value, attn_mask, alibi_slopes=None, sinks=None):
     return results(a, out, w, lse)
 
 
-_FAST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FAST_DTYPES = _torch_dtypes(TENSOR)
 _NO_SEED = []  # [the seed tensor of calls without dropout], made by _no_seed
 
 
@@ -367,7 +368,9 @@ _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 def _view(x):
     """A NumPy view of a plain tensor (bfloat16 as its int16 bits), or None
     where .numpy() refuses it (another device, a meta, nested, sparse or
-    negated view): the checked route then says what is wrong."""
+    negated view): the checked route then says what is wrong. torch_array
+    without its resolve_conj/resolve_neg, which cost 0.6 us a tensor (1.8 of
+    a 12 us call) for views this route leaves to the checked one anyway."""
     try:
         t = x.detach() if x.requires_grad else x
         return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()

@@ -300,6 +300,12 @@ PyDoc_STRVAR(sdpa_sinks_backward_doc,
              "attn_sdpa_sinks_backward() on buffers: the gradient of the sinks of an sdpa\n"
              "call (its out and lse, the same options), shaped like sinks.");
 
+/* attn_sdpa_sinks_backward on ctx's views (dout, out, lse). */
+static attn_status sinks_backward_run(void *ctx, const attn_sdpa_params *p, attn_tensor *dsinks) {
+    const buffer_view *in = ctx;
+    return attn_sdpa_sinks_backward(&in[0].t, &in[1].t, &in[2].t, p, dsinks);
+}
+
 static PyObject *py_sdpa_sinks_backward(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
     static char *kwlist[] = {"dout", "out", "lse", "sinks", "empty", "causal", "scale",
@@ -317,31 +323,15 @@ static PyObject *py_sdpa_sinks_backward(PyObject *self, PyObject *args, PyObject
         return NULL;
     attn_sdpa_params p;
     if (sdpa_params_from(&o, &p) < 0) return NULL;
-    buffer_view in[3], d;
+    buffer_view in[3];
     memset(in, 0, sizeof in);
-    memset(&d, 0, sizeof d);
     static const char *const names[3] = {"dout", "out", "lse"};
     PyObject *objs[3] = {odout, oout, olse}, *r = NULL;
     for (int i = 0; i < 3; i++)
         if (view_get(objs[i], names[i], 0, &in[i]) < 0) goto done;
-    if (modifiers_apply(&m, &p) < 0) goto done;
-    if (p.sinks == NULL) {
-        PyErr_SetString(PyExc_TypeError, "sinks must be an array, not None");
-        goto done;
-    }
-    r = new_output(empty, p.sinks->rank, p.sinks->shape, p.sinks->dtype, "dsinks", &d);
-    if (r == NULL) goto done;
-    attn_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = attn_sdpa_sinks_backward(&in[0].t, &in[1].t, &in[2].t, &p, &d.t);
-    Py_END_ALLOW_THREADS
-    if (st != ATTN_OK) {
-        raise_status(st);
-        Py_CLEAR(r);
-    }
+    r = sinks_gradient(empty, &m, &p, sinks_backward_run, in);
 done:
     for (int i = 0; i < 3; i++) view_release(&in[i]);
-    view_release(&d);
     modifiers_release(&m);
     return r;
 }

@@ -362,6 +362,12 @@ PyDoc_STRVAR(varlen_sinks_backward_doc,
              "attn_sdpa_varlen_sinks_backward() on buffers: the gradient of the sinks of an\n"
              "sdpa_varlen call (its out and lse, its cu_seqlens_q), shaped like sinks.");
 
+/* attn_sdpa_varlen_sinks_backward on ctx's views (dout, out, lse, cu_seqlens_q). */
+static attn_status varlen_sinks_run(void *ctx, const attn_sdpa_params *p, attn_tensor *dsinks) {
+    const buffer_view *in = ctx;
+    return attn_sdpa_varlen_sinks_backward(&in[0].t, &in[1].t, &in[2].t, &in[3].t, p, dsinks);
+}
+
 static PyObject *py_sdpa_varlen_sinks_backward(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
     static char *kwlist[] = {"dout", "out", "lse", "cu_seqlens_q", "sinks", "empty", NULL};
@@ -374,30 +380,14 @@ static PyObject *py_sdpa_varlen_sinks_backward(PyObject *self, PyObject *args, P
         return NULL;
     attn_sdpa_params p;
     attn_sdpa_params_init(&p);
-    buffer_view in[4], d;
+    buffer_view in[4];
     memset(in, 0, sizeof in);
-    memset(&d, 0, sizeof d);
     PyObject *r = NULL;
     for (int i = 0; i < 4; i++)
         if (view_get(objs[i], names[i], 0, &in[i]) < 0) goto done;
-    if (modifiers_apply(&m, &p) < 0) goto done;
-    if (p.sinks == NULL) {
-        PyErr_SetString(PyExc_TypeError, "sinks must be an array, not None");
-        goto done;
-    }
-    r = new_output(empty, p.sinks->rank, p.sinks->shape, p.sinks->dtype, "dsinks", &d);
-    if (r == NULL) goto done;
-    attn_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = attn_sdpa_varlen_sinks_backward(&in[0].t, &in[1].t, &in[2].t, &in[3].t, &p, &d.t);
-    Py_END_ALLOW_THREADS
-    if (st != ATTN_OK) {
-        raise_status(st);
-        Py_CLEAR(r);
-    }
+    r = sinks_gradient(empty, &m, &p, varlen_sinks_run, in);
 done:
     for (int i = 0; i < 4; i++) view_release(&in[i]);
-    view_release(&d);
     modifiers_release(&m);
     return r;
 }

@@ -437,6 +437,30 @@ int sdpa_params_from(const sdpa_options *o, attn_sdpa_params *p) {
 
 /* Views of the slopes and sinks, and every field into *p; -1 with an
  * exception set. modifiers_release undoes it either way. */
+PyObject *sinks_gradient(PyObject *empty, modifiers *m, attn_sdpa_params *p,
+                         sinks_backward_fn run, void *ctx) {
+    if (modifiers_apply(m, p) < 0) return NULL;
+    if (p->sinks == NULL) {
+        PyErr_SetString(PyExc_TypeError, "sinks must be an array, not None");
+        return NULL;
+    }
+    buffer_view d;
+    memset(&d, 0, sizeof d);
+    PyObject *r = new_output(empty, p->sinks->rank, p->sinks->shape, p->sinks->dtype, "dsinks",
+                             &d);
+    if (r == NULL) return NULL;
+    attn_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = run(ctx, p, &d.t);
+    Py_END_ALLOW_THREADS
+    view_release(&d);
+    if (st != ATTN_OK) {
+        raise_status(st);
+        Py_CLEAR(r);
+    }
+    return r;
+}
+
 int modifiers_apply(modifiers *m, attn_sdpa_params *p) {
     int has_alibi, has_sinks;
     if (view_get_optional(m->alibi, "alibi_slopes", &m->alibi_v, &has_alibi) < 0 ||

@@ -110,6 +110,16 @@ typedef struct modifiers {
 int modifiers_apply(modifiers *m, attn_sdpa_params *p);
 void modifiers_release(modifiers *m);
 
+/* The gradient of an sdpa or sdpa_varlen call's sinks (sdpa_sinks_backward,
+ * sdpa_varlen_sinks_backward): m's modifiers into *p (sinks required, a
+ * TypeError naming them when None), dsinks made by empty() like them, then
+ * run(ctx, p, dsinks) without the GIL. dsinks, or NULL with an exception
+ * set; the caller releases m and its own views. */
+typedef attn_status (*sinks_backward_fn)(void *ctx, const attn_sdpa_params *p,
+                                         attn_tensor *dsinks);
+PyObject *sinks_gradient(PyObject *empty, modifiers *m, attn_sdpa_params *p,
+                         sinks_backward_fn run, void *ctx);
+
 /* attn.varlen / attn.kvcache (_attn_serving.c): adds sdpa_varlen and
  * sdpa_kvcache to the module. */
 int serving_add_functions(PyObject *module);

@@ -38,7 +38,8 @@ typedef struct attn__sinks_grad {
 attn_status attn__sinks_params(attn_sdpa_params *params, const attn_sdpa_params *user);
 /* Checks dsinks (params->sinks' shape and dtype, an output that overlaps
  * none of `inputs`) and the sinks against p's batch shape; allocates the
- * sums (g->acc, freed by attn__sinks_grad_end, or by the caller on error). */
+ * sums (g->acc, freed by attn__sinks_grad_end; on failure nothing is left
+ * allocated). */
 attn_status attn__sinks_grad_begin(const attn__problem *p, const attn_sdpa_params *params,
                                    attn_tensor *dsinks, const attn_tensor *const *inputs,
                                    int ninputs, attn__sinks_grad *g);

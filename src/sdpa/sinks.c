@@ -150,10 +150,7 @@ attn_status attn_sdpa_sinks_backward(const attn_tensor *dout, const attn_tensor 
     for (int d = 0; d < p.nb; d++) p.nbatch *= p.bshape[d] = out->shape[d];
     const attn_tensor *ins[4] = {dout, out, lse, params.sinks};
     attn__sinks_grad g;
-    if ((st = attn__sinks_grad_begin(&p, &params, dsinks, ins, 4, &g)) != ATTN_OK) {
-        attn__free(g.acc);
-        return st;
-    }
+    if ((st = attn__sinks_grad_begin(&p, &params, dsinks, ins, 4, &g)) != ATTN_OK) return st;
     const int64_t L = out->shape[out->rank - 2], Ev = out->shape[out->rank - 1];
     for (int64_t b = 0; b < p.nbatch; b++) {
         int64_t ob = 0, gb = 0, lb = 0, rest = b; /* batch offsets of out, dout, lse */

@@ -483,10 +483,7 @@ attn_status attn_sdpa_varlen_sinks_backward(const attn_tensor *dout, const attn_
     p.nbatch = B * p.bshape[1]; /* at most rows x heads of out: it fits */
     const attn_tensor *ins[5] = {dout, out, lse, cu_seqlens_q, prm.sinks};
     attn__sinks_grad g; /* the sinks and dsinks checked first, then the offsets */
-    if ((st = attn__sinks_grad_begin(&p, &prm, dsinks, ins, 5, &g)) != ATTN_OK) {
-        attn__free(g.acc);
-        return st;
-    }
+    if ((st = attn__sinks_grad_begin(&p, &prm, dsinks, ins, 5, &g)) != ATTN_OK) return st;
     /* start[n], len[n] of sequence n; no length limit (max_seqlen) here */
     int64_t *start = attn__alloc_array((size_t)(2 * B + 1), sizeof(int64_t)), longest;
     if (start == NULL) st = ATTN_ERR_NOMEM;
