@@ -281,6 +281,8 @@ const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *sha
  * child forked after attn had started OpenMP threads (GNU OpenMP's pool does
  * not survive fork: the child's first parallel region would wait forever). */
 int attn__threads(void);
+/* The calling thread's number in its OpenMP team (0 outside one). */
+int attn__thread_num(void);
 
 /* ---- cancellation (threads.c) ---- */
 

@@ -108,6 +108,14 @@ int attn__threads(void) {
 #endif
 }
 
+int attn__thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* ---- cancellation ---- */
 
 static _Thread_local const volatile int *cancel_flag;

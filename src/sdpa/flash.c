@@ -76,6 +76,22 @@ static double coarse_lse(size_t real_size) {
     return real_size == 4 ? F32_SCORE_LIMIT : F64_LSE_LIMIT;
 }
 
+/* Whether a head group of `nrows` query rows takes keys in columns (the
+ * decoding layout): up to half the context's direct_rows always; up to
+ * direct_rows only when the group's K and V, read once, stream from memory
+ * (more than twice the L2). Below that the queries-in-lanes tiles win:
+ * (1,8,16,S,E) on Zen 5 took 0.65-0.81x the time in lanes for S up to
+ * 2,048 (E = 128) and 4,096 (E = 64), and 1.17x more at S = 4,096, E = 128
+ * (4 MiB a head); 8 rows broke even up to 1,024 keys. S_total, not S: a
+ * key slice (a ring step, a chunk) takes its whole problem's layout. */
+static bool columns_for_rows(const attn__problem *p, int64_t nrows, const attn__ukernel *kern) {
+    if (nrows <= kern->direct_rows / 2) return true;
+    if (nrows > kern->direct_rows) return false;
+    const double kv_bytes = (double)p->S_total * (double)(p->E + p->Ev) *
+                            (double)attn_dtype_size(p->k.dtype);
+    return kv_bytes > 2.0 * (double)attn__l2_bytes();
+}
+
 /* How work is split across threads: the driver's, not an ISA's (the block
  * sizes are the context's, see ukernel.h). */
 enum {
@@ -235,7 +251,7 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
      * the scores the backward computes, which are the queries-in-lanes
      * layout's. */
     w.direct = !p->lse_for_backward &&
-               (w.nrows <= kern->direct_rows ||
+               (columns_for_rows(p, w.nrows, kern) ||
                 (double)p->nbatch * (double)p->L * (double)p->S * (double)p->E <= TINY_WORK);
     /* A group of fewer rows than the context's lanes (small heads: MHA with
      * L = 32) gets as few lane steps as it needs, not 48 lanes of which a

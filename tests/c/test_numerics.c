@@ -730,9 +730,63 @@ static void bf16_softmax_weights(void) {
            0x1p-8);
 }
 
+/* ---- exact scores: float64 sums of float32 products ---- */
+
+/* Every context's qk_direct_f gives each score as the float64 sum of its
+ * float32 products rounded once to float32: within half a float32 ulp of
+ * the exact dot product plus float64's summation error, for 1..6 rows,
+ * every key and feature tail (heads past 256 take the one-key loop), and
+ * writes nothing past its rows and keys. */
+static void exact_scores_are_float64_sums(void) {
+    rng r = {harness_seed() ^ 0xd1ec7};
+    enum { MAXR = 6, MAXK = 37, MAXW = 300, LDS = MAXK + 3 };
+    static float q[MAXR * (MAXW + 5)], k[MAXK * (MAXW + 5)], s[MAXR * LDS];
+    int checked = 0;
+    for (int isa = ATTN_ISA_GENERIC; isa <= ATTN_ISA_LAST; isa++) {
+        if (!attn_isa_supported((attn_isa)isa)) continue;
+        const attn__ukernel *kern = attn__ukernel_for((attn_isa)isa);
+        for (int trial = 0; trial < 300; trial++) {
+            const int rows = 1 + (int)below(&r, MAXR);
+            const int64_t nk = 1 + (int64_t)below(&r, MAXK);
+            const int64_t E = trial % 10 == 9 ? 257 + (int64_t)below(&r, MAXW - 256)
+                                              : 1 + (int64_t)below(&r, 130);
+            const int64_t ldq = E + (int64_t)below(&r, 5), ldk = E + (int64_t)below(&r, 5);
+            for (int64_t i = 0; i < MAXR * (MAXW + 5); i++)
+                q[i] = (float)(rng_normal(&r) * (trial % 3 == 0 ? 200.0 : 1.0));
+            for (int64_t i = 0; i < MAXK * (MAXW + 5); i++) k[i] = (float)rng_normal(&r);
+            for (int64_t i = 0; i < MAXR * LDS; i++) s[i] = 12345.0f;
+            kern->qk_direct_f(q, ldq, k, ldk, E, rows, nk, s, LDS);
+            for (int i = 0; i < MAXR; i++)
+                for (int64_t j = 0; j < LDS; j++) {
+                    const float got = s[i * LDS + j];
+                    if (i >= rows || j >= nk) {
+                        CHECK(got == 12345.0f, "%s: wrote row %d key %lld (rows %d, nk %lld)",
+                              kern->name, i, (long long)j, rows, (long long)nk);
+                        continue;
+                    }
+                    long double exact = 0;
+                    double mag = 0;
+                    for (int64_t e = 0; e < E; e++) {
+                        const double pr = (double)q[i * ldq + e] * (double)k[j * ldk + e];
+                        exact += pr;
+                        mag += fabs(pr);
+                    }
+                    const double want = (double)exact;
+                    const double bound = 0.5 * (nextafterf((float)fabs(want), INFINITY) -
+                                                (float)fabs(want)) +
+                                         (double)E * 0x1p-52 * mag;
+                    CHECK(fabs((double)got - want) <= bound,
+                          "%s rows %d E %lld nk %lld: score (%d, %lld) %.9g, want %.17g", kern->name,
+                          rows, (long long)E, (long long)nk, i, (long long)j, (double)got, want);
+                    checked++;
+                }
+        }
+    }
+    printf("  %d scores compared\n", checked);
+}
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
              T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
              T(bf16_hidden_special_values), T(overflowing_float32_scores),
-             T(bf16_softmax_weights))
+             T(bf16_softmax_weights), T(exact_scores_are_float64_sums))

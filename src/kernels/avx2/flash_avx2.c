@@ -153,8 +153,8 @@ ALWAYS_INLINE double hsum_pd(__m256d v) {
     return _mm_cvtsd_f64(_mm_add_sd(x, _mm_unpackhi_pd(x, x)));
 }
 
-static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                        int rows, int64_t nk, float *s, int64_t lds) {
+static void qk_direct_keys_f(const float *q, int64_t ldq, const float *k, int64_t ldk,
+                             int64_t E, int rows, int64_t nk, float *s, int64_t lds) {
     const int64_t full = E / 4 * 4;
     for (int64_t j = 0; j < nk; j++) {
         const float *kj = k + j * ldk;
@@ -172,6 +172,63 @@ static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk
         for (int64_t e = full; e < E; e++)
             for (int r = 0; r < rows; r++) tail[r] += (double)q[r * ldq + e] * (double)kj[e];
         for (int r = 0; r < rows; r++) s[r * lds + j] = (float)(hsum_pd(acc[r]) + tail[r]);
+    }
+}
+
+enum { DIRECT_E = 256 }; /* qk_direct_f's widened Q rows: 6 x 256 doubles on the stack */
+
+/* R rows of scores, 4 keys a vector: each 4 x 4 block of K widened and
+ * transposed in registers, so a multiply-add with a broadcast Q element
+ * gives a lane of 4 scores and no score needs a horizontal sum. q64: the
+ * rows widened, ld4 (a multiple of 4) doubles apart, zero past E. */
+ALWAYS_INLINE void qk_direct_tile(const double *q64, int64_t ld4, const float *k, int64_t ldk,
+                                  int64_t E, int64_t nk, float *s, int64_t lds, const int R) {
+    for (int64_t j0 = 0; j0 < nk; j0 += 4) {
+        const int nj = nk - j0 < 4 ? (int)(nk - j0) : 4;
+        __m256d acc[ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_pd();
+        for (int64_t e0 = 0; e0 < ld4; e0 += 4) {
+            const int64_t ne = E - e0 < 4 ? E - e0 : 4;
+            const __m128i em = _mm_cmpgt_epi32(_mm_set1_epi32((int)ne), _mm_setr_epi32(0, 1, 2, 3));
+            __m256d c[4];
+            for (int i = 0; i < 4; i++)
+                c[i] = i < nj ? _mm256_cvtps_pd(_mm_maskload_ps(k + (j0 + i) * ldk + e0, em))
+                              : _mm256_setzero_pd();
+            const __m256d t0 = _mm256_unpacklo_pd(c[0], c[1]), t1 = _mm256_unpackhi_pd(c[0], c[1]);
+            const __m256d t2 = _mm256_unpacklo_pd(c[2], c[3]), t3 = _mm256_unpackhi_pd(c[2], c[3]);
+            c[0] = _mm256_permute2f128_pd(t0, t2, 0x20); /* c[e]: feature e0 + e of the 4 keys */
+            c[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+            c[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+            c[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+            for (int e = 0; e < 4; e++)
+                for (int r = 0; r < R; r++)
+                    acc[r] = _mm256_fmadd_pd(_mm256_broadcast_sd(q64 + r * ld4 + e0 + e), c[e], acc[r]);
+        }
+        const __m128i jm = _mm_cmpgt_epi32(_mm_set1_epi32(nj), _mm_setr_epi32(0, 1, 2, 3));
+        for (int r = 0; r < R; r++) _mm_maskstore_ps(s + r * lds + j0, jm, _mm256_cvtpd_ps(acc[r]));
+    }
+}
+
+/* Float64 sums of 1..ROWS rows' scores (see qk_direct_keys_f): keys 4 to
+ * a vector, without a horizontal sum per score or Q widened per key (the
+ * AVX-512 kernel's scheme; see there). */
+static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
+                        int rows, int64_t nk, float *s, int64_t lds) {
+    if (E > DIRECT_E) {
+        qk_direct_keys_f(q, ldq, k, ldk, E, rows, nk, s, lds);
+        return;
+    }
+    const int64_t ld4 = (E + 3) / 4 * 4;
+    double q64[ROWS * DIRECT_E]; /* rows x ld4 */
+    for (int r = 0; r < rows; r++)
+        for (int64_t e = 0; e < ld4; e++) q64[r * ld4 + e] = e < E ? (double)q[r * ldq + e] : 0.0;
+    switch (rows) {
+    case 1: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, 1); break;
+    case 2: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, 2); break;
+    case 3: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, 3); break;
+    case 4: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, 4); break;
+    case 5: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, 5); break;
+    default: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, ROWS); break;
     }
 }
 

@@ -174,12 +174,13 @@ static void softmax_t_f(float *st, int64_t ldst, int64_t nk, int64_t lanes, floa
     }
 }
 
-/* S = Q · Kᵀ with K read in place: one dot product per (row, key), for
- * blocks with few rows (decoding), where the kernel streams K from memory
- * and has arithmetic to spare. So the products are summed in float64 (8
- * lanes, then a horizontal sum) and each score is rounded once to float32. */
-static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
-                        int rows, int64_t nk, float *s, int64_t lds) {
+/* S = Q · Kᵀ with K read in place and the products summed in float64,
+ * each score rounded once to float32 (tiny calls, whose error float32 sums
+ * would dominate; see exact_scores). qk_direct_f below for heads of up to
+ * DIRECT_E features; this one-key-at-a-time loop (8 lanes, then a
+ * horizontal sum per score) for wider ones. */
+static void qk_direct_keys_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
+                             int rows, int64_t nk, float *s, int64_t lds) {
     const int64_t full = E / 8 * 8;
     /* AVX-512F only (no VL): a masked 16-lane load, low 8 lanes used */
     const __mmask16 tail = (__mmask16)((1u << (E - full)) - 1);
@@ -201,6 +202,82 @@ static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk
                                          kv, acc[r]);
         }
         for (int r = 0; r < rows; r++) s[r * lds + j] = (float)_mm512_reduce_add_pd(acc[r]);
+    }
+}
+
+enum { DIRECT_E = 256 }; /* qk_direct_f's widened Q rows: 6 x 256 doubles on the stack */
+
+/* Transposes an 8 x 8 block of doubles held as 8 row vectors. */
+ALWAYS_INLINE void transpose8d(__m512d r[8]) {
+    __m512d t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_pd(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_pd(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) { /* rows h .. h+3: 128-bit lanes 0,2 and 1,3 */
+        u[h] = _mm512_shuffle_f64x2(t[h], t[h + 2], 0x88);
+        u[h + 1] = _mm512_shuffle_f64x2(t[h], t[h + 2], 0xDD);
+        u[h + 2] = _mm512_shuffle_f64x2(t[h + 1], t[h + 3], 0x88);
+        u[h + 3] = _mm512_shuffle_f64x2(t[h + 1], t[h + 3], 0xDD);
+    }
+    /* u[0..3]: columns {0,4}, {2,6}, {1,5}, {3,7} of rows 0-3; u[4..7] of rows 4-7 */
+    static const int col[4][2] = {{0, 4}, {2, 6}, {1, 5}, {3, 7}};
+    for (int i = 0; i < 4; i++) {
+        r[col[i][0]] = _mm512_shuffle_f64x2(u[i], u[i + 4], 0x88);
+        r[col[i][1]] = _mm512_shuffle_f64x2(u[i], u[i + 4], 0xDD);
+    }
+}
+
+/* R rows of scores, 8 keys a vector: each 8 x 8 block of K widened and
+ * transposed in registers, so a multiply-add with a broadcast Q element
+ * gives a lane of 8 scores and no score needs a horizontal sum. q64: the
+ * rows widened, ld8 (a multiple of 8) doubles apart, zero past E. */
+ALWAYS_INLINE void qk_direct_tile(const double *q64, int64_t ld8, const float *k, int64_t ldk,
+                                  int64_t E, int64_t nk, float *s, int64_t lds, const int R) {
+    for (int64_t j0 = 0; j0 < nk; j0 += 8) {
+        const int nj = nk - j0 < 8 ? (int)(nk - j0) : 8;
+        __m512d acc[ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_pd();
+        for (int64_t e0 = 0; e0 < ld8; e0 += 8) {
+            const __mmask16 em = (__mmask16)(E - e0 >= 8 ? 0xff : (1u << (E - e0)) - 1);
+            __m512d c[8];
+            for (int i = 0; i < 8; i++)
+                c[i] = i < nj ? _mm512_cvtps_pd(_mm512_castps512_ps256(
+                                    _mm512_maskz_loadu_ps(em, k + (j0 + i) * ldk + e0)))
+                              : _mm512_setzero_pd();
+            transpose8d(c); /* c[e]: feature e0 + e of the 8 keys */
+            for (int e = 0; e < 8; e++)
+                for (int r = 0; r < R; r++)
+                    acc[r] = _mm512_fmadd_pd(_mm512_set1_pd(q64[r * ld8 + e0 + e]), c[e], acc[r]);
+        }
+        const __mmask16 jm = (__mmask16)((1u << nj) - 1);
+        for (int r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(s + r * lds + j0, jm,
+                                  _mm512_castps256_ps512(_mm512_cvtpd_ps(acc[r])));
+    }
+}
+
+/* Float64 sums of 1..ROWS rows' scores (the exact scores: see
+ * qk_direct_keys_f). On heads of 64, keys 8 to a vector took a third of
+ * the one-key-at-a-time loop's time, its horizontal sums and Q widened per
+ * key gone (a 32-token call spent half its time there). */
+static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
+                        int rows, int64_t nk, float *s, int64_t lds) {
+    if (E > DIRECT_E) {
+        qk_direct_keys_f(q, ldq, k, ldk, E, rows, nk, s, lds);
+        return;
+    }
+    const int64_t ld8 = (E + 7) / 8 * 8;
+    double q64[ROWS * DIRECT_E]; /* rows x ld8 */
+    for (int r = 0; r < rows; r++)
+        for (int64_t e = 0; e < ld8; e++) q64[r * ld8 + e] = e < E ? (double)q[r * ldq + e] : 0.0;
+    switch (rows) {
+    case 1: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 1); break;
+    case 2: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 2); break;
+    case 3: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 3); break;
+    case 4: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 4); break;
+    case 5: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 5); break;
+    default: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, ROWS); break;
     }
 }
 
