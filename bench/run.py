@@ -367,10 +367,17 @@ def short_table(cases):
              f"time (> 1: attn faster), medians of ≥ {short[0]['samples']} alternating samples "
              "of ~2 ms each; attn on NumPy views of PyTorch's tensors.", ""]
     lines += short_grid(short, "ratio")
+    # µs a torch call took over the NumPy call of the same shape, on the
+    # shapes whose calls last microseconds (longer ones' noise swamps it)
+    extra = sorted(1e3 * (c["ms_attn_tensors"] - c["ms_attn"]) for c in short
+                   if "ms_attn_tensors" in c and c["L"] <= 64)
     if any("ratio_tensors" in c for c in short):
+        cost = (f": a torch call took a median {extra[len(extra) // 2]:.1f} µs more than the "
+                f"NumPy call of the same shape ({extra[0]:.1f} to {extra[-1]:.1f} µs over the "
+                f"{len(extra)} shapes of L ≤ 64; PyTorch's call pays the inference_mode context "
+                "too)" if extra else "")
         lines += ["", "The same calls with attn on the torch tensors themselves (under "
-                  "inference_mode, as PyTorch's): the Python route of a torch call costs "
-                  "about 6 µs more per call than a NumPy call's.", ""]
+                  f"inference_mode, as PyTorch's){cost}.", ""]
         lines += short_grid(short, "ratio_tensors")
     return lines
 

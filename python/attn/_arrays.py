@@ -9,6 +9,7 @@ Python's argument names here too (library_error).
 """
 
 import functools
+import math
 import numbers
 import os
 import re
@@ -175,17 +176,20 @@ _OUTPUT_DTYPES = {name: np.dtype(np.int16 if name == "bfloat16" else name)
                   for name in ("float16", "bfloat16", "float32", "float64", "bool", "int32")}
 
 
+_BLOCK_MIN, _BLOCK_MAX = _attn.OUTPUT_BLOCK_MIN, _attn.OUTPUT_BLOCK_MAX
+_np_empty = np.empty
+
+
 def empty(shape, dtype_name):
     """The output allocator of every _attn call. Outputs of 256 KiB to 32 MiB
     live in blocks attn recycles (python/src/_attn_blocks.c: a loop that
     frees last step's outputs gets their warm pages back instead of faulting
-    fresh ones in); smaller and larger ones are NumPy's own."""
+    fresh ones in); smaller and larger ones are NumPy's own. (Called once
+    per output of every call: module constants, not attribute lookups.)"""
     dt = _OUTPUT_DTYPES[dtype_name]
-    nbytes = dt.itemsize
-    for n in shape:
-        nbytes *= n
-    if not _attn.OUTPUT_BLOCK_MIN <= nbytes <= _attn.OUTPUT_BLOCK_MAX:  # not kept: NumPy's
-        return np.empty(shape, dt)
+    nbytes = dt.itemsize * math.prod(shape)
+    if nbytes < _BLOCK_MIN or nbytes > _BLOCK_MAX:  # not kept: NumPy's
+        return _np_empty(shape, dt)
     return np.frombuffer(_attn.output_block(nbytes), dt).reshape(shape)
 
 

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 import torch.nn.attention.bias  # noqa: F401  loaded before torch.compile traces a call
+from torch.autograd import forward_ad
 
 from . import _attn
 from ._arrays import (TENSOR, _torch_dtypes, empty, is_bfloat16, library_error, results,
@@ -257,13 +258,16 @@ class AttnSdpa(torch.autograd.Function):
         return _backward(ctx, dout, dweights, dlse, gradients=gradients)
 
 
+_function_modes = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
 def _operator_needed():
     """Whether the call must go through the operator attn::sdpa: a torch
     function or dispatch mode is active (torch.device(...) as a context,
     FakeTensorMode, a mode that logs or counts operators), or torch.jit is
     tracing; each should see it as the one operator it is."""
-    return (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
-            or torch.jit.is_tracing())
+    return _function_modes() or _dispatch_modes() > 0 or torch.jit.is_tracing()
 
 
 # ---------------------------------------------------------------------------
@@ -309,8 +313,6 @@ def has_tangent(*inputs):
     """Whether an input carries a forward-mode AD tangent (a dual tensor, which
     does not require grad): such a call goes through AttnSdpa, whose missing
     jvp makes torch raise, instead of dropping the tangent."""
-    from torch.autograd import forward_ad
-
     if forward_ad._current_level < 0:  # no dual level entered: no tangent anywhere
         return False
     return any(isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent is not None
@@ -378,47 +380,83 @@ def _view(x):
         return None
 
 
+_tracing = torch._C._is_tracing
+_from_numpy = torch.from_numpy
+_grad_enabled = torch.is_grad_enabled
+_NATIVE = (torch.float32, torch.float64)  # dtypes whose .numpy() is the buffer itself
+
+
 def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     """attn.scaled_dot_product_attention on plain tensors with torch's own
     arguments only (causal: attn_causal's code), or None when the call needs
     the checked route (run): it skips _arguments and the conversions twice
     over, which cost 30-45 us a call, 4-5x torch's own SDPA at 16 tokens
     (a model's every attention layer pays it, patch_torch's too). What it
-    reads is what run() would: the same functions, the same bits."""
+    reads is what run() would: the same functions, the same bits. Counted
+    in tenths of a microsecond (a 16-token call's budget is torch's 7 us, of
+    which NumPy views, _attn.sdpa and from_numpy take 5): dtypes compared by
+    identity, bound functions, only the keywords that differ from
+    _attn.sdpa's defaults."""
     T = torch.Tensor
     if type(query) is not T or type(key) is not T or type(value) is not T:
         return None
     dt = query.dtype
-    if dt not in _FAST_DTYPES or key.dtype != dt or value.dtype != dt:
+    if key.dtype is not dt or value.dtype is not dt or dt not in _FAST_DTYPES:
         return None
     if attn_mask is not None and (type(attn_mask) is not T or attn_mask.dim() == 0 or not (
-            attn_mask.dtype == torch.bool or attn_mask.dtype == dt)):
+            attn_mask.dtype is torch.bool or attn_mask.dtype is dt)):
         return None
-    if not (0.0 <= dropout_p < 1.0) or not (scale is None or (
+    if dropout_p != 0.0 and not 0.0 < dropout_p < 1.0 or not (scale is None or (
             type(scale) is float and math.isfinite(scale))):
         return None  # the checked route says what is wrong
-    if _operator_needed() or has_tangent(query, key, value, attn_mask):
+    # a torch function or dispatch mode, torch.jit tracing or a forward-mode
+    # tangent: the operator's routes (see _operator_needed, has_tangent)
+    if _function_modes() or _dispatch_modes() or _tracing() or (
+            forward_ad._current_level >= 0 and has_tangent(query, key, value, attn_mask)):
         return None
-    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-    views = []
-    for x in tensors:  # (loops, not generators: this route is counted in microseconds)
-        if _wrapped(x):
-            return None
-        v = _view(x)
-        if v is None:
-            return None
-        views.append(v)
-    recorded = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
-                                            value.requires_grad or attn_mask is not None and
-                                            attn_mask.requires_grad)
+    if _wrapped(query) or _wrapped(key) or _wrapped(value) or (
+            attn_mask is not None and _wrapped(attn_mask)):
+        return None
+    recorded = _grad_enabled() and (query.requires_grad or key.requires_grad or
+                                    value.requires_grad or attn_mask is not None and
+                                    attn_mask.requires_grad)
+    if dt in _NATIVE and not recorded:
+        try:  # (.numpy() refuses what the checked route must explain)
+            q, k, v = query.numpy(), key.numpy(), value.numpy()
+        except (TypeError, RuntimeError):  # a view torch will not hand out, grad under no_grad
+            q = k = v = None
+    else:
+        q, k, v = _view(query), _view(key), _view(value)
+    if q is None or k is None or v is None:
+        return None
+    mask = None if attn_mask is None else _view(attn_mask)
+    if attn_mask is not None and mask is None:
+        return None
     if recorded:
         seed = drawn_seed() if dropout_p > 0.0 else _no_seed()
         return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
                               enable_gqa, seed, False)[0]
-    seed = _seed(drawn_seed()) if dropout_p > 0.0 else 0  # the same draw as run()'s
-    return _arrays_sdpa(views[0], views[1], views[2], dt,
-                        attn_mask=views[3] if attn_mask is not None else None, causal=causal,
-                        scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p, seed=seed)[0]
+    try:
+        if mask is None and not causal and scale is None and not enable_gqa and not dropout_p:
+            out = _attn.sdpa(q, k, v, empty=empty)[0]
+        else:  # only the keywords that differ from the defaults: each costs its parse
+            options = {}
+            if mask is not None:
+                options["attn_mask"] = mask
+            if causal:
+                options["causal"] = causal
+            if scale is not None:
+                options["scale"] = scale
+            if enable_gqa:
+                options["enable_gqa"] = True
+            if dropout_p > 0.0:
+                options["dropout_p"] = dropout_p
+                options["seed"] = _seed(drawn_seed())  # the same draw as run()'s
+            out = _attn.sdpa(q, k, v, empty=empty, **options)[0]
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        raise library_error(e) from None
+    out = _from_numpy(out)
+    return out.view(torch.bfloat16) if dt is torch.bfloat16 else out
 
 
 def _traced_tensor(x):
