@@ -275,9 +275,9 @@ def _operator_needed():
 # ---------------------------------------------------------------------------
 
 
-def compiling():
-    """Whether torch.compile is tracing (the inputs are FakeTensors)."""
-    return torch.compiler.is_compiling()
+# compiling(): whether torch.compile is tracing (the inputs are FakeTensors);
+# torch's own function, not a wrapper (asked on every torch call)
+compiling = torch.compiler.is_compiling
 
 
 def _tensor(x, checked, saved=False):
