@@ -283,6 +283,12 @@ const char *attn__shape_str(char *buf, size_t size, int rank, const int64_t *sha
 int attn__threads(void);
 /* The calling thread's number in its OpenMP team (0 outside one). */
 int attn__thread_num(void);
+/* Whether `team` threads' work may run on the calling thread with no
+ * parallel region of its own: a team of one called from outside any
+ * OpenMP region. Inside a caller's region, orphaned worksharing loops
+ * would bind to the caller's team (split across its threads, or wait at
+ * its barriers), so a call there opens its own team, even of one. */
+bool attn__run_inline(int team);
 
 /* ---- cancellation (threads.c) ---- */
 

@@ -116,6 +116,15 @@ int attn__thread_num(void) {
 #endif
 }
 
+bool attn__run_inline(int team) {
+#ifdef _OPENMP
+    return team <= 1 && omp_get_level() == 0;
+#else
+    (void)team;
+    return true;
+#endif
+}
+
 /* ---- cancellation ---- */
 
 static _Thread_local const volatile int *cancel_flag;

@@ -78,18 +78,17 @@ static double coarse_lse(size_t real_size) {
 
 /* Whether a head group of `nrows` query rows takes keys in columns (the
  * decoding layout): up to half the context's direct_rows always; up to
- * direct_rows only when the group's K and V, read once, stream from memory
- * (more than twice the L2). Below that the queries-in-lanes tiles win:
- * (1,8,16,S,E) on Zen 5 took 0.65-0.81x the time in lanes for S up to
- * 2,048 (E = 128) and 4,096 (E = 64), and 1.17x more at S = 4,096, E = 128
- * (4 MiB a head); 8 rows broke even up to 1,024 keys. S_total, not S: a
- * key slice (a ring step, a chunk) takes its whole problem's layout. */
+ * direct_rows only for decoding shapes, at most DECODE_TOKENS query tokens
+ * a head (GQA groups, a few speculative tokens). Short prefills of 9-16
+ * tokens a head take the queries-in-lanes tiles: (1,8,16,S,E) on Zen 5 took
+ * 0.65-0.81x the time in lanes for S up to 2,048 (E = 128) and 4,096 (E =
+ * 64); keys in columns won only once a head's K and V streamed from memory
+ * (1.17x at 4 MiB a head), and 8 rows broke even up to 1,024 keys. Not
+ * decided by S: a varlen or KV-cache batch must lay each sequence out as
+ * that sequence's own call does (its bits), whatever the batch's longest. */
+enum { DECODE_TOKENS = 4 };
 static bool columns_for_rows(const attn__problem *p, int64_t nrows, const attn__ukernel *kern) {
-    if (nrows <= kern->direct_rows / 2) return true;
-    if (nrows > kern->direct_rows) return false;
-    const double kv_bytes = (double)p->S_total * (double)(p->E + p->Ev) *
-                            (double)attn_dtype_size(p->k.dtype);
-    return kv_bytes > 2.0 * (double)attn__l2_bytes();
+    return nrows <= kern->direct_rows / 2 || (nrows <= kern->direct_rows && p->L <= DECODE_TOKENS);
 }
 
 /* How work is split across threads: the driver's, not an ISA's (the block

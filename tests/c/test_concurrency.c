@@ -24,6 +24,10 @@
 
 #include "testutil.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 enum { THREADS = 8 };
 
 static int iterations(void) {
@@ -383,4 +387,77 @@ static void thread_count_changes_during_calls(void) {
     tt_free(&dout);
 }
 
-HARNESS_MAIN(T(first_use_race), T(eight_threads_bitwise), T(thread_count_changes_during_calls))
+/* ---- calls from inside the caller's own OpenMP region ---- */
+
+/* A caller's OpenMP threads, each making its own one-thread call (and one
+ * call from a `single` construct): attn runs a one-thread call without a
+ * team of its own only outside any region; inside one, its worksharing
+ * loops would bind to the caller's team (the tasks split across calls, or
+ * a wait at a barrier the other threads never reach). Forward and backward
+ * must give the serial calls' bits. */
+enum { OH = 8, OL = 64, OE = 32, ON = OH * OL * OE };
+
+typedef struct omp_case {
+    float q[ON], k[ON], v[ON], dout[ON];
+    float out[ON], lse[OH * OL], dq[ON], dk[ON], dv[ON];
+} omp_case;
+
+static attn_tensor omp_view(float *d, int rank) {
+    const int64_t shape[3] = {OH, OL, OE};
+    attn_tensor t;
+    attn_tensor_init(&t, d, ATTN_DTYPE_F32, rank, shape);
+    return t;
+}
+
+static void omp_call(omp_case *c) {
+    attn_tensor q = omp_view(c->q, 3), k = omp_view(c->k, 3), v = omp_view(c->v, 3);
+    attn_tensor out = omp_view(c->out, 3), lse = omp_view(c->lse, 2), go = omp_view(c->dout, 3);
+    attn_tensor dq = omp_view(c->dq, 3), dk = omp_view(c->dk, 3), dv = omp_view(c->dv, 3);
+    attn_sdpa_params p;
+    attn_sdpa_params_init(&p);
+    p.lse_for_backward = true;
+    CHECK_OK(attn_sdpa(&q, &k, &v, &p, &out, NULL, &lse));
+    CHECK_OK(attn_sdpa_backward(&go, &q, &k, &v, &out, &lse, &p, &dq, &dk, &dv, NULL));
+}
+
+static void omp_compare(const omp_case *got, const omp_case *want, const char *where) {
+    CHECK(memcmp(got->out, want->out, sizeof want->out) == 0, "%s: out differs", where);
+    CHECK(memcmp(got->dq, want->dq, sizeof want->dq) == 0 &&
+              memcmp(got->dk, want->dk, sizeof want->dk) == 0 &&
+              memcmp(got->dv, want->dv, sizeof want->dv) == 0,
+          "%s: a gradient differs", where);
+}
+
+static void calls_inside_a_callers_openmp_region(void) {
+#ifdef _OPENMP
+    static omp_case want, got[2];
+    rng r = {harness_seed() ^ 0x0e9};
+    float *inputs[4] = {want.q, want.k, want.v, want.dout};
+    for (int i = 0; i < 4; i++)
+        for (int e = 0; e < ON; e++) inputs[i][e] = (float)rng_normal(&r);
+    attn_set_num_threads(1);
+    omp_call(&want);
+    for (int t = 0; t < 2; t++) {
+        memcpy(&got[t], &want, sizeof want);
+        memset(got[t].out, 0xff, sizeof got[t].out); /* NaN: an unwritten output shows */
+        memset(got[t].dq, 0xff, sizeof got[t].dq);
+    }
+#pragma omp parallel num_threads(2)
+    omp_call(&got[omp_get_thread_num()]);
+    omp_compare(&got[0], &want, "thread 0 of the caller's team");
+    omp_compare(&got[1], &want, "thread 1 of the caller's team");
+    memset(got[0].out, 0xff, sizeof got[0].out);
+#pragma omp parallel num_threads(2)
+    {
+#pragma omp single
+        omp_call(&got[0]);
+    }
+    omp_compare(&got[0], &want, "a call from a single construct");
+    attn_set_num_threads(0); /* the default again */
+#else
+    printf("  (built without OpenMP: nothing to check)\n");
+#endif
+}
+
+HARNESS_MAIN(T(first_use_race), T(eight_threads_bitwise), T(thread_count_changes_during_calls),
+             T(calls_inside_a_callers_openmp_region))
