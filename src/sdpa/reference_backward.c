@@ -131,15 +131,23 @@ static bool backward_row(const attn__problem *p, int64_t b, int64_t i, row_buffe
 static void accumulate_row(const attn__problem *p, int64_t b, int64_t i, const row_buffers *rb,
                            double *gq, double *gk, double *gv) {
     const int64_t ko = attn__batch_offset(p, &p->k, b);
+    /* one loop per gradient, float32 rows of K read directly: the same
+     * multiply-adds per element in the same key order as one interleaved
+     * loop (the same bits), which the compiler can vectorise (tiny
+     * problems run this as their backward) */
+    const float *k32 = p->k.dtype == ATTN_DTYPE_F32 && p->k.cs == 1 ? p->k.data : NULL;
+    double *gq_i = gq != NULL ? gq + i * p->E : NULL;
     for (int64_t j = 0; j < p->S; j++) {
         if (rb->p[j] == 0.0) continue;
         const double ds = p->scale * rb->ds[j] * (p->softcap > 0 ? rb->dcap[j] : 1.0);
-        for (int64_t e = 0; e < p->E; e++) {
-            if (gq != NULL)
-                gq[i * p->E + e] +=
-                    ds * attn__load(p->k.data, p->k.dtype, ko + j * p->k.rs + e * p->k.cs);
-            if (gk != NULL) gk[j * p->E + e] += ds * rb->q_i[e];
-        }
+        const int64_t kj = ko + j * p->k.rs;
+        if (gq_i != NULL && k32 != NULL)
+            for (int64_t e = 0; e < p->E; e++) gq_i[e] += ds * (double)k32[kj + e];
+        else if (gq_i != NULL)
+            for (int64_t e = 0; e < p->E; e++)
+                gq_i[e] += ds * attn__load(p->k.data, p->k.dtype, kj + e * p->k.cs);
+        if (gk != NULL)
+            for (int64_t e = 0; e < p->E; e++) gk[j * p->E + e] += ds * rb->q_i[e];
         if (gv != NULL && rb->w[j] != 0.0)
             for (int64_t e = 0; e < p->Ev; e++) gv[j * p->Ev + e] += rb->w[j] * rb->dout_i[e];
     }
