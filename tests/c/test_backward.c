@@ -467,6 +467,41 @@ static void test_arguments(void) {
     bw_free(&d);
 }
 
-HARNESS_MAIN(T(test_reference_matches_finite_differences), T(test_fused_matches_reference),
+/* ---- the reference's two ways of reading K ---- */
+
+/* The reference backward reads float32 K rows of unit column stride
+ * directly and any other K element by element: the same multiply-adds in
+ * the same order, so the gradients of K contiguous and of the same values
+ * two floats apart are the same bits (tiny problems run this backward). */
+static void test_reference_k_reads_alike(void) {
+    rng r = {harness_seed() ^ 0x4eadu};
+    CHECK_OK(attn_set_isa(ATTN_ISA_REF));
+    for (int trial = 0; trial < 40; trial++) {
+        const bw_case c = random_case(&r);
+        bw_data d;
+        bw_make(&d, &c, ATTN_DTYPE_F32, LAYOUT_CONTIGUOUS, &r);
+        CHECK_OK(bw_run(&d));
+        const int64_t n = attn_tensor_numel(&d.k.t), nq = attn_tensor_numel(&d.q.t);
+        float *wide = malloc(sizeof(float) * (size_t)(2 * n));
+        float *dq = malloc(sizeof(float) * (size_t)nq);
+        CHECK(wide != NULL && dq != NULL, "out of memory");
+        for (int64_t x = 0; x < n; x++) wide[2 * x] = ((const float *)d.k.t.data)[x];
+        memcpy(dq, d.dq.t.data, sizeof(float) * (size_t)nq);
+        attn_tensor k = d.k.t;
+        k.data = wide;
+        for (int a = 0; a < k.rank; a++) k.strides[a] *= 2;
+        CHECK_OK(attn_sdpa_backward(&d.dout.t, &d.q.t, &k, &d.v.t, &d.out.t, &d.lse.t, &d.params,
+                                    &d.dq.t, NULL, NULL, NULL));
+        CHECK(memcmp(dq, d.dq.t.data, sizeof(float) * (size_t)nq) == 0,
+              "trial %d: dq with K two floats apart differs from K contiguous", trial);
+        free(wide);
+        free(dq);
+        bw_free(&d);
+    }
+    attn_set_isa(ATTN_ISA_AUTO);
+}
+
+HARNESS_MAIN(T(test_reference_matches_finite_differences), T(test_reference_k_reads_alike),
+             T(test_fused_matches_reference),
              T(test_bits_for_any_thread_count), T(test_hidden_nan_and_empty_rows),
              T(test_lse_for_backward), T(test_arguments))
