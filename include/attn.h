@@ -361,8 +361,8 @@ ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
  * Asking for weights costs an L x S write; without them the fused kernels
  * keep no L x S buffer.
  * Accuracy: the reference path (ATTN_ISA_REF) accumulates in float64 and
- * rounds once. The fused paths compute float32 scores in float32 (float64
- * for decoding shapes, <= 16 query rows per K/V head), and recompute in
+ * rounds once. The fused paths compute float32 scores in float32 (summed in
+ * float64 for tiny calls, up to 32K multiply-adds), and recompute in
  * float64 any row that came out non-finite or, in float32, whose largest
  * |score * scale| reaches 256, so huge logits stay exact to rounding.
  * Results do not depend on the thread count (bitwise). */

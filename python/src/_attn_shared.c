@@ -368,25 +368,27 @@ PyObject *shape_tuple(int rank, const int64_t *shape) {
     return t;
 }
 
-/* Calls empty(shape, dtype_name) and takes a writable view of the result. */
-/* attn_dtype_name(dt) as a Python string, made once: every output of every
- * call passes one to the allocator (a 16-token call is counted in tenths
- * of a microsecond). A new reference, NULL with an exception set. */
+/* attn_dtype_name(dt) as a Python string, made once per dtype: every
+ * output of every call passes one to the allocator (a 16-token call is
+ * counted in tenths of a microsecond). A new reference, NULL with an
+ * exception set. */
 static PyObject *dtype_name_object(attn_dtype dt) {
     static PyObject *names[8];
-    const size_t i = (size_t)dt < sizeof names / sizeof *names ? (size_t)dt : 0;
+    const size_t i = (size_t)dt;
+    if (i >= sizeof names / sizeof *names) return PyUnicode_FromString(attn_dtype_name(dt));
     if (names[i] == NULL) names[i] = PyUnicode_InternFromString(attn_dtype_name(dt));
     Py_XINCREF(names[i]);
     return names[i];
 }
 
+/* Calls empty(shape, dtype_name) and takes a writable view of the result. */
 PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,
                      const char *name, buffer_view *v) {
-    PyObject *shp = shape_tuple(rank, shape), *dtn = dtype_name_object(dt);
-    PyObject *arr = shp != NULL && dtn != NULL
-                        ? PyObject_CallFunctionObjArgs(empty, shp, dtn, NULL)
-                        : NULL;
-    Py_XDECREF(shp);
+    PyObject *shp = shape_tuple(rank, shape);
+    if (shp == NULL) return NULL;
+    PyObject *dtn = dtype_name_object(dt);
+    PyObject *arr = dtn != NULL ? PyObject_CallFunctionObjArgs(empty, shp, dtn, NULL) : NULL;
+    Py_DECREF(shp);
     Py_XDECREF(dtn);
     if (arr == NULL) return NULL;
     if (view_get(arr, name, 1, v) < 0) {
