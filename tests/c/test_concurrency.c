@@ -395,6 +395,7 @@ static void thread_count_changes_during_calls(void) {
  * loops would bind to the caller's team (the tasks split across calls, or
  * a wait at a barrier the other threads never reach). Forward and backward
  * must give the serial calls' bits. */
+#ifdef _OPENMP /* (the TSan tier builds without OpenMP) */
 enum { OH = 8, OL = 64, OE = 32, ON = OH * OL * OE };
 
 typedef struct omp_case {
@@ -427,6 +428,8 @@ static void omp_compare(const omp_case *got, const omp_case *want, const char *w
               memcmp(got->dv, want->dv, sizeof want->dv) == 0,
           "%s: a gradient differs", where);
 }
+
+#endif
 
 static void calls_inside_a_callers_openmp_region(void) {
 #ifdef _OPENMP
