@@ -160,17 +160,6 @@ enum { GANG_AHEAD = 32 };
  * 3% faster than four. */
 enum { GANG_EDGE = 2 * GANG_STEP };
 
-/* Keys per block of ganged decoding: the gang's K and V rows of a block in
- * half the L2, at most the context's block, at least one column step. */
-static int64_t gang_keys(const attn__problem *p, const attn__ukernel *kern, int64_t gang,
-                         size_t real_size) {
-    const int64_t per_key = gang * (p->E + p->Ev) * (int64_t)real_size;
-    const int64_t step = kern->col_step > 16 ? kern->col_step : 16;
-    int64_t keys = attn__l2_bytes() / 2 / per_key / step * step;
-    if (keys > kern->direct_keys) keys = kern->direct_keys;
-    return keys < step ? step : keys;
-}
-
 /* Keys per block in the queries-in-lanes layout: the context's size for
  * the first width class that holds the head. */
 static int64_t lanes_keys(const attn__ukernel *kern, int64_t width) {
@@ -266,12 +255,18 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
     w.BC = w.direct ? kern->direct_keys : pairs ? kern->pairs_keys : lanes_keys(kern, width);
     w.gang = gang_size(p, &w);
     w.kv_rows = w.nrows;
-    if (w.gang > 1) { /* the gang's heads are one group of rows */
+    /* The gang's heads are one group of rows. Its key blocks stay
+     * direct_keys long, the blocks of a walk one head at a time, so a
+     * head's bits do not depend on the cache's layout or on the CPU's L2:
+     * blocks sized to half the L2 (32 keys for 8 heads of E = 128 on a
+     * 512 KiB L2) made a token-major cache and a head-major one differ,
+     * and were no faster since the rows are read in place (Zen 3,
+     * docs/design.md, "Ganged decoding"). */
+    if (w.gang > 1) {
         w.G *= w.gang;
         w.ngroups /= w.gang;
         w.nrows *= w.gang;
         w.BR = w.nrows;
-        w.BC = gang_keys(p, kern, w.gang, attn_dtype_size(p->dtype));
     }
     /* Ragged keys (varlen, a KV cache) split too: each sequence's slice
      * holds its own keys in the chunk, possibly none. */
