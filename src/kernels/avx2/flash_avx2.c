@@ -518,8 +518,11 @@ ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void
     const size_t es = HK == HK_F32 ? 4 : 2;
     const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
     if (rows_all > ROWS || Ev <= 8 * VECS || nk <= PV_KEYS) {
-        pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, ahead,
-                  streamed);
+        if (p_rs == 1 && ahead == 0) /* queries in lanes: constants, so a tile's weights */
+            pv_chunks(p_all, 1, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, 0, 0);
+        else /* are loaded at fixed offsets and no key tests for requests ahead */
+            pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK,
+                      ahead, streamed);
         return;
     }
     static const float ones[ROWS] = {1, 1, 1, 1, 1, 1};
@@ -588,17 +591,20 @@ static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t c
     }
 }
 
-/* The float32 slots; float64 keeps the portable kernels. The blocking
- * stays the portable context's (the numbers measured for AVX-512: the qkt
- * tile here is 16 queries wide, so 48 lanes are three tiles per 6 keys);
- * S is padded to 8 columns (one vector) and pv has a 6-row register tile.
- * On Zen 4 with ATTN_ISA=avx2 (2 x 256-bit FMA pipes: the same peak as
- * AVX-512 there), (1,16,2048,2048,E) runs at 70-76% of the FMA peak for
- * E = 64 and 128 (it was 60-65% before pv's V loads stopped being masked
- * and qkt walked keys outside lanes). */
+/* The float32 slots; float64 keeps the portable kernels. S is padded to
+ * 8 columns (one vector) and pv has a 6-row register tile. Blocks: the
+ * portable context's 48 lanes (three 16-query qkt tiles per 6 keys), and
+ * key blocks measured on AMD Zen 3 (32 KiB L1, one thread, best of 96-128
+ * calls alternating, docs/design.md "AVX2 on Zen 3"): heads up to 64 wide
+ * take 64 keys (the 128 of AVX-512 left the score tile and Qt, 24 + 12 KiB,
+ * past L1: 73 against 79 GFLOP/s at (1,1,2048,2048,64), and 61 against 67
+ * for causal (1,12,512,512,64)); up to 128 wide, 48 keys (80-82 against
+ * 77-79 for 64, causal and not). */
 void attn__ukernel_init_avx2(attn__ukernel *ctx) {
     ctx->name = "avx2";
     ctx->load_rows_f = load_rows_f;
+    ctx->key_block[0].keys = 64; /* max_width 64  */
+    ctx->key_block[1].keys = 48; /* max_width 128 */
     ctx->pv_rows = ROWS;
     ctx->col_step = 8;
     ctx->qkt_f = qkt_f;
