@@ -100,37 +100,58 @@ int64_t attn__l2_bytes(void) {
 /* Requests ahead of a streamed K/V walk pay on AMD Zen 5 (family 0x1A):
  * a head-major decode, (1,32,1,32768,128) with 8 KV heads, 12.8 -> 5.4 ms
  * on two cores; its scores had waited on every K load, 65% of the time
- * (docs/design.md). On Zen 4 (0x19), K rows requested 8-32 rows ahead
- * inside qk_rows were 4-20% slower when tried. Other CPUs were not
- * measured: they keep their own prefetchers until they are. */
-bool attn__stream_prefetch_for(bool amd, unsigned family) { return amd && family >= 0x1A; }
+ * (docs/design.md). On Zen 3 (family 0x19, models 0x00-0x0F, 0x20-0x2F,
+ * 0x40-0x5F) they pay on the walk one head at a time (the same decode,
+ * medians 20.9-24.5 -> 17.5-19.3 ms, six alternating pairs) but cost the
+ * ganged walk of a token-major cache a third (66-77 -> 89-101 ms, `attn_bench
+ * decode`): there each head requests its 512-byte slice of 4 KiB rows the
+ * hardware prefetchers were already fetching whole. On Zen 4 (0x19, other
+ * models), K rows requested 8-32 rows ahead inside qk_rows were 4-20%
+ * slower when tried. Other CPUs were not measured: they keep their own
+ * prefetchers until they are. */
+unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model) {
+    if (!amd) return 0;
+    if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG;
+    const bool zen3 = family == 0x19 && (model <= 0x0F || (model >= 0x20 && model <= 0x2F) ||
+                                         (model >= 0x40 && model <= 0x5F));
+    return zen3 ? ATTN__AHEAD_HEADS : 0;
+}
 
 static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */
 
 void attn__stream_prefetch_force(int on) { atomic_store(&forced, on < 0 ? -1 : on != 0); }
 
-bool attn__stream_prefetch(void) {
+/* The rule's walks for this CPU, or every walk / none when forced. */
+static unsigned stream_prefetch_walks(void) {
     static atomic_int cached = -1; /* idempotent: racing first callers agree */
     const int f = atomic_load_explicit(&forced, memory_order_relaxed);
-    if (f >= 0) return f != 0;
-    int on = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (on < 0) {
+    if (f >= 0) return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG : 0;
+    int walks = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (walks < 0) {
         bool amd = false;
-        unsigned family = 0;
+        unsigned family = 0, model = 0;
 #ifdef ATTN_X86
         unsigned a, b, c, d;
         if (__get_cpuid(0, &a, &b, &c, &d))
             amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
         if (__get_cpuid(1, &a, &b, &c, &d)) {
             family = (a >> 8) & 0xf;
-            if (family == 0xf) family += (a >> 20) & 0xff;
+            model = (a >> 4) & 0xf;
+            if (family == 0xf) {
+                family += (a >> 20) & 0xff;
+                model |= ((a >> 16) & 0xf) << 4;
+            }
         }
 #endif
-        on = attn__stream_prefetch_for(amd, family);
-        atomic_store_explicit(&cached, on, memory_order_relaxed);
+        walks = (int)attn__stream_prefetch_for(amd, family, model);
+        atomic_store_explicit(&cached, walks, memory_order_relaxed);
     }
-    return on != 0;
+    return (unsigned)walks;
 }
+
+bool attn__stream_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_HEADS) != 0; }
+
+bool attn__gang_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_GANG) != 0; }
 
 /* A path is supported when its kernels were compiled in (ATTN_HAVE_*) and
  * the CPU and OS can run them. */

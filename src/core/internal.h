@@ -331,12 +331,18 @@ const attn__cpu_features *attn__cpu(void);
 /* L2 cache bytes per core (CPUID; 512 KiB when unknown), read once. */
 int64_t attn__l2_bytes(void);
 /* Whether decoding's kernels request the K and V rows they stream from
- * memory ahead of their loads (ukernel.h, attn__rows_ahead): on the CPUs
+ * memory ahead of their loads (ukernel.h, attn__rows_ahead), on a walk one
+ * head at a time (attn__stream_prefetch) and on ganged decoding's walk of
+ * every head of a token-major cache (attn__gang_prefetch): on the CPUs
  * where that was measured faster. Read once. */
 bool attn__stream_prefetch(void);
-/* The rule itself, on CPUID's vendor and family (a test reaches it). */
-bool attn__stream_prefetch_for(bool amd, unsigned family);
-/* Tests: requests on (1) or off (0) whatever the CPU, or the rule again (-1). */
+bool attn__gang_prefetch(void);
+/* The rule itself, on CPUID's vendor, family and model (a test reaches
+ * it): the walks that request ahead. */
+enum { ATTN__AHEAD_HEADS = 1, ATTN__AHEAD_GANG = 2 };
+unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model);
+/* Tests: requests on (1) or off (0) on every walk whatever the CPU, or the
+ * rule again (-1). */
 void attn__stream_prefetch_force(int on);
 /* Pure decoding of CPUID/XCR0 words, exposed so the detector can be tested
  * on feature sets this machine does not have. */

@@ -59,12 +59,22 @@ static void cpu_feature_decoding(void) {
     f = attn__cpu_decode(0, 0, 0, 0, false);
     CHECK(!f.avx2_fma && !f.avx512f, "bare machine");
     /* Streamed K/V rows are requested ahead only where that was measured
-     * faster (cpu.c): Zen 5 and later, not Zen 4 nor Zen 3, not Intel yet. */
-    CHECK(attn__stream_prefetch_for(true, 0x1A) && attn__stream_prefetch_for(true, 0x1B),
-          "Zen 5 and later request streamed rows ahead");
-    CHECK(!attn__stream_prefetch_for(true, 0x19) && !attn__stream_prefetch_for(true, 0x17),
-          "Zen 4, Zen 3 and Zen 2 keep their own prefetchers");
-    CHECK(!attn__stream_prefetch_for(false, 6) && !attn__stream_prefetch_for(false, 0x1A),
+     * faster (cpu.c): Zen 5 and later on every walk, Zen 3 on the walk one
+     * head at a time, not Zen 4, not Intel yet. */
+    const unsigned both = ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG;
+    CHECK(attn__stream_prefetch_for(true, 0x1A, 0x02) == both &&
+              attn__stream_prefetch_for(true, 0x1B, 0x00) == both,
+          "Zen 5 and later request streamed rows ahead on every walk");
+    CHECK(attn__stream_prefetch_for(true, 0x19, 0x01) == ATTN__AHEAD_HEADS &&
+              attn__stream_prefetch_for(true, 0x19, 0x21) == ATTN__AHEAD_HEADS &&
+              attn__stream_prefetch_for(true, 0x19, 0x50) == ATTN__AHEAD_HEADS,
+          "Zen 3 (Milan, Vermeer, Cezanne) requests ahead on the per-head walk only");
+    CHECK(attn__stream_prefetch_for(true, 0x19, 0x11) == 0 &&
+              attn__stream_prefetch_for(true, 0x19, 0x61) == 0 &&
+              attn__stream_prefetch_for(true, 0x17, 0x31) == 0,
+          "Zen 4 and Zen 2 keep their own prefetchers");
+    CHECK(attn__stream_prefetch_for(false, 6, 0x8F) == 0 &&
+              attn__stream_prefetch_for(false, 0x1A, 0) == 0,
           "not measured on Intel: off");
     /* What this machine reports is consistent with the public query. */
     const attn__cpu_features *here = attn__cpu();
