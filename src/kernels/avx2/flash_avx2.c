@@ -518,9 +518,16 @@ ALWAYS_INLINE void pv(const float *p_all, int64_t p_rs, int64_t p_cs, const void
     const size_t es = HK == HK_F32 ? 4 : 2;
     const int64_t ahead = streamed > 0 ? attn__rows_ahead(ATTN__V_AHEAD, Ev * (int64_t)es) : 0;
     if (rows_all > ROWS || Ev <= 8 * VECS || nk <= PV_KEYS) {
-        if (p_rs == 1 && ahead == 0) /* queries in lanes: constants, so a tile's weights */
+        /* Constant strides where the layout fixes one (a tile's weights at
+         * fixed offsets or one pointer apart) and, without requests ahead,
+         * no per-key test for them: the lanes layout's P (p_rs 1) and the
+         * backward's Pᵀ and dSᵀ products (p_cs 1) spent a fifth of their
+         * instructions on address arithmetic and that test. */
+        if (p_rs == 1 && ahead == 0)
             pv_chunks(p_all, 1, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, 0, 0);
-        else /* are loaded at fixed offsets and no key tests for requests ahead */
+        else if (p_cs == 1 && ahead == 0)
+            pv_chunks(p_all, p_rs, 1, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK, 0, 0);
+        else
             pv_chunks(p_all, p_rs, p_cs, v, ldv, rows_all, nk, Ev, o_all, ldo, alpha_all, HK,
                       ahead, streamed);
         return;
