@@ -529,9 +529,11 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     const int64_t cols = (w->BC + kern->col_step - 1) / kern->col_step * kern->col_step;
     z.q = w->BR * p->E;                        /* Q rows, or Qt (E x lanes)     */
     z.stage = w->direct ? 0 : w->BR * p->E;    /* Q rows (lanes x E)            */
-    /* K rows, when loaded (a gang's: every head's) */
-    z.kp = w->gang > 1 || key_buffer(p, &p->k) ? w->gang * w->BC * p->E : 0;
-    z.vp = w->gang > 1 || key_buffer(p, &p->v) ? w->gang * w->BC * p->Ev : 0; /* likewise */
+    /* K rows, when loaded: a block's, or a gang's step of every head's rows
+     * (gang_at loads GANG_STEP rows at a time, not its 256-key block) */
+    const int64_t loaded = w->gang > 1 ? w->gang * (w->BC < GANG_STEP ? w->BC : GANG_STEP) : w->BC;
+    z.kp = w->gang > 1 || key_buffer(p, &p->k) ? loaded * p->E : 0;
+    z.vp = w->gang > 1 || key_buffer(p, &p->v) ? loaded * p->Ev : 0; /* likewise */
     /* scores: a tile's, every row's when ganged (gang_block), or the lanes block's */
     z.s = w->direct ? (w->gang > 1 ? w->BR : kern->pv_rows) * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
