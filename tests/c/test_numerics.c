@@ -784,9 +784,54 @@ static void exact_scores_are_float64_sums(void) {
     }
     printf("  %d scores compared\n", checked);
 }
+/* Every context's pack_qt_f is the transpose its contract names: Qt[e·ldqt
+ * + r] = scale · q[r·rs + e·cs] for r < nr, zeros up to lanes, nothing
+ * written past lanes or E; unit and other column strides, every tail of
+ * rows and of E, scale 1 (a copy: the bits of the portable transpose, which
+ * the kernels' results depend on) and not. */
+static void packed_queries_are_the_transpose(void) {
+    rng r = {harness_seed() ^ 0x9ac7};
+    enum { MAXN = 48, MAXW = 140, LD = MAXN + 5 };
+    static float q[MAXN * (2 * MAXW + 8)], qt[(MAXW + 1) * LD];
+    int checked = 0;
+    for (int isa = ATTN_ISA_GENERIC; isa <= ATTN_ISA_LAST; isa++) {
+        if (!attn_isa_supported((attn_isa)isa)) continue;
+        const attn__ukernel *kern = attn__ukernel_for((attn_isa)isa);
+        if (kern->pack_qt_f == NULL) continue;
+        for (int trial = 0; trial < 300; trial++) {
+            const int64_t lanes = 16 * (1 + (int64_t)below(&r, 3)); /* lane_step multiples */
+            const int64_t nr = (int64_t)below(&r, (uint64_t)lanes + 1);
+            const int64_t E = 1 + (int64_t)below(&r, MAXW);
+            const int64_t cs = trial % 4 == 3 ? 2 : 1, rs = cs * E + (int64_t)below(&r, 8);
+            const int64_t ldqt = lanes + (int64_t)below(&r, 6);
+            const float scale = trial % 2 ? 1.0f : (float)(0.1 + rng_uniform(&r));
+            for (size_t i = 0; i < sizeof q / sizeof *q; i++) q[i] = (float)rng_normal(&r);
+            for (size_t i = 0; i < sizeof qt / sizeof *qt; i++) qt[i] = 12345.0f;
+            kern->pack_qt_f(q, rs, cs, nr, E, scale, qt, lanes, ldqt);
+            for (int64_t e = 0; e <= E; e++) /* row E and columns past lanes: untouched */
+                for (int64_t c = 0; c < ldqt; c++) {
+                    const float got = qt[e * ldqt + c];
+                    if (e == E || c >= lanes) {
+                        CHECK(got == 12345.0f, "%s: wrote (%lld, %lld), E %lld lanes %lld",
+                              kern->name, (long long)e, (long long)c, (long long)E,
+                              (long long)lanes);
+                        continue;
+                    }
+                    const float want = c < nr ? q[c * rs + e * cs] * scale : 0.0f;
+                    CHECK(memcmp(&got, &want, sizeof got) == 0,
+                          "%s nr %lld E %lld cs %lld: Qt(%lld, %lld) %.9g, want %.9g", kern->name,
+                          (long long)nr, (long long)E, (long long)cs, (long long)e, (long long)c,
+                          (double)got, (double)want);
+                    checked++;
+                }
+        }
+    }
+    printf("  %d packed values compared\n", checked);
+}
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
              T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
              T(bf16_hidden_special_values), T(overflowing_float32_scores),
-             T(bf16_softmax_weights), T(exact_scores_are_float64_sums))
+             T(bf16_softmax_weights), T(exact_scores_are_float64_sums),
+             T(packed_queries_are_the_transpose))
