@@ -108,13 +108,17 @@ int64_t attn__l2_bytes(void) {
  * hardware prefetchers were already fetching whole. On Zen 4 (0x19, other
  * models), K rows requested 8-32 rows ahead inside qk_rows were 4-20%
  * slower when tried. Other CPUs were not measured: they keep their own
- * prefetchers until they are. */
+ * prefetchers until they are. How far: Zen 3 waits longer on its memory
+ * than Zen 5 (the same decode, 16 and 32 KiB of K and V rows ahead against
+ * the 4 and 8 KiB tuned on Zen 5: medians of ten alternating rounds 18.7
+ * -> 16.2 ms at S = 32,768, 2.38 -> 2.18 at 4,096, 10.0 -> 9.0 at
+ * 16,384; twice the distance fell between). */
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model) {
     if (!amd) return 0;
     if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG;
     const bool zen3 = family == 0x19 && (model <= 0x0F || (model >= 0x20 && model <= 0x2F) ||
                                          (model >= 0x40 && model <= 0x5F));
-    return zen3 ? ATTN__AHEAD_HEADS : 0;
+    return zen3 ? ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR : 0;
 }
 
 static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */
@@ -125,7 +129,7 @@ void attn__stream_prefetch_force(int on) { atomic_store(&forced, on < 0 ? -1 : o
 static unsigned stream_prefetch_walks(void) {
     static atomic_int cached = -1; /* idempotent: racing first callers agree */
     const int f = atomic_load_explicit(&forced, memory_order_relaxed);
-    if (f >= 0) return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG : 0;
+    if (f >= 0) return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG : 0; /* the kernels' distance */
     int walks = atomic_load_explicit(&cached, memory_order_relaxed);
     if (walks < 0) {
         bool amd = false;
@@ -152,6 +156,8 @@ static unsigned stream_prefetch_walks(void) {
 bool attn__stream_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_HEADS) != 0; }
 
 bool attn__gang_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_GANG) != 0; }
+
+bool attn__stream_far(void) { return (stream_prefetch_walks() & ATTN__AHEAD_FAR) != 0; }
 
 /* A path is supported when its kernels were compiled in (ATTN_HAVE_*) and
  * the CPU and OS can run them. */

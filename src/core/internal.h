@@ -337,9 +337,12 @@ int64_t attn__l2_bytes(void);
  * where that was measured faster. Read once. */
 bool attn__stream_prefetch(void);
 bool attn__gang_prefetch(void);
+/* Whether the requests go four times the kernels' distance ahead
+ * (ATTN__K_AHEAD, ATTN__V_AHEAD): where that was measured faster. */
+bool attn__stream_far(void);
 /* The rule itself, on CPUID's vendor, family and model (a test reaches
- * it): the walks that request ahead. */
-enum { ATTN__AHEAD_HEADS = 1, ATTN__AHEAD_GANG = 2 };
+ * it): the walks that request ahead, and how far. */
+enum { ATTN__AHEAD_HEADS = 1, ATTN__AHEAD_GANG = 2, ATTN__AHEAD_FAR = 4 };
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model);
 /* Tests: requests on (1) or off (0) on every walk whatever the CPU, or the
  * rule again (-1). */

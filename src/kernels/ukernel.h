@@ -56,8 +56,9 @@
 
 /* Streamed K and V (qk_rows_f, pv_f with `streamed` rows): on CPUs where
  * it was measured faster (attn__stream_prefetch), the kernels request each
- * row's lines this many bytes of rows ahead of their loads, among the rows
- * the call reads. K's walk reads a row whole; pv's reads it in 64-feature
+ * row's lines this many bytes of rows ahead of their loads (four times as
+ * far where memory was measured to answer slower, attn__stream_far), among
+ * the rows the call reads. K's walk reads a row whole; pv's reads it in 64-feature
  * chunks, so its rows are requested further ahead (docs/design.md, "Rows
  * requested ahead of a streamed walk"). */
 enum { ATTN__K_AHEAD = 4096, ATTN__V_AHEAD = 8192 };
@@ -66,7 +67,7 @@ enum { ATTN__K_AHEAD = 4096, ATTN__V_AHEAD = 8192 };
  * the CPU's own prefetchers do better. */
 static inline int64_t attn__rows_ahead(int64_t ahead_bytes, int64_t row_bytes) {
     if (!attn__stream_prefetch() || row_bytes <= 0) return 0;
-    const int64_t rows = ahead_bytes / row_bytes;
+    const int64_t rows = (attn__stream_far() ? 4 * ahead_bytes : ahead_bytes) / row_bytes;
     return rows < 1 ? 1 : rows;
 }
 
