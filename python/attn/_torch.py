@@ -383,7 +383,9 @@ def _view(x):
 _tracing = torch._C._is_tracing
 _from_numpy = torch.from_numpy
 _grad_enabled = torch.is_grad_enabled
-_NATIVE = (torch.float32, torch.float64)  # dtypes whose .numpy() is the buffer itself
+# plain CPU tensors of these dtypes are read in place by _attn (plain below)
+_attn._torch_intake(torch.Tensor, torch.strided, torch.float32, torch.float64, torch.float16,
+                    torch.bfloat16, torch.bool)
 
 
 def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
@@ -394,7 +396,7 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     (a model's every attention layer pays it, patch_torch's too). What it
     reads is what run() would: the same functions, the same bits. Counted
     in tenths of a microsecond (a 16-token call's budget is torch's 7 us, of
-    which NumPy views, _attn.sdpa and from_numpy take 5): dtypes compared by
+    which reading the tensors, _attn.sdpa and from_numpy take 5): dtypes compared by
     identity, bound functions, only the keywords that differ from
     _attn.sdpa's defaults."""
     T = torch.Tensor
@@ -420,22 +422,17 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     recorded = _grad_enabled() and (query.requires_grad or key.requires_grad or
                                     value.requires_grad or attn_mask is not None and
                                     attn_mask.requires_grad)
-    if dt in _NATIVE and not recorded:
-        try:  # (.numpy() refuses what the checked route must explain)
-            q, k, v = query.numpy(), key.numpy(), value.numpy()
-        except (TypeError, RuntimeError):  # a view torch will not hand out, grad under no_grad
-            q = k = v = None
-    else:
-        q, k, v = _view(query), _view(key), _view(value)
-    if q is None or k is None or v is None:
-        return None
-    mask = None if attn_mask is None else _view(attn_mask)
-    if attn_mask is not None and mask is None:
-        return None
     if recorded:
+        if (_view(query) is None or _view(key) is None or _view(value) is None or
+                attn_mask is not None and _view(attn_mask) is None):
+            return None  # the checked route says what is wrong
         seed = drawn_seed() if dropout_p > 0.0 else _no_seed()
         return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
                               enable_gqa, seed, False)[0]
+    # _attn reads the tensors themselves (python/src/_attn_tensors.c), 0.3 us
+    # a tensor where .numpy() took 1.2-1.8; what .numpy() would refuse it
+    # refuses too, and the checked route explains it
+    q, k, v, mask = query, key, value, attn_mask
     try:
         if mask is None and not causal and scale is None and not enable_gqa and not dropout_p:
             out = _attn.sdpa(q, k, v, empty=empty)[0]
@@ -453,6 +450,8 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
                 options["dropout_p"] = dropout_p
                 options["seed"] = _seed(drawn_seed())  # the same draw as run()'s
             out = _attn.sdpa(q, k, v, empty=empty, **options)[0]
+    except _attn.NotReadInPlace:
+        return None
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         raise library_error(e) from None
     out = _from_numpy(out)

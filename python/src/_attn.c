@@ -3,7 +3,8 @@
  * protocol. Written against the CPython C API only (no NumPy C API).
  *
  * Inputs are any objects that export a strided buffer (NumPy arrays, torch
- * CPU tensors viewed through NumPy, memoryviews). Their byte strides become
+ * CPU tensors viewed through NumPy, memoryviews), or plain CPU torch tensors
+ * read through their own methods (_attn_tensors.c). Their strides become
  * attn_tensor element strides, so transposed, sliced, reversed (negative
  * stride) and broadcast (zero stride) inputs are read where they lie. Only a
  * buffer that cannot be described in elements — a stride that is not a
@@ -1437,7 +1438,7 @@ PyMODINIT_FUNC PyInit__attn(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (serving_add_functions(m) < 0 || output_blocks_add(m) < 0) {
+    if (serving_add_functions(m) < 0 || output_blocks_add(m) < 0 || tensor_intake_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -243,6 +243,9 @@ static int copy_contiguous(buffer_view *v, Py_ssize_t numel) {
  */
 int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
                 buffer_view *v) {
+    /* a torch tensor on the short route: read, never written, in place */
+    if (!writable && as != ATTN_DTYPE_BF16 && is_plain_tensor(obj))
+        return tensor_view(obj, name, as == VIEW_BF16_BITS, v);
     memset(v, 0, sizeof *v);
     if (PyObject_GetBuffer(obj, &v->buf, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
         PyErr_Clear();

@@ -45,6 +45,14 @@ int view_get_as(PyObject *obj, const char *name, int writable, attn_dtype as,
                 buffer_view *v);
 int view_get_optional(PyObject *obj, const char *name, buffer_view *v, int *present);
 void view_release(buffer_view *v);
+
+/* Plain CPU torch tensors read without NumPy (_attn_tensors.c): whether obj
+ * is one (exactly torch.Tensor, once registered), its view (0, or -1 with
+ * an exception: NotReadInPlace where .numpy() would refuse it too; `bf16`:
+ * bfloat16 is acceptable), and the module's _torch_intake. */
+int is_plain_tensor(PyObject *obj);
+int tensor_view(PyObject *obj, const char *name, int bf16, buffer_view *v);
+int tensor_intake_add(PyObject *module);
 /* A tuple of the shape's sizes (new reference), NULL with an exception set. */
 PyObject *shape_tuple(int rank, const int64_t *shape);
 PyObject *new_output(PyObject *empty, int rank, const int64_t *shape, attn_dtype dt,

@@ -285,6 +285,68 @@ def test_plain_call_shortcut_matches_the_checked_path(rng):
         attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, dropout_p=False)
 
 
+def test_plain_tensors_are_read_in_place_without_numpy(rng):
+    """Plain CPU tensors on the short route (torch's own arguments, nothing
+    recorded) are read by the extension itself, not through .numpy()
+    (python/src/_attn_tensors.c): the same bits as the NumPy call, strides,
+    storage offsets and broadcasts included, each tensor counted; what
+    .numpy() refuses goes to the checked route, which still answers."""
+    def numpy_of(x):
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        base = torch.from_numpy(rng.standard_normal((3, 2, 4, 11, 16))).to(dtype)
+        q = base[1].transpose(0, 1)[:, :, 2:9]  # (4, 2, 7, 16), permuted, offset
+        k = base[2, :, ::2]  # (2, 2, 11, 16), every other head
+        v = torch.from_numpy(rng.standard_normal((1, 11, 8))).to(dtype).expand(2, 2, 11, 8)
+        mask = torch.from_numpy(rng.random((7, 11)) < 0.7)
+        fmask = torch.from_numpy(rng.standard_normal((2, 1, 7, 11))).to(dtype)
+        q = q.transpose(0, 1)  # (2, 4, 7, 16): 4 query heads on 2 KV heads
+        for kw in ({}, dict(attn_mask=mask, is_causal=False), dict(attn_mask=fmask),
+                   dict(is_causal=True, scale=0.3)):
+            before = _attn._tensors_read()
+            with torch.no_grad():
+                out = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+            assert _attn._tensors_read() == before + 3 + ("attn_mask" in kw), (dtype, kw)
+            ref = attn.scaled_dot_product_attention(
+                numpy_of(q), numpy_of(k), numpy_of(v), enable_gqa=True,
+                **{n: numpy_of(x) if isinstance(x, torch.Tensor) else x for n, x in kw.items()})
+            assert type(out) is torch.Tensor and out.dtype == dtype and out.shape == (2, 4, 7, 8)
+            assert np.array_equal(numpy_of(out), ref), (dtype, kw)
+    q = torch.from_numpy(rng.standard_normal((2, 5, 8)).astype(np.float32))
+    ref = attn.scaled_dot_product_attention(q.numpy(), q.numpy(), q.numpy())
+    # refused in place, answered by the checked route
+    raw = torch.zeros(q.numel() * 4 + 2, dtype=torch.uint8)
+    odd = torch.from_numpy(raw.numpy()[2:].view(np.float32).reshape(q.shape))
+    odd.copy_(q)  # misaligned: the checked route copies it
+    negated = torch._neg_view(-q)  # memory holds -q, the values are q
+    for x in (odd, negated):
+        before = _attn._tensors_read()
+        out = attn.scaled_dot_product_attention(x, q, q)
+        assert np.array_equal(out.numpy(), ref)
+        assert _attn._tensors_read() == before  # refused first: all read through NumPy
+    with pytest.raises(TypeError, match="query is a nested tensor"):  # no sizes to read
+        attn.scaled_dot_product_attention(torch.nested.as_nested_tensor([q[0], q[1, :3]]), q, q)
+    with pytest.raises(TypeError, match="key has layout torch.sparse_coo"):
+        attn.scaled_dot_product_attention(q, q.to_sparse(), q)
+    with pytest.raises(ValueError, match="query is a meta tensor"):
+        attn.scaled_dot_product_attention(q.to("meta"), q, q)
+    with pytest.raises(ValueError, match="query"):  # empty: the library names it
+        attn.scaled_dot_product_attention(q[:, :0], q, q)
+    with pytest.raises(ValueError, match="at most 8"):
+        attn.scaled_dot_product_attention(q.reshape((1,) * 7 + q.shape), q, q)
+    with pytest.raises(_attn.NotReadInPlace, match="query: it is a negated view"):
+        _attn.sdpa(negated, q, q, empty=np.empty)
+    assert issubclass(_attn.NotReadInPlace, TypeError)
+    # a tensor that requires grad, outside grad mode: read in place too
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        assert np.array_equal(attn.scaled_dot_product_attention(qg, q, q).numpy(), ref)
+
+
 def test_scalar_and_list_masks(rng):
     q = rng.standard_normal((2, 4, 8))
     ref = attn.scaled_dot_product_attention(q, q, q)

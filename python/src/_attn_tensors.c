@@ -1,0 +1,195 @@
+/*
+ * _attn_tensors.c — plain CPU torch tensors read in place, without NumPy.
+ *
+ * A 16-token attention from Python costs a few microseconds in the kernels,
+ * and every torch tensor it reads went through `tensor.numpy()` first (about
+ * 6,300 instructions each, counted with callgrind). The extension never
+ * links against torch, so it reads a tensor through torch's own Python
+ * properties and methods instead (is_cpu, layout, dtype, is_neg, shape,
+ * stride, data_ptr: about 5,000 instructions, no NumPy object made). The
+ * Python layer registers torch's types once (`_attn._torch_intake`) and
+ * passes tensors only on its short route (attn/_torch.py plain), after its
+ * own checks (exact class, no torch mode, no functorch wrapper).
+ *
+ * What `.numpy()` would refuse is refused here too: another device (meta
+ * included), a layout other than strided, a nested tensor, a negated view
+ * (its memory holds -x), a dtype attn does not read, a misaligned base or
+ * more dimensions than ATTN_MAX_RANK. Such a tensor raises
+ * _attn.NotReadInPlace (a TypeError naming the argument), on which the
+ * short route hands the call to the checked one, which explains or copies.
+ */
+#include "_attn_shared.h"
+
+#include <string.h>
+
+/* Registered by _torch_intake; NULL until then (torch never loaded). */
+static PyTypeObject *tensor_type;
+static PyObject *strided_layout;
+enum { T_F32, T_F64, T_F16, T_BF16, T_BOOL, T_NDTYPES };
+static PyObject *dtypes[T_NDTYPES];
+static const attn_dtype attn_dtypes[T_NDTYPES] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64,
+                                                  ATTN_DTYPE_F16, ATTN_DTYPE_BF16,
+                                                  ATTN_DTYPE_BOOL};
+static PyObject *not_read_in_place; /* the exception class */
+static PyObject *s_data_ptr, *s_stride, *s_is_neg, *s_shape, *s_dtype, *s_layout, *s_is_cpu;
+static Py_ssize_t tensors_read; /* read by the tests through _tensors_read() */
+
+static double empty_tensor_data; /* the data of a tensor with no elements */
+
+int is_plain_tensor(PyObject *obj) { return tensor_type != NULL && Py_TYPE(obj) == tensor_type; }
+
+/* Sets NotReadInPlace naming the argument, replacing any exception torch
+ * raised while being read (a nested tensor has no sizes, a sparse one no
+ * strides): the checked route says what is wrong. Always -1. */
+static int refuse(const char *name, const char *why) {
+    PyErr_Clear();
+    PyErr_Format(not_read_in_place, "%s: %s, so attn cannot read the torch tensor in place",
+                 name, why);
+    return -1;
+}
+
+/* obj.<attr> (call: obj.<attr>()) is Py_True: 1, anything else 0, -1 on error. */
+static int flag(PyObject *obj, PyObject *attr, int call) {
+    PyObject *r = call ? PyObject_CallMethodNoArgs(obj, attr) : PyObject_GetAttr(obj, attr);
+    if (r == NULL) return -1;
+    const int on = r == Py_True;
+    Py_DECREF(r);
+    return on;
+}
+
+/* obj.<attr> into *found, borrowed (a dtype or a layout: torch keeps them
+ * alive, and only their identity is compared); 0, or -1 on error. */
+static int attr_of(PyObject *obj, PyObject *attr, PyObject **found) {
+    PyObject *r = PyObject_GetAttr(obj, attr);
+    if (r == NULL) return -1;
+    *found = r;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* A tuple of at most ATTN_MAX_RANK ints into out[]; its length, or -1. */
+static int int_tuple(PyObject *t, int64_t out[ATTN_MAX_RANK]) {
+    if (t == NULL || !PyTuple_Check(t) || PyTuple_GET_SIZE(t) > ATTN_MAX_RANK) return -1;
+    const int n = (int)PyTuple_GET_SIZE(t);
+    for (int d = 0; d < n; d++) {
+        out[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, d));
+        if (out[d] == -1 && PyErr_Occurred()) return -1;
+    }
+    return n;
+}
+
+/* The attn dtype of a tensor's dtype object, or 0. `bf16`: bfloat16 is
+ * acceptable (view_get_as's rule). */
+static attn_dtype dtype_of(PyObject *dt, int bf16) {
+    for (int i = 0; i < T_NDTYPES; i++)
+        if (dt == dtypes[i]) return i == T_BF16 && !bf16 ? 0 : attn_dtypes[i];
+    return 0;
+}
+
+/* The tensor's shape and strides (in elements) into t; 0 or -1. */
+static int sizes_of(PyObject *obj, attn_tensor *t) {
+    PyObject *shape = PyObject_GetAttr(obj, s_shape);
+    const int rank = int_tuple(shape, t->shape);
+    Py_XDECREF(shape);
+    if (rank < 0) return -1;
+    PyObject *stride = PyObject_CallMethodNoArgs(obj, s_stride);
+    const int srank = int_tuple(stride, t->strides);
+    Py_XDECREF(stride);
+    if (srank != rank) return -1;
+    t->rank = rank;
+    return 0;
+}
+
+/* Fills v->t from a plain tensor (is_plain_tensor). 0, or -1 with
+ * NotReadInPlace set where `.numpy()` would refuse it too (and where
+ * reading it raised). Each read is a torch property or method, about 500
+ * instructions, so only what decides safety is asked. */
+int tensor_view(PyObject *obj, const char *name, int bf16, buffer_view *v) {
+    memset(v, 0, sizeof *v);
+    attn_tensor *t = &v->t;
+    PyObject *layout = NULL, *dt = NULL;
+    if (flag(obj, s_is_cpu, 0) != 1) return refuse(name, "it is not on the CPU");
+    if (attr_of(obj, s_layout, &layout) < 0 || layout != strided_layout)
+        return refuse(name, "its layout is not strided");
+    if (attr_of(obj, s_dtype, &dt) < 0 || (t->dtype = dtype_of(dt, bf16)) == 0)
+        return refuse(name, "attn does not read its dtype");
+    if (flag(obj, s_is_neg, 1) != 0) return refuse(name, "it is a negated view");
+    if (sizes_of(obj, t) < 0)
+        return refuse(name, "its sizes and strides cannot be read (or it has over 8 dimensions)");
+    PyObject *ptr = PyObject_CallMethodNoArgs(obj, s_data_ptr);
+    void *data = ptr != NULL ? PyLong_AsVoidPtr(ptr) : NULL;
+    Py_XDECREF(ptr);
+    if (PyErr_Occurred()) return refuse(name, "its data pointer cannot be read");
+
+    int64_t numel = 1;
+    for (int d = 0; d < t->rank; d++) {
+        if (t->shape[d] <= 0) numel = 0;
+        if (t->shape[d] <= 1) t->strides[d] = 0; /* never used; as view_get_as does */
+    }
+    if (numel == 0) {
+        data = &empty_tensor_data; /* nothing to read; the library reports the shape */
+    } else if (data == NULL) {
+        return refuse(name, "it has no data");
+    } else if ((uintptr_t)data % (uintptr_t)attn_dtype_size(t->dtype) != 0) {
+        return refuse(name, "its data is not aligned to its items"); /* from_numpy of odd bytes */
+    }
+    t->data = data;
+    tensors_read++;
+    return 0;
+}
+
+PyDoc_STRVAR(torch_intake_doc,
+             "_torch_intake(Tensor, strided, float32, float64, float16, bfloat16, bool)\n\n"
+             "Registers torch's tensor class, strided layout and dtypes, so that\n"
+             "sdpa() reads plain CPU tensors of those dtypes in place (once, when\n"
+             "attn._torch is imported).");
+
+static PyObject *py_torch_intake(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *type, *strided, *dt[T_NDTYPES];
+    if (!PyArg_ParseTuple(args, "O!OOOOOO:_torch_intake", &PyType_Type, &type, &strided, &dt[0],
+                          &dt[1], &dt[2], &dt[3], &dt[4]))
+        return NULL;
+    Py_INCREF(type);
+    Py_XSETREF(tensor_type, (PyTypeObject *)type);
+    Py_INCREF(strided);
+    Py_XSETREF(strided_layout, strided);
+    for (int i = 0; i < T_NDTYPES; i++) {
+        Py_INCREF(dt[i]);
+        Py_XSETREF(dtypes[i], dt[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_tensors_read(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyLong_FromSsize_t(tensors_read);
+}
+
+static PyMethodDef tensor_methods[] = {
+    {"_torch_intake", py_torch_intake, METH_VARARGS, torch_intake_doc},
+    {"_tensors_read", py_tensors_read, METH_NOARGS,
+     "how many torch tensors were read in place (without NumPy)"},
+    {NULL, NULL, 0, NULL}};
+
+int tensor_intake_add(PyObject *module) {
+    static const char *const names[] = {"data_ptr", "stride", "is_neg", "shape",
+                                        "dtype",    "layout", "is_cpu"};
+    PyObject **slots[] = {&s_data_ptr, &s_stride, &s_is_neg, &s_shape,
+                          &s_dtype,    &s_layout, &s_is_cpu};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if ((*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) return -1;
+    not_read_in_place = PyErr_NewExceptionWithDoc(
+        "attn._attn.NotReadInPlace",
+        "A torch tensor the extension cannot read in place (what tensor.numpy() "
+        "refuses too); the Python layer then takes the checked route.",
+        PyExc_TypeError, NULL);
+    if (not_read_in_place == NULL) return -1;
+    Py_INCREF(not_read_in_place);
+    if (PyModule_AddObject(module, "NotReadInPlace", not_read_in_place) < 0) {
+        Py_DECREF(not_read_in_place);
+        return -1;
+    }
+    return PyModule_AddFunctions(module, tensor_methods);
+}
