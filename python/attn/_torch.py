@@ -429,10 +429,18 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
         seed = drawn_seed() if dropout_p > 0.0 else _no_seed()
         return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
                               enable_gqa, seed, False)[0]
-    # _attn reads the tensors themselves (python/src/_attn_tensors.c), 0.3 us
-    # a tensor where .numpy() took 1.2-1.8; what .numpy() would refuse it
-    # refuses too, and the checked route explains it
+    # _attn reads the tensors themselves (python/src/_attn_tensors.c: 5,000
+    # instructions a tensor where .numpy() took 6,300); what .numpy() would
+    # refuse it refuses too, and the checked route explains it. A dropout
+    # call draws its seed before _attn reads anything, and a refusal after
+    # the draw would draw again on the checked route: it takes NumPy views
+    # first, as the checked route does.
     q, k, v, mask = query, key, value, attn_mask
+    if dropout_p > 0.0:
+        q, k, v = _view(query), _view(key), _view(value)
+        mask = None if attn_mask is None else _view(attn_mask)
+        if q is None or k is None or v is None or attn_mask is not None and mask is None:
+            return None
     try:
         if mask is None and not causal and scale is None and not enable_gqa and not dropout_p:
             out = _attn.sdpa(q, k, v, empty=empty)[0]

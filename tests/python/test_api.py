@@ -328,6 +328,15 @@ def test_plain_tensors_are_read_in_place_without_numpy(rng):
         out = attn.scaled_dot_product_attention(x, q, q)
         assert np.array_equal(out.numpy(), ref)
         assert _attn._tensors_read() == before  # refused first: all read through NumPy
+    # with dropout the seed is drawn once either way: the same values give
+    # the same output under the same torch.manual_seed
+    for x in (q, odd, negated):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            out = attn.scaled_dot_product_attention(x, q, q, dropout_p=0.5)
+        if x is q:
+            dropped = out
+        assert torch.equal(out, dropped) and not np.array_equal(out.numpy(), ref)
     with pytest.raises(TypeError, match="query is a nested tensor"):  # no sizes to read
         attn.scaled_dot_product_attention(torch.nested.as_nested_tensor([q[0], q[1, :3]]), q, q)
     with pytest.raises(TypeError, match="key has layout torch.sparse_coo"):
