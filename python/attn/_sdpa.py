@@ -43,6 +43,7 @@ def _torch_module():
         _torch_route = _torch
     return _torch_route
 
+
 def _causal_bias(mask):
     """(alignment, L, S) of a torch CausalBias, or None. Its storage is an
     uninitialised placeholder: what it means is only in these fields."""

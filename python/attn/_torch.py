@@ -380,6 +380,16 @@ def _view(x):
         return None
 
 
+def _views(query, key, value, attn_mask):
+    """(q, k, v, mask) as _view's NumPy views (mask None stays None), or
+    None when torch will not hand one of them out."""
+    q, k, v = _view(query), _view(key), _view(value)
+    mask = None if attn_mask is None else _view(attn_mask)
+    if q is None or k is None or v is None or attn_mask is not None and mask is None:
+        return None
+    return q, k, v, mask
+
+
 _tracing = torch._C._is_tracing
 _from_numpy = torch.from_numpy
 _grad_enabled = torch.is_grad_enabled
@@ -423,8 +433,7 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
                                     value.requires_grad or attn_mask is not None and
                                     attn_mask.requires_grad)
     if recorded:
-        if (_view(query) is None or _view(key) is None or _view(value) is None or
-                attn_mask is not None and _view(attn_mask) is None):
+        if _views(query, key, value, attn_mask) is None:
             return None  # the checked route says what is wrong
         seed = drawn_seed() if dropout_p > 0.0 else _no_seed()
         return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
@@ -435,12 +444,10 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     # call draws its seed before _attn reads anything, and a refusal after
     # the draw would draw again on the checked route: it takes NumPy views
     # first, as the checked route does.
-    q, k, v, mask = query, key, value, attn_mask
-    if dropout_p > 0.0:
-        q, k, v = _view(query), _view(key), _view(value)
-        mask = None if attn_mask is None else _view(attn_mask)
-        if q is None or k is None or v is None or attn_mask is not None and mask is None:
-            return None
+    views = (query, key, value, attn_mask)
+    if dropout_p > 0.0 and (views := _views(query, key, value, attn_mask)) is None:
+        return None
+    q, k, v, mask = views
     try:
         if mask is None and not causal and scale is None and not enable_gqa and not dropout_p:
             out = _attn.sdpa(q, k, v, empty=empty)[0]
