@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdbool.h>
+#include <string.h>
 
 #include "../exp2.h"
 #include "../ukernel.h"
@@ -230,35 +231,54 @@ static void qk_direct_keys_f(const float *q, int64_t ldq, const float *k, int64_
 
 enum { DIRECT_E = 256 }; /* qk_direct_f's widened Q rows: 6 x 256 doubles on the stack */
 
-/* R rows of scores, 4 keys a vector: each 4 x 4 block of K widened and
- * transposed in registers, so a multiply-add with a broadcast Q element
- * gives a lane of 4 scores and no score needs a horizontal sum. q64: the
- * rows widened, ld4 (a multiple of 4) doubles apart, zero past E. */
+/* R rows of scores against keys j0 .. j0+3, 4 keys a vector: each 4 x 4
+ * block of K widened and transposed in registers, so a multiply-add with a
+ * broadcast Q element gives a lane of 4 scores and no score needs a
+ * horizontal sum. q64: the rows widened, ld4 (a multiple of 4) doubles
+ * apart, zero past E. FULL: four keys and E a multiple of 4, read with
+ * plain loads (the masks and the selects were a fifth of the kernel). */
+ALWAYS_INLINE void qk_direct_keys4(const double *q64, int64_t ld4, const float *k, int64_t ldk,
+                                   int64_t E, int nj, float *s, int64_t lds, const int R,
+                                   const bool FULL) {
+    __m256d acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_pd();
+    for (int64_t e0 = 0; e0 < ld4; e0 += 4) {
+        __m256d c[4];
+        if (FULL) {
+            for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_pd(_mm_loadu_ps(k + i * ldk + e0));
+        } else {
+            const int64_t ne = E - e0 < 4 ? E - e0 : 4;
+            const __m128i em = _mm_cmpgt_epi32(_mm_set1_epi32((int)ne), _mm_setr_epi32(0, 1, 2, 3));
+            for (int i = 0; i < 4; i++)
+                c[i] = i < nj ? _mm256_cvtps_pd(_mm_maskload_ps(k + i * ldk + e0, em))
+                              : _mm256_setzero_pd();
+        }
+        const __m256d t0 = _mm256_unpacklo_pd(c[0], c[1]), t1 = _mm256_unpackhi_pd(c[0], c[1]);
+        const __m256d t2 = _mm256_unpacklo_pd(c[2], c[3]), t3 = _mm256_unpackhi_pd(c[2], c[3]);
+        c[0] = _mm256_permute2f128_pd(t0, t2, 0x20); /* c[e]: feature e0 + e of the 4 keys */
+        c[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+        c[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+        c[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+        for (int e = 0; e < 4; e++)
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_pd(_mm256_broadcast_sd(q64 + r * ld4 + e0 + e), c[e], acc[r]);
+    }
+    if (FULL) {
+        for (int r = 0; r < R; r++) _mm_storeu_ps(s + r * lds, _mm256_cvtpd_ps(acc[r]));
+        return;
+    }
+    const __m128i jm = _mm_cmpgt_epi32(_mm_set1_epi32(nj), _mm_setr_epi32(0, 1, 2, 3));
+    for (int r = 0; r < R; r++) _mm_maskstore_ps(s + r * lds, jm, _mm256_cvtpd_ps(acc[r]));
+}
+
 ALWAYS_INLINE void qk_direct_tile(const double *q64, int64_t ld4, const float *k, int64_t ldk,
                                   int64_t E, int64_t nk, float *s, int64_t lds, const int R) {
     for (int64_t j0 = 0; j0 < nk; j0 += 4) {
         const int nj = nk - j0 < 4 ? (int)(nk - j0) : 4;
-        __m256d acc[ROWS];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_pd();
-        for (int64_t e0 = 0; e0 < ld4; e0 += 4) {
-            const int64_t ne = E - e0 < 4 ? E - e0 : 4;
-            const __m128i em = _mm_cmpgt_epi32(_mm_set1_epi32((int)ne), _mm_setr_epi32(0, 1, 2, 3));
-            __m256d c[4];
-            for (int i = 0; i < 4; i++)
-                c[i] = i < nj ? _mm256_cvtps_pd(_mm_maskload_ps(k + (j0 + i) * ldk + e0, em))
-                              : _mm256_setzero_pd();
-            const __m256d t0 = _mm256_unpacklo_pd(c[0], c[1]), t1 = _mm256_unpackhi_pd(c[0], c[1]);
-            const __m256d t2 = _mm256_unpacklo_pd(c[2], c[3]), t3 = _mm256_unpackhi_pd(c[2], c[3]);
-            c[0] = _mm256_permute2f128_pd(t0, t2, 0x20); /* c[e]: feature e0 + e of the 4 keys */
-            c[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
-            c[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
-            c[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
-            for (int e = 0; e < 4; e++)
-                for (int r = 0; r < R; r++)
-                    acc[r] = _mm256_fmadd_pd(_mm256_broadcast_sd(q64 + r * ld4 + e0 + e), c[e], acc[r]);
-        }
-        const __m128i jm = _mm_cmpgt_epi32(_mm_set1_epi32(nj), _mm_setr_epi32(0, 1, 2, 3));
-        for (int r = 0; r < R; r++) _mm_maskstore_ps(s + r * lds + j0, jm, _mm256_cvtpd_ps(acc[r]));
+        if (nj == 4 && E % 4 == 0)
+            qk_direct_keys4(q64, ld4, k + j0 * ldk, ldk, E, 4, s + j0, lds, R, true);
+        else
+            qk_direct_keys4(q64, ld4, k + j0 * ldk, ldk, E, nj, s + j0, lds, R, false);
     }
 }
 
@@ -271,10 +291,13 @@ static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk
         qk_direct_keys_f(q, ldq, k, ldk, E, rows, nk, s, lds);
         return;
     }
-    const int64_t ld4 = (E + 3) / 4 * 4;
+    const int64_t ld4 = (E + 3) / 4 * 4, body = E / 4 * 4;
     double q64[ROWS * DIRECT_E]; /* rows x ld4 */
-    for (int r = 0; r < rows; r++)
-        for (int64_t e = 0; e < ld4; e++) q64[r * ld4 + e] = e < E ? (double)q[r * ldq + e] : 0.0;
+    for (int r = 0; r < rows; r++) { /* (element by element: a tenth of a 16-token call) */
+        for (int64_t e = 0; e < body; e += 4)
+            _mm256_storeu_pd(q64 + r * ld4 + e, _mm256_cvtps_pd(_mm_loadu_ps(q + r * ldq + e)));
+        for (int64_t e = body; e < ld4; e++) q64[r * ld4 + e] = e < E ? (double)q[r * ldq + e] : 0.0;
+    }
     switch (rows) {
     case 1: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, 1); break;
     case 2: qk_direct_tile(q64, ld4, k, ldk, E, nk, s, lds, 2); break;
@@ -635,6 +658,11 @@ static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64
  * stride and other dtypes take the portable loads. */
 static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t cs, int64_t nrows,
                         int64_t width, float *dst, int64_t ld) {
+    if (dtype == ATTN_DTYPE_F32 && cs == 1) { /* rows of the compute type: copies */
+        for (int64_t i = 0; i < nrows; i++)
+            memcpy(dst + i * ld, (const float *)src + i * rs, sizeof(float) * (size_t)width);
+        return;
+    }
     const bool f16 = dtype == ATTN_DTYPE_F16;
     if (cs != 1 || !(f16 || dtype == ATTN_DTYPE_BF16)) {
         attn__load_rows_generic_f(src, dtype, rs, cs, nrows, width, dst, ld);
