@@ -9,7 +9,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdbool.h>
-#include <string.h>
 
 #include "../exp2.h"
 #include "../ukernel.h"
@@ -655,17 +654,11 @@ static void softmax_bwd_t_f(float *st, float *dpt, int64_t ld, int64_t nk, int64
 /* ---- operand loads (ukernel.h): 16-bit rows widened 8 at a time ---- */
 
 /* float16 (F16C's vcvtph2ps) or bfloat16 (the bits shifted into a float32's
- * top half): both exact. float32 rows of unit column stride are copied
- * (the portable element loop was 3% of a 16-token call). A row's last 1-7
- * 16-bit elements, rows with a column stride and other dtypes take the
- * portable loads. */
+ * top half): both exact. A row's last 1-7 elements, rows with a column
+ * stride and other dtypes take the portable loads (which copy rows already
+ * of the compute type). */
 static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t cs, int64_t nrows,
                         int64_t width, float *dst, int64_t ld) {
-    if (dtype == ATTN_DTYPE_F32 && cs == 1) { /* rows of the compute type: copies */
-        for (int64_t i = 0; i < nrows; i++)
-            memcpy(dst + i * ld, (const float *)src + i * rs, sizeof(float) * (size_t)width);
-        return;
-    }
     const bool f16 = dtype == ATTN_DTYPE_F16;
     if (cs != 1 || !(f16 || dtype == ATTN_DTYPE_BF16)) {
         attn__load_rows_generic_f(src, dtype, rs, cs, nrows, width, dst, ld);

@@ -4,6 +4,7 @@
  * read against. Loops are ordered so a compiler can vectorize the inner one.
  */
 #include <math.h>
+#include <string.h>
 
 #include "../exp2.h"
 #include "../ukernel.h"
@@ -124,6 +125,13 @@ DEFINE_GENERIC(double, d, attn__exp2d_inline)
     void attn__load_rows_generic_##SFX(const void *src, attn_dtype dtype, int64_t rs,           \
                                        int64_t cs, int64_t nrows, int64_t width, REAL *dst,     \
                                        int64_t ld) {                                            \
+        /* rows already of the compute type: copies (the element loop was left scalar   \
+         * at -O2, 3% of a 16-token call on Zen 3) */                                         \
+        if (cs == 1 && dtype == (sizeof(REAL) == 4 ? ATTN_DTYPE_F32 : ATTN_DTYPE_F64)) {        \
+            for (int64_t i = 0; i < nrows; i++)                                                 \
+                memcpy(dst + i * ld, (const REAL *)src + i * rs, sizeof(REAL) * (size_t)width); \
+            return;                                                                             \
+        }                                                                                       \
         switch (dtype) {                                                                        \
         case ATTN_DTYPE_F32: { COPY_ROWS(FROM_F32); return; }                                   \
         case ATTN_DTYPE_F64: { COPY_ROWS(FROM_F64); return; }                                   \
