@@ -112,13 +112,19 @@ int64_t attn__l2_bytes(void) {
  * than Zen 5 (the same decode, 16 and 32 KiB of K and V rows ahead against
  * the 4 and 8 KiB tuned on Zen 5: medians of ten alternating rounds 18.7
  * -> 16.2 ms at S = 32,768, 2.38 -> 2.18 at 4,096, 10.0 -> 9.0 at
- * 16,384; twice the distance fell between). */
+ * 16,384; twice the distance fell between). The ganged walk's own
+ * requests of whole rows into L2 (gang_request, tuned on Zen 4) stay on
+ * everywhere but for float32 rows on Zen 3: there the hardware prefetchers
+ * alone stream them faster (`attn_bench decode`, eight alternating pairs:
+ * medians 0.84-0.92x the time), while bfloat16 rows, slower to compute,
+ * still gain from them (ten pairs: 1.08x the time without). */
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model) {
-    if (!amd) return 0;
-    if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG;
+    const unsigned whole = ATTN__AHEAD_ROWS | ATTN__AHEAD_ROWS16;
+    if (!amd) return whole;
+    if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | whole;
     const bool zen3 = family == 0x19 && (model <= 0x0F || (model >= 0x20 && model <= 0x2F) ||
                                          (model >= 0x40 && model <= 0x5F));
-    return zen3 ? ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR : 0;
+    return zen3 ? ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_ROWS16 : whole;
 }
 
 static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */
@@ -129,7 +135,8 @@ void attn__stream_prefetch_force(int on) { atomic_store(&forced, on < 0 ? -1 : o
 static unsigned stream_prefetch_walks(void) {
     static atomic_int cached = -1; /* idempotent: racing first callers agree */
     const int f = atomic_load_explicit(&forced, memory_order_relaxed);
-    if (f >= 0) return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG : 0; /* the kernels' distance */
+    if (f >= 0) /* the kernels' distance */
+        return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS | ATTN__AHEAD_ROWS16 : 0;
     int walks = atomic_load_explicit(&cached, memory_order_relaxed);
     if (walks < 0) {
         bool amd = false;
@@ -156,6 +163,10 @@ static unsigned stream_prefetch_walks(void) {
 bool attn__stream_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_HEADS) != 0; }
 
 bool attn__gang_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_GANG) != 0; }
+
+bool attn__gang_rows_ahead(bool half) {
+    return (stream_prefetch_walks() & (half ? ATTN__AHEAD_ROWS16 : ATTN__AHEAD_ROWS)) != 0;
+}
 
 bool attn__stream_far(void) { return (stream_prefetch_walks() & ATTN__AHEAD_FAR) != 0; }
 
