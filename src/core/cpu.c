@@ -114,17 +114,17 @@ int64_t attn__l2_bytes(void) {
  * -> 16.2 ms at S = 32,768, 2.38 -> 2.18 at 4,096, 10.0 -> 9.0 at
  * 16,384; twice the distance fell between). The ganged walk's own
  * requests of whole rows into L2 (gang_request, tuned on Zen 4) stay on
- * everywhere but for float32 rows on Zen 3: there the hardware prefetchers
- * alone stream them faster (`attn_bench decode`, eight alternating pairs:
- * medians 0.84-0.92x the time), while bfloat16 rows, slower to compute,
- * still gain from them (ten pairs: 1.08x the time without). */
+ * everywhere but for rows of a 4 KiB page or more on Zen 3: there each row
+ * is a page of its own, and the hardware prefetchers alone stream it faster
+ * (a decode's 4-16 KiB rows: 0.74-0.91x the time), while shorter rows,
+ * several to a page, need the requests (512 B-2 KiB: 1.1-1.5x the time
+ * without; docs/design.md). */
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model) {
-    const unsigned whole = ATTN__AHEAD_ROWS | ATTN__AHEAD_ROWS16;
-    if (!amd) return whole;
-    if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | whole;
+    if (!amd) return ATTN__AHEAD_ROWS;
+    if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS;
     const bool zen3 = family == 0x19 && (model <= 0x0F || (model >= 0x20 && model <= 0x2F) ||
                                          (model >= 0x40 && model <= 0x5F));
-    return zen3 ? ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_ROWS16 : whole;
+    return zen3 ? ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_SHORT_ROWS : ATTN__AHEAD_ROWS;
 }
 
 static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */
@@ -136,7 +136,7 @@ static unsigned stream_prefetch_walks(void) {
     static atomic_int cached = -1; /* idempotent: racing first callers agree */
     const int f = atomic_load_explicit(&forced, memory_order_relaxed);
     if (f >= 0) /* the kernels' distance */
-        return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS | ATTN__AHEAD_ROWS16 : 0;
+        return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS : 0;
     int walks = atomic_load_explicit(&cached, memory_order_relaxed);
     if (walks < 0) {
         bool amd = false;
@@ -164,8 +164,9 @@ bool attn__stream_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD
 
 bool attn__gang_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_GANG) != 0; }
 
-bool attn__gang_rows_ahead(bool half) {
-    return (stream_prefetch_walks() & (half ? ATTN__AHEAD_ROWS16 : ATTN__AHEAD_ROWS)) != 0;
+bool attn__gang_rows_ahead(size_t row_bytes) {
+    const unsigned walks = stream_prefetch_walks();
+    return (walks & ATTN__AHEAD_ROWS) || ((walks & ATTN__AHEAD_SHORT_ROWS) && row_bytes < 4096);
 }
 
 bool attn__stream_far(void) { return (stream_prefetch_walks() & ATTN__AHEAD_FAR) != 0; }

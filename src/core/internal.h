@@ -337,22 +337,22 @@ int64_t attn__l2_bytes(void);
  * where that was measured faster. Read once. */
 bool attn__stream_prefetch(void);
 bool attn__gang_prefetch(void);
-/* Whether ganged decoding requests whole rows GANG_AHEAD rows ahead into
- * L2 (gang_request), for rows of the compute type (half false) or 16-bit
- * rows (half true): everywhere but float32 rows on Zen 3. */
-bool attn__gang_rows_ahead(bool half);
+/* Whether ganged decoding requests its whole rows of `row_bytes` (every
+ * head's slice of one token) GANG_AHEAD rows ahead into L2 (gang_request):
+ * everywhere but rows of a 4 KiB page or more on Zen 3. */
+bool attn__gang_rows_ahead(size_t row_bytes);
 /* Whether the requests go four times the kernels' distance ahead
  * (ATTN__K_AHEAD, ATTN__V_AHEAD): where that was measured faster. */
 bool attn__stream_far(void);
 /* The rule itself, on CPUID's vendor, family and model (a test reaches
  * it): the walks that request ahead, how far, and which rows the ganged
- * walk requests whole (ROWS: of the compute type, ROWS16: 16-bit). */
+ * walk requests whole (ROWS: all, SHORT_ROWS: rows under 4 KiB). */
 enum {
     ATTN__AHEAD_HEADS = 1,
     ATTN__AHEAD_GANG = 2,
     ATTN__AHEAD_FAR = 4,
     ATTN__AHEAD_ROWS = 8,
-    ATTN__AHEAD_ROWS16 = 16
+    ATTN__AHEAD_SHORT_ROWS = 16
 };
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model);
 /* Tests: requests on (1) or off (0) on every walk whatever the CPU, or the

@@ -61,24 +61,25 @@ static void cpu_feature_decoding(void) {
     /* Streamed K/V rows are requested ahead only where that was measured
      * faster (cpu.c): Zen 5 and later on every walk, Zen 3 on the walk one
      * head at a time and four times as far, not Zen 4, not Intel yet. The
-     * ganged walk's whole rows: everywhere but float32 rows on Zen 3. */
-    const unsigned whole = ATTN__AHEAD_ROWS | ATTN__AHEAD_ROWS16;
-    const unsigned both = ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | whole;
+     * ganged walk's whole rows: everywhere but rows of a page or more on
+     * Zen 3. */
+    const unsigned rows = ATTN__AHEAD_ROWS;
+    const unsigned both = ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | rows;
     CHECK(attn__stream_prefetch_for(true, 0x1A, 0x02) == both &&
               attn__stream_prefetch_for(true, 0x1B, 0x00) == both,
           "Zen 5 and later request streamed rows ahead on every walk");
-    const unsigned zen3 = ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_ROWS16;
+    const unsigned zen3 = ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_SHORT_ROWS;
     CHECK(attn__stream_prefetch_for(true, 0x19, 0x01) == zen3 &&
               attn__stream_prefetch_for(true, 0x19, 0x21) == zen3 &&
               attn__stream_prefetch_for(true, 0x19, 0x50) == zen3,
           "Zen 3 (Milan, Vermeer, Cezanne) requests ahead on the per-head walk only, far, "
-          "and whole 16-bit rows only on the ganged walk");
-    CHECK(attn__stream_prefetch_for(true, 0x19, 0x11) == whole &&
-              attn__stream_prefetch_for(true, 0x19, 0x61) == whole &&
-              attn__stream_prefetch_for(true, 0x17, 0x31) == whole,
-          "Zen 4 and Zen 2 keep their own prefetchers but the ganged walk's whole rows");
-    CHECK(attn__stream_prefetch_for(false, 6, 0x8F) == whole &&
-              attn__stream_prefetch_for(false, 0x1A, 0) == whole,
+          "and on the ganged walk whole rows under a page only");
+    CHECK(attn__stream_prefetch_for(true, 0x19, 0x11) == rows &&
+              attn__stream_prefetch_for(true, 0x19, 0x61) == rows &&
+              attn__stream_prefetch_for(true, 0x17, 0x31) == rows,
+          "Zen 4 and Zen 2 keep their own prefetchers but for the ganged walk's whole rows");
+    CHECK(attn__stream_prefetch_for(false, 6, 0x8F) == rows &&
+              attn__stream_prefetch_for(false, 0x1A, 0) == rows,
           "not measured on Intel: only the ganged walk's whole rows");
     /* What this machine reports is consistent with the public query. */
     const attn__cpu_features *here = attn__cpu();
