@@ -164,9 +164,12 @@ bool attn__stream_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD
 
 bool attn__gang_prefetch(void) { return (stream_prefetch_walks() & ATTN__AHEAD_GANG) != 0; }
 
-bool attn__gang_rows_ahead(size_t row_bytes) {
-    const unsigned walks = stream_prefetch_walks();
+bool attn__gang_rows_ahead_for(unsigned walks, size_t row_bytes) {
     return (walks & ATTN__AHEAD_ROWS) || ((walks & ATTN__AHEAD_SHORT_ROWS) && row_bytes < 4096);
+}
+
+bool attn__gang_rows_ahead(size_t row_bytes) {
+    return attn__gang_rows_ahead_for(stream_prefetch_walks(), row_bytes);
 }
 
 bool attn__stream_far(void) { return (stream_prefetch_walks() & ATTN__AHEAD_FAR) != 0; }

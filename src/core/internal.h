@@ -355,6 +355,8 @@ enum {
     ATTN__AHEAD_SHORT_ROWS = 16
 };
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model);
+/* attn__gang_rows_ahead under the rule's bits `walks` (a test reaches it). */
+bool attn__gang_rows_ahead_for(unsigned walks, size_t row_bytes);
 /* Tests: requests on (1) or off (0) on every walk whatever the CPU, or the
  * rule again (-1). */
 void attn__stream_prefetch_force(int on);

@@ -81,6 +81,12 @@ static void cpu_feature_decoding(void) {
     CHECK(attn__stream_prefetch_for(false, 6, 0x8F) == rows &&
               attn__stream_prefetch_for(false, 0x1A, 0) == rows,
           "not measured on Intel: only the ganged walk's whole rows");
+    CHECK(attn__gang_rows_ahead_for(zen3, 4095) && !attn__gang_rows_ahead_for(zen3, 4096) &&
+              !attn__gang_rows_ahead_for(zen3, 16384),
+          "Zen 3 requests whole rows shorter than a 4 KiB page only");
+    CHECK(attn__gang_rows_ahead_for(rows, 512) && attn__gang_rows_ahead_for(rows, 16384) &&
+              attn__gang_rows_ahead_for(both, 4096) && !attn__gang_rows_ahead_for(0, 512),
+          "elsewhere every row, whatever its size; none with every request off");
     /* What this machine reports is consistent with the public query. */
     const attn__cpu_features *here = attn__cpu();
     CHECK(attn_isa_supported(ATTN_ISA_AVX512) == here->avx512f, "isa_supported(avx512)");
