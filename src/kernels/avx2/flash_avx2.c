@@ -374,12 +374,12 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int6
                 for (int r = 0; r < R; r++)
                     acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
             }
-    else if (HK != HK_F32)
-        /* 16-bit K: the R query vectors held and each key widened once,
-         * used and dropped (4R + R + 1 registers). Four widened keys held,
-         * as below, left GCC one register short at R = 3: an accumulator
-         * went to the stack, and its store and reload sat on the loop's
-         * chain (a third of a bfloat16 decode's scores). */
+    else
+        /* the R query vectors held and each key loaded (widened) once, used
+         * and dropped: 4R + R + 1 registers. Four keys held instead left GCC
+         * one register short at R = 3 on 16-bit K: an accumulator went to
+         * the stack, its store and reload on the loop's chain (a third of a
+         * bfloat16 decode's scores). */
         for (int64_t e = 0; e < E; e += 8) {
             __m256 qv[3];
 #pragma GCC unroll 3
@@ -389,18 +389,6 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int6
                 const __m256 kv = load8(k, c * ldk + e, HK);
 #pragma GCC unroll 3
                 for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
-            }
-        }
-    else
-        for (int64_t e = 0; e < E; e += 8) {
-            __m256 kv[4];
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) kv[c] = load8(k, c * ldk + e, HK);
-#pragma GCC unroll 3
-            for (int r = 0; r < R; r++) {
-                const __m256 qv = _mm256_loadu_ps(q + r * ldq + e);
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
             }
         }
 #pragma GCC unroll 3
