@@ -8,8 +8,10 @@
  *                                        the AVX512-BF16 dot-product peak
  *                                        ("isa": "none" where the CPU or the
  *                                        compiler lacks it)
- *   attn_bench bandwidth [--threads N] [--mib M]
+ *   attn_bench bandwidth [--threads N] [--mib M] [--thp]
  *                                        streaming read bandwidth, GB/s
+ *                                        (--thp: the buffer on transparent
+ *                                        huge pages, as decode --thp's caches)
  *   attn_bench memory [--len L] [--dim E]
  *                                        one SDPA with L = S, H = 1; checks peak
  *                                        RSS <= inputs + outputs + 64 MiB
@@ -137,7 +139,8 @@ static int cmd_peak(int argc, char **argv) {
 static int cmd_bandwidth(int argc, char **argv) {
     const int threads = (int)bench_opt_long(argc, argv, "--threads", attn_get_num_threads());
     const int64_t n = bench_opt_long(argc, argv, "--mib", 512) * (1 << 20) / 4;
-    float *x = malloc((size_t)n * sizeof(float));
+    const int thp = bench_has_flag(argc, argv, "--thp");
+    float *x = thp ? bench_alloc_huge((size_t)n * sizeof(float)) : malloc((size_t)n * sizeof(float));
     if (x == NULL) return 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) x[i] = 1.0f; /* first touch by the reading thread */

@@ -4,6 +4,7 @@
 #ifndef ATTN_BENCH_BENCH_H
 #define ATTN_BENCH_BENCH_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* Seconds on the bench's clock (CLOCK_MONOTONIC; the calling thread's CPU
@@ -15,6 +16,11 @@ void bench_use_cpu_time(void);
 long bench_opt_long(int argc, char **argv, const char *name, long fallback);
 const char *bench_opt_str(int argc, char **argv, const char *name);
 int bench_has_flag(int argc, char **argv, const char *name);
+
+/* n bytes aligned to 2 MiB and advised onto transparent huge pages (a
+ * hint: 4 KiB pages where THP is off); free() releases them. NULL when out
+ * of memory. */
+void *bench_alloc_huge(size_t n);
 
 /* Median of n values (NaN if out of memory); x is not reordered. */
 double bench_median(const double *x, int n);

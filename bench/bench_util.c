@@ -1,9 +1,10 @@
 /* bench_util.c — what attn_bench's commands share (bench.h): the clock,
  * options and medians. */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#define _DEFAULT_SOURCE /* clock_gettime, madvise */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "bench.h"
@@ -11,6 +12,16 @@
 static clockid_t timer = CLOCK_MONOTONIC; /* CLOCK_THREAD_CPUTIME_ID with --cpu-time */
 
 void bench_use_cpu_time(void) { timer = CLOCK_THREAD_CPUTIME_ID; }
+
+void *bench_alloc_huge(size_t n) {
+    const size_t huge = (size_t)2 << 20, rounded = (n + huge - 1) / huge * huge;
+    void *p = NULL;
+    if (rounded < n || posix_memalign(&p, huge, rounded) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+    return p;
+}
 
 double bench_now(void) {
     struct timespec t;

@@ -118,6 +118,12 @@ def probe(args, *cmd):
     return json.loads(run.stdout)
 
 
+def probe_huge_bandwidth(args):
+    """The read bandwidth probe on transparent huge pages (GB/s), the
+    yardstick of the serving bench's decode on huge pages."""
+    return probe(args, "bandwidth", "--thp")["gbps"]
+
+
 def timed(fn):
     t0 = time.perf_counter()
     fn()
@@ -665,7 +671,8 @@ def main():
                    commit=commit(), date=time.strftime("%Y-%m-%d %H:%M"))
     run_serving = args.serving or not args.only or args.only == "serving"
     if args.serving:
-        res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"])
+        res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"],
+                          bandwidth_probe_huge=lambda: probe_huge_bandwidth(args))
         peak1 = probe(args, "peak")
         peak = max(peak0["gflops"], peak1["gflops"])
         verdict = serving.figures(res, bw["gbps"], peak)
@@ -767,7 +774,8 @@ def main():
 
     serving_res = None
     if run_serving:
-        serving_res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"])
+        serving_res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"],
+                                  bandwidth_probe_huge=lambda: probe_huge_bandwidth(args))
 
     memory = None
     if not args.quick and not args.only:

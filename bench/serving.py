@@ -181,11 +181,14 @@ def saved_outputs(child):
 
 # ---- paged decode ----
 
-def bench_decode(args, cfg, reps, bandwidth_probe=None):
+def bench_decode(args, cfg, reps, bandwidth_probe=None, huge=False):
+    """huge: every cache on transparent huge pages, attn's (attn_bench --thp)
+    and PyTorch's (NumPy's buffers, which NumPy advises onto huge pages)."""
     lens, Hq, Hkv, E = cfg["lens"], cfg["heads"], cfg["kv_heads"], cfg["dim"]
     child = Child(args, "decode", "--lens", ",".join(map(str, lens)), "--heads", Hq,
                   "--kv-heads", Hkv, "--dim", E,
-                  "--block-sizes", ",".join(map(str, cfg["block_sizes"])))
+                  "--block-sizes", ",".join(map(str, cfg["block_sizes"])),
+                  *(("--thp",) if huge else ()))
     B, G = len(lens), Hq // Hkv
     q = torch.from_numpy(hashed(5000, B * Hq * E).reshape(B, 1, Hq, E))
     qg = [q[b].reshape(1, Hkv, G, E) for b in range(B)]  # head kv·G + g is row g of kv
@@ -193,7 +196,12 @@ def bench_decode(args, cfg, reps, bandwidth_probe=None):
     for b, n in enumerate(lens):  # (1, Hkv, n + 1, E), contiguous: row n is the new one
         for seed, cache, new in ((1000 + b, kc, knew), (3000 + b, vc, vnew)):
             x = hashed(seed, (n + 1) * Hkv * E).reshape(n + 1, Hkv, E)
-            cache.append(torch.from_numpy(x).permute(1, 0, 2).contiguous().unsqueeze(0))
+            if huge:
+                buf = np.empty((1, Hkv, n + 1, E), np.float32)
+                buf[0] = x.transpose(1, 0, 2)
+                cache.append(torch.from_numpy(buf))
+            else:
+                cache.append(torch.from_numpy(x).permute(1, 0, 2).contiguous().unsqueeze(0))
             new.append(cache[-1][0, :, n].clone())
 
     def run_torch():
@@ -212,7 +220,21 @@ def bench_decode(args, cfg, reps, bandwidth_probe=None):
     info = child.info
     child.close()
     return dict(info=info, ms={k: stats(v) for k, v in ms.items()}, bandwidth_beside_gbps=probes,
-                max_diff={k: float(np.max(np.abs(o - ref.numpy()))) for k, o in outs.items()})
+                max_diff={k: float(np.max(np.abs(o - ref.numpy()))) for k, o in outs.items()},
+                huge_pages=huge, thp_mode=thp_mode() if huge else None)
+
+
+def thp_mode():
+    """The kernel's transparent huge page mode ("always", "madvise" or
+    "never"; None where it cannot be read): with "never" the huge-page run
+    reads 4 KiB pages like the other."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
 
 
 # ---- sliding window ----
@@ -318,10 +340,12 @@ def bench_varlen_train(cfg, causal, reps):
 
 # ---- the section: run, judge, tabulate ----
 
-def run(args, bandwidth_probe, log_prefix=""):
+def run(args, bandwidth_probe, log_prefix="", bandwidth_probe_huge=None):
     """Runs the three cases; returns their results (with the bandwidth the
     decode is graded against: the larger of the run's first measurement and
-    one taken just before the decode)."""
+    one taken just before the decode). With bandwidth_probe_huge (the same
+    probe on transparent huge pages) the decode runs once more with every
+    cache on huge pages, graded against that probe."""
     quick = args.quick
     reps = max(3, args.reps)
     out = {}
@@ -335,6 +359,13 @@ def run(args, bandwidth_probe, log_prefix=""):
     out["decode"] = bench_decode(args, cfg, reps if quick else 2 * reps, bandwidth_probe)
     out["decode"]["bandwidth_probe_gbps"] = bw
     log(f"    {time.perf_counter() - t0:.0f} s")
+    if bandwidth_probe_huge is not None:
+        t0 = time.perf_counter()
+        log(f"{log_prefix}serving: the same decode, caches on transparent huge pages ...")
+        bw = bandwidth_probe_huge()
+        out["decode_huge"] = bench_decode(args, cfg, reps, bandwidth_probe_huge, huge=True)
+        out["decode_huge"]["bandwidth_probe_gbps"] = bw
+        log(f"    {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
     cfg = WINDOW_QUICK if quick else WINDOW
     log(f"{log_prefix}serving: sliding window {cfg['window']} on L = S = {cfg['len']}, "
@@ -359,11 +390,10 @@ def run(args, bandwidth_probe, log_prefix=""):
     return out
 
 
-def figures(res, bandwidth_gbps, peak_gflops):
-    """Adds the derived figures (GB/s, % of bandwidth or peak, ratios) in
-    place and returns the verdicts: (case, target, met, value)."""
+def decode_figures(d, bandwidth_gbps, where):
+    """A decode run's figures, in place, and its verdicts (case names end
+    in `where`)."""
     verdict = []
-    d = res["decode"]
     # graded against the median of the bandwidth probed between the decode's
     # rounds (this VM's moves by 2x through a run); the highest probe of the
     # run is kept beside it, as the stricter yardstick
@@ -378,16 +408,25 @@ def figures(res, bandwidth_gbps, peak_gflops):
         s["bw_pct_max"] = 100 * s["kv_gbps"] / d["bandwidth_max_gbps"]
         s["speedup_vs_torch"] = t / s["median"]
         if name.startswith("paged"):
-            label = f"paged decode, block size {name[5:]}"
+            label = f"paged decode, block size {name[5:]}{where}"
             verdict.append((label, f"K/V at ≥ {TARGET_DECODE_BW_PCT:.0f}% of read bandwidth",
                             s["bw_pct"] >= TARGET_DECODE_BW_PCT, f"{s['bw_pct']:.0f}%"))
             verdict.append((label, f"≥ {TARGET_DECODE_RATIO}× PyTorch (contiguous caches)",
                             s["speedup_vs_torch"] >= TARGET_DECODE_RATIO,
                             f"{s['speedup_vs_torch']:.2f}×"))
         if name in HALF_CACHE:  # issue 13: decoding with bf16 K/V
-            verdict.append(("decode, bfloat16 contiguous cache",
+            verdict.append((f"decode, bfloat16 contiguous cache{where}",
                             f"K/V at ≥ {TARGET_DECODE_BW_PCT:.0f}% of read bandwidth",
                             s["bw_pct"] >= TARGET_DECODE_BW_PCT, f"{s['bw_pct']:.0f}%"))
+    return verdict
+
+
+def figures(res, bandwidth_gbps, peak_gflops):
+    """Adds the derived figures (GB/s, % of bandwidth or peak, ratios) in
+    place and returns the verdicts: (case, target, met, value)."""
+    verdict = decode_figures(res["decode"], bandwidth_gbps, "")
+    if "decode_huge" in res:
+        verdict += decode_figures(res["decode_huge"], 0.0, ", caches on huge pages")
     w = res["window"]
     for name, s in w["ms"].items():
         s["gflops"] = w["info"]["flops"][name] / s["median"] / 1e6
@@ -413,6 +452,28 @@ def figures(res, bandwidth_gbps, peak_gflops):
     return verdict
 
 
+def decode_rows(d):
+    """A decode run's table (Markdown lines)."""
+    names = {"contiguous": "attn_sdpa_kvcache, contiguous cache",
+             "contiguous_bf16": "attn_sdpa_kvcache, contiguous bfloat16 cache (half the bytes; "
+                                "diff: the cache's rounding)",
+             "sdpa": "attn_sdpa per sequence, head-major (1, Hkv, len + 1, E) copies (no append)",
+             "sdpa_tm": "attn_sdpa per sequence on the contiguous cache's rows (no append)",
+             "torch": "PyTorch SDPA per sequence, contiguous caches"}
+    lines = ["| variant | ms | min–max | K/V GB/s | % of read BW | % of highest probe | "
+             "speed-up vs PyTorch | max \\|diff\\| |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in d["ms"].items():
+        label = names.get(name, f"attn_sdpa_kvcache, paged, block size {name[5:]}"
+                          if name.startswith("paged") else name)
+        diff = d["max_diff"].get(name)
+        lines.append(f"| {label} | {s['median']:.2f} | {spread(s)} | {s['kv_gbps']:.1f} | "
+                     f"{s['bw_pct']:.0f}% | {s['bw_pct_max']:.0f}% | "
+                     f"**{s['speedup_vs_torch']:.2f}×** | "
+                     f"{'' if diff is None else f'{diff:.1e}'} |")
+    return lines
+
+
 def table(res, machine):
     """The section's Markdown."""
     d, w = res["decode"], res["window"]
@@ -432,23 +493,18 @@ def table(res, machine):
              f"{d['bandwidth_max_gbps']:.1f} GB/s). PyTorch: per sequence, contiguous "
              f"(1, Hkv, len + 1, E) caches, F.scaled_dot_product_attention with the 4 query "
              f"heads of a KV head as 4 query rows.", "",
-             "| variant | ms | min–max | K/V GB/s | % of read BW | % of highest probe | "
-             "speed-up vs PyTorch | max \\|diff\\| |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    names = {"contiguous": "attn_sdpa_kvcache, contiguous cache",
-             "contiguous_bf16": "attn_sdpa_kvcache, contiguous bfloat16 cache (half the bytes; "
-                                "diff: the cache's rounding)",
-             "sdpa": "attn_sdpa per sequence, head-major (1, Hkv, len + 1, E) copies (no append)",
-             "sdpa_tm": "attn_sdpa per sequence on the contiguous cache's rows (no append)",
-             "torch": "PyTorch SDPA per sequence, contiguous caches"}
-    for name, s in d["ms"].items():
-        label = names.get(name, f"attn_sdpa_kvcache, paged, block size {name[5:]}"
-                          if name.startswith("paged") else name)
-        diff = d["max_diff"].get(name)
-        lines.append(f"| {label} | {s['median']:.2f} | {spread(s)} | {s['kv_gbps']:.1f} | "
-                     f"{s['bw_pct']:.0f}% | {s['bw_pct_max']:.0f}% | "
-                     f"**{s['speedup_vs_torch']:.2f}×** | "
-                     f"{'' if diff is None else f'{diff:.1e}'} |")
+             ] + decode_rows(d)
+    h = res.get("decode_huge")
+    if h is not None:
+        lines += ["", f"The same decode with every cache on transparent huge pages "
+                  f"(`attn_bench decode --thp`: 2 MiB-aligned buffers advised with "
+                  f"MADV_HUGEPAGE; PyTorch's caches in NumPy buffers, which NumPy advises "
+                  f"alike; the kernel's THP mode: {h['thp_mode']}), as an engine may place its "
+                  f"cache pool; graded against the probe on huge pages "
+                  f"(`attn_bench bandwidth --thp`) between its {len(h['ms']['torch']['runs'])} "
+                  f"rounds: {h['bandwidth_gbps']:.1f} GB/s (median, "
+                  f"{min(h['bandwidth_beside_gbps']):.1f}–{max(h['bandwidth_beside_gbps']):.1f};"
+                  f" highest {h['bandwidth_max_gbps']:.1f}).", ""] + decode_rows(h)
     n = wi["len"] // wi["window"]
     lines += ["", f"Sliding window: window_size = ({wi['window']:,}, 0) on L = S = {wi['len']:,}, "
               f"B = 1, H = {wi['heads']}, E = {wi['dim']}, float32, against {n} independent "

@@ -56,12 +56,10 @@
  * the medians (for perf, or a look without Python); --only NAME keeps one
  * variant.
  */
-#define _DEFAULT_SOURCE /* madvise */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "attn.h"
 #include "bench.h"
@@ -164,16 +162,7 @@ static void *alloc_zero(size_t n, size_t size) {
 static int use_thp;
 
 static void *alloc_kv(size_t bytes) {
-#ifdef MADV_HUGEPAGE
-    if (use_thp) {
-        const size_t huge = (size_t)2 << 20;
-        void *p = NULL;
-        if (posix_memalign(&p, huge, (bytes + huge - 1) / huge * huge) != 0) return alloc(bytes);
-        madvise(p, (bytes + huge - 1) / huge * huge, MADV_HUGEPAGE);
-        return own(p, bytes);
-    }
-#endif
-    return alloc(bytes);
+    return use_thp ? own(bench_alloc_huge(bytes == 0 ? 1 : bytes), bytes) : alloc(bytes);
 }
 
 static int64_t cdiv(int64_t a, int64_t b) {

@@ -537,7 +537,12 @@ ATTN_API attn_status attn_sdpa_varlen_sinks_backward(const attn_tensor *dout,
  * 0 .. cache_seqlens[b] + Lnew - 1 of it. The caller owns the cache and
  * advances cache_seqlens itself; attn never reallocates it, and a write past
  * its capacity is refused before anything is written (ATTN_ERR_SHAPE naming
- * cache_seqlens). Rows past the filled length are never read.
+ * cache_seqlens). Rows past the filled length are never read. A decode
+ * step streams every filled row once, and a cache on transparent huge pages
+ * streams faster than one on 4 KiB pages (docs/design.md, "KV caches on
+ * huge pages"): attn_alloc's blocks of 32 MiB or more are advised onto
+ * them under the default allocator, as is memory a caller passes to
+ * madvise(MADV_HUGEPAGE).
  *   q             (B, Lq, Hq, E)
  *   k_cache       contiguous: (B, S_max, Hkv, E);
  *                 paged (with block_table): (num_blocks, block_size, Hkv, E)
