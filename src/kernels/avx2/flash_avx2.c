@@ -551,12 +551,55 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
                     ahead, held);                                                          \
         break;
 
+/* pv_chunks for a single row tile of R rows: its shape chosen once, then
+ * every full chunk of 8·VECS features, then the partial one. A decode step
+ * calls pv over 8 keys at a time, and choosing the tile and the chunk's
+ * masks anew for each chunk had been two fifths of pv's instructions (Zen 3
+ * ganged decode, callgrind: 110 of a chunk's 270). The same tiles over the
+ * same chunks: the same multiply-adds in the same order. */
+ALWAYS_INLINE void pv_chunks_tile(const float *p, int64_t p_rs, int64_t p_cs, const void *v,
+                                  int64_t ldv, int64_t nk, int64_t Ev, float *o, int64_t ldo,
+                                  const float *alpha, const int R, const int HK, int64_t ahead,
+                                  int64_t held) {
+    const size_t es = HK == HK_F32 ? 4 : 2;
+    const __m256i all = _mm256_set1_epi32(-1);
+    int64_t e = 0;
+    for (; e + 8 * VECS <= Ev; e += 8 * VECS)
+        pv_tile(p, p_rs, p_cs, (const char *)v + (size_t)e * es, ldv, nk, o + e, ldo, alpha, R,
+                2, false, all, 8, HK, ahead, held);
+    if (e == Ev) return;
+    const int64_t left = Ev - e, in_last = left > 8 ? left - 8 : left;
+    const __m256i last = lane_mask(in_last);
+    const void *ve = (const char *)v + (size_t)e * es;
+    if (left > 8)
+        pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 2, true, last, (int)in_last, HK,
+                ahead, held);
+    else
+        pv_tile(p, p_rs, p_cs, ve, ldv, nk, o + e, ldo, alpha, R, 1, in_last < 8, last,
+                (int)in_last, HK, ahead, held);
+}
+
+#define PV_ONE_TILE(R)                                                                     \
+    case R:                                                                                \
+        pv_chunks_tile(p_all, p_rs, p_cs, v, ldv, nk, Ev, o_all, ldo, alpha_all, R, HK, ahead, \
+                       held);                                                              \
+        return;
+
 /* Feature chunks outside, row tiles inside, so a V chunk stays in L1. */
 ALWAYS_INLINE void pv_chunks(const float *p_all, int64_t p_rs, int64_t p_cs, const void *v,
                              int64_t ldv, int rows_all, int64_t nk, int64_t Ev, float *o_all,
                              int64_t ldo, const float *alpha_all, const int HK, int64_t ahead,
                              int64_t held) {
     const size_t es = HK == HK_F32 ? 4 : 2;
+    switch (rows_all) { /* one row tile: the chunks inside it */
+        PV_ONE_TILE(6)
+        PV_ONE_TILE(5)
+        PV_ONE_TILE(4)
+        PV_ONE_TILE(3)
+        PV_ONE_TILE(2)
+        PV_ONE_TILE(1)
+    default: break;
+    }
     for (int64_t e = 0; e < Ev; e += 8 * VECS) {
         const void *ve = (const char *)v + (size_t)e * es;
         const int64_t left = Ev - e;
