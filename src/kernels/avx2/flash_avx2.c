@@ -396,6 +396,61 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int6
         _mm_storeu_ps(s + r * lds, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
+/* Scores of 4 rows against keys j .. j+3, float32 sums, two keys a pass:
+ * 8 accumulators, and the 4 query vectors and a key (widened) in
+ * registers. Four rows went as 3 + 1 through qk_rows_tile: a 16-bit key
+ * was widened twice, and the single row's 4 sums were one multiply-add
+ * chain a key, bound by its latency (the grouped query heads of a decode
+ * are 4 rows: Llama's 32 over 8). Each accumulator takes the same
+ * multiply-adds in the same order as there, and the pairs' sums meet in
+ * the same tree as sum4: the same bits. */
+ALWAYS_INLINE void qk_rows_tile4(const float *q, int64_t ldq, const void *k, int64_t ldk,
+                                 int64_t E, float *s, int64_t lds, const bool SEQ, const int HK,
+                                 int64_t ahead) {
+    __m256 pair01[4]; /* per row: hadd of keys j, j+1's accumulators */
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; half++) {
+        const void *kp = (const char *)k + (size_t)(2 * half * ldk) * (HK == HK_F32 ? 4 : 2);
+        __m256 acc[4][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        if (SEQ)
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; c++)
+                for (int64_t e = 0; e < E; e += 8) {
+                    if (ahead && e % (HK == HK_F32 ? 16 : 32) == 0) /* one per line */
+                        request_line(kp, (c + ahead) * ldk + e, HK);
+                    const __m256 kv = load8(kp, c * ldk + e, HK);
+#pragma GCC unroll 4
+                    for (int r = 0; r < 4; r++)
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
+                }
+        else
+            for (int64_t e = 0; e < E; e += 8) {
+                __m256 qv[4];
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) qv[r] = _mm256_loadu_ps(q + r * ldq + e);
+#pragma GCC unroll 2
+                for (int c = 0; c < 2; c++) {
+                    const __m256 kv = load8(kp, c * ldk + e, HK);
+#pragma GCC unroll 4
+                    for (int r = 0; r < 4; r++) acc[r][c] = _mm256_fmadd_ps(qv[r], kv, acc[r][c]);
+                }
+            }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const __m256 h = _mm256_hadd_ps(acc[r][0], acc[r][1]);
+            if (half == 0) {
+                pair01[r] = h;
+            } else {
+                const __m256 x = _mm256_hadd_ps(pair01[r], h);
+                _mm_storeu_ps(s + r * lds,
+                              _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+            }
+        }
+    }
+}
+
 /* One score, float32 sums: tail keys and widths that are not a multiple of 8. */
 ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E, const int HK) {
     __m256 acc = _mm256_setzero_ps();
@@ -406,8 +461,8 @@ ALWAYS_INLINE float dot_ps(const float *q, const void *k, int64_t at, int64_t E,
     return x;
 }
 
-/* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): three rows by four keys
- * at a time. */
+/* S = Q · Kᵀ, float32 sums (ukernel.h: qk_rows_f): four or three rows by
+ * four keys at a time. */
 ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t ldk, int64_t E,
                            int rows, int64_t nk, float *s, int64_t lds, int64_t streamed,
                            const int HK) {
@@ -417,12 +472,25 @@ ALWAYS_INLINE void qk_rows(const float *q, int64_t ldq, const void *k, int64_t l
     if (E % 8 == 0)
         for (; j + 4 <= nk; j += 4) {
             const int64_t within = j + 4 + ahead <= streamed ? ahead : 0; /* rows read */
-            for (int r = 0; r < rows; r += 3) {
+            for (int r = 0; r < rows;) {
                 const float *qr = q + r * ldq;
                 const void *kj = (const char *)k + (size_t)(j * ldk) * es;
                 float *sr = s + r * lds + j;
-                const int R = rows - r < 3 ? rows - r : 3;
-                if (streamed > 0)
+                const int left = rows - r;
+                /* 4 rows where the rest is not 5 or 6 (3 + 2, 3 + 3: no
+                 * single row left over); not for float32 K read in place
+                 * across rows (the ganged decode): there the 3-row tile's
+                 * walk over four keys at once kept more rows in flight
+                 * from memory, and two keys a pass measured 1.05-1.10x
+                 * its time (Zen 3, (1,32,1,16384,128), 8 KV heads) */
+                const bool four = (HK != HK_F32 || streamed > 0) && (left == 4 || left >= 7);
+                const int R = four ? 4 : left < 3 ? left : 3;
+                r += R;
+                if (R == 4 && streamed > 0)
+                    qk_rows_tile4(qr, ldq, kj, ldk, E, sr, lds, true, HK, within);
+                else if (R == 4)
+                    qk_rows_tile4(qr, ldq, kj, ldk, E, sr, lds, false, HK, 0);
+                else if (streamed > 0)
                     R == 3   ? qk_rows_tile(qr, ldq, kj, ldk, E, 3, sr, lds, true, HK, within)
                     : R == 2 ? qk_rows_tile(qr, ldq, kj, ldk, E, 2, sr, lds, true, HK, within)
                              : qk_rows_tile(qr, ldq, kj, ldk, E, 1, sr, lds, true, HK, within);
