@@ -118,13 +118,17 @@ int64_t attn__l2_bytes(void) {
  * is a page of its own, and the hardware prefetchers alone stream it faster
  * (a decode's 4-16 KiB rows: 0.74-0.91x the time), while shorter rows,
  * several to a page, need the requests (512 B-2 KiB: 1.1-1.5x the time
- * without; docs/design.md). */
+ * without; docs/design.md). On Zen 3 the walk one head at a time also
+ * requests each block's V rows whole into L2 before the block's scores
+ * (V_BLOCK): the P·V after them had waited on V's loads, and the same
+ * decode took 0.93-0.98x the time (float32; bfloat16 0.995x). */
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model) {
     if (!amd) return ATTN__AHEAD_ROWS;
     if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS;
     const bool zen3 = family == 0x19 && (model <= 0x0F || (model >= 0x20 && model <= 0x2F) ||
                                          (model >= 0x40 && model <= 0x5F));
-    return zen3 ? ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_SHORT_ROWS : ATTN__AHEAD_ROWS;
+    return zen3 ? ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_SHORT_ROWS | ATTN__AHEAD_V_BLOCK
+                : ATTN__AHEAD_ROWS;
 }
 
 static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */
@@ -136,7 +140,8 @@ static unsigned stream_prefetch_walks(void) {
     static atomic_int cached = -1; /* idempotent: racing first callers agree */
     const int f = atomic_load_explicit(&forced, memory_order_relaxed);
     if (f >= 0) /* the kernels' distance */
-        return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS : 0;
+        return f ? ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS | ATTN__AHEAD_V_BLOCK
+                 : 0;
     int walks = atomic_load_explicit(&cached, memory_order_relaxed);
     if (walks < 0) {
         bool amd = false;
@@ -173,6 +178,8 @@ bool attn__gang_rows_ahead(size_t row_bytes) {
 }
 
 bool attn__stream_far(void) { return (stream_prefetch_walks() & ATTN__AHEAD_FAR) != 0; }
+
+bool attn__stream_v_block(void) { return (stream_prefetch_walks() & ATTN__AHEAD_V_BLOCK) != 0; }
 
 /* A path is supported when its kernels were compiled in (ATTN_HAVE_*) and
  * the CPU and OS can run them. */

@@ -344,6 +344,9 @@ bool attn__gang_rows_ahead(size_t row_bytes);
 /* Whether the requests go four times the kernels' distance ahead
  * (ATTN__K_AHEAD, ATTN__V_AHEAD): where that was measured faster. */
 bool attn__stream_far(void);
+/* Whether the walk one head at a time requests a block's V rows whole into
+ * L2 before the block's scores (where that was measured faster). */
+bool attn__stream_v_block(void);
 /* The rule itself, on CPUID's vendor, family and model (a test reaches
  * it): the walks that request ahead, how far, and which rows the ganged
  * walk requests whole (ROWS: all, SHORT_ROWS: rows under 4 KiB). */
@@ -352,7 +355,8 @@ enum {
     ATTN__AHEAD_GANG = 2,
     ATTN__AHEAD_FAR = 4,
     ATTN__AHEAD_ROWS = 8,
-    ATTN__AHEAD_SHORT_ROWS = 16
+    ATTN__AHEAD_SHORT_ROWS = 16,
+    ATTN__AHEAD_V_BLOCK = 32
 };
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model);
 /* attn__gang_rows_ahead under the rule's bits `walks` (a test reaches it). */

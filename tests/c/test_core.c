@@ -68,12 +68,13 @@ static void cpu_feature_decoding(void) {
     CHECK(attn__stream_prefetch_for(true, 0x1A, 0x02) == both &&
               attn__stream_prefetch_for(true, 0x1B, 0x00) == both,
           "Zen 5 and later request streamed rows ahead on every walk");
-    const unsigned zen3 = ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_SHORT_ROWS;
+    const unsigned zen3 =
+        ATTN__AHEAD_HEADS | ATTN__AHEAD_FAR | ATTN__AHEAD_SHORT_ROWS | ATTN__AHEAD_V_BLOCK;
     CHECK(attn__stream_prefetch_for(true, 0x19, 0x01) == zen3 &&
               attn__stream_prefetch_for(true, 0x19, 0x21) == zen3 &&
               attn__stream_prefetch_for(true, 0x19, 0x50) == zen3,
           "Zen 3 (Milan, Vermeer, Cezanne) requests ahead on the per-head walk only, far, "
-          "and on the ganged walk whole rows under a page only");
+          "with each block's V rows whole, and on the ganged walk whole rows under a page only");
     CHECK(attn__stream_prefetch_for(true, 0x19, 0x11) == rows &&
               attn__stream_prefetch_for(true, 0x19, 0x61) == rows &&
               attn__stream_prefetch_for(true, 0x17, 0x31) == rows,

@@ -423,7 +423,8 @@ ALWAYS_INLINE void qk_rows_tile4(const float *q, int64_t ldq, const void *k, int
                     const __m256 kv = load8(kp, c * ldk + e, HK);
 #pragma GCC unroll 4
                     for (int r = 0; r < 4; r++)
-                        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
+                        acc[r][c] =
+                            _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
                 }
         else
             for (int64_t e = 0; e < E; e += 8) {
