@@ -350,6 +350,22 @@ ALWAYS_INLINE float element(const void *base, int64_t at, const int HK) {
                                          : load_part8(base, at, 1, HK));
 }
 
+/* R rows' sums against key c of k, walked whole in address order (K
+ * streamed from memory), its lines requested `ahead` keys on: acc[r]
+ * (zero on entry) for r < R. Both score tiles' streamed order. */
+ALWAYS_INLINE void key_sums_seq(const float *q, int64_t ldq, const void *k, int64_t ldk,
+                                int64_t E, int c, const int R, const int HK, int64_t ahead,
+                                __m256 acc[4]) {
+    for (int64_t e = 0; e < E; e += 8) {
+        if (ahead && e % (HK == HK_F32 ? 16 : 32) == 0) /* one per line */
+            request_line(k, (c + ahead) * ldk + e, HK);
+        const __m256 kv = load8(k, c * ldk + e, HK);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r]);
+    }
+}
+
 /* Scores of `R` rows (at most 3: 4R accumulators and the K vectors in 16
  * registers) against keys j .. j+3, float32 sums; E a multiple of 8. The
  * two key orders of the AVX-512 kernel (SEQ: K streamed from memory). */
@@ -365,15 +381,12 @@ ALWAYS_INLINE void qk_rows_tile(const float *q, int64_t ldq, const void *k, int6
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
     if (SEQ)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++)
-            for (int64_t e = 0; e < E; e += 8) {
-                if (ahead && e % (HK == HK_F32 ? 16 : 32) == 0) /* one per line */
-                    request_line(k, (c + ahead) * ldk + e, HK);
-                const __m256 kv = load8(k, c * ldk + e, HK);
+        for (int c = 0; c < 4; c++) {
+            __m256 key[4] = {acc[0][c], acc[0][c], acc[0][c], acc[0][c]}; /* zeros */
+            key_sums_seq(q, ldq, k, ldk, E, c, R, HK, ahead, key);
 #pragma GCC unroll 3
-                for (int r = 0; r < R; r++)
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
-            }
+            for (int r = 0; r < R; r++) acc[r][c] = key[r];
+        }
     else
         /* the R query vectors held and each key loaded (widened) once, used
          * and dropped: 4R + R + 1 registers. Four keys held instead left GCC
@@ -416,16 +429,12 @@ ALWAYS_INLINE void qk_rows_tile4(const float *q, int64_t ldq, const void *k, int
         for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         if (SEQ)
 #pragma GCC unroll 2
-            for (int c = 0; c < 2; c++)
-                for (int64_t e = 0; e < E; e += 8) {
-                    if (ahead && e % (HK == HK_F32 ? 16 : 32) == 0) /* one per line */
-                        request_line(kp, (c + ahead) * ldk + e, HK);
-                    const __m256 kv = load8(kp, c * ldk + e, HK);
+            for (int c = 0; c < 2; c++) {
+                __m256 key[4] = {acc[0][c], acc[1][c], acc[2][c], acc[3][c]}; /* zeros */
+                key_sums_seq(q, ldq, kp, ldk, E, c, 4, HK, ahead, key);
 #pragma GCC unroll 4
-                    for (int r = 0; r < 4; r++)
-                        acc[r][c] =
-                            _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + e), kv, acc[r][c]);
-                }
+                for (int r = 0; r < 4; r++) acc[r][c] = key[r];
+            }
         else
             for (int64_t e = 0; e < E; e += 8) {
                 __m256 qv[4];
