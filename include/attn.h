@@ -1088,15 +1088,18 @@ typedef enum attn_isa {
     ATTN_ISA_GENERIC = 2, /* the fused kernel in portable C                  */
     ATTN_ISA_AVX2 = 3,    /* the fused kernel with AVX2 + FMA                */
     ATTN_ISA_AVX512 = 4,  /* the fused kernel with AVX-512F                  */
-    ATTN_ISA_AVX512_BF16 = 5 /* AVX-512 with AVX512-BF16 (+BW, DQ, VL): the
+    ATTN_ISA_AVX512_BF16 = 5, /* AVX-512 with AVX512-BF16 (+BW, DQ, VL): the
                                 same kernels, and bfloat16 calls' prefill
                                 products in vdpbf16ps (see "Dtypes")       */
+    ATTN_ISA_AMX = 6         /* avx512_bf16 with AMX-BF16 tiles (Linux grants
+                                the tile state): those prefill products in
+                                tdpbf16ps, the same rules                  */
 } attn_isa;
 /* The last path: loops over every path run ATTN_ISA_REF .. ATTN_ISA_LAST. */
-#define ATTN_ISA_LAST ATTN_ISA_AVX512_BF16
+#define ATTN_ISA_LAST ATTN_ISA_AMX
 
 /* Forces a kernel path. ATTN_ERR_UNSUPPORTED if this CPU/OS cannot run it.
- * The environment variable ATTN_ISA=ref|generic|avx2|avx512|avx512_bf16|auto (any case)
+ * The environment variable ATTN_ISA=ref|generic|avx2|avx512|avx512_bf16|amx|auto (any case)
  * does the same once, at the first call; a value that is unknown or names a
  * path this machine cannot run is reported once on stderr, and the best
  * path used. */

@@ -1089,7 +1089,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
             if (st != ATTN_OK) return raise_status(st);
             Py_RETURN_NONE;
         }
-    PyErr_Format(PyExc_ValueError, "isa is '%s'; expected auto, ref, generic, avx2, avx512 or avx512_bf16",
+    PyErr_Format(PyExc_ValueError, "isa is '%s'; expected auto, ref, generic, avx2, avx512, avx512_bf16 or amx",
                  name);
     return NULL;
 }

@@ -1,10 +1,16 @@
 /* cpu.c — which vector instructions this CPU *and* its OS support, and which
  * kernel path calls take. A feature counts only if CPUID reports it and XCR0
  * (read with xgetbv) shows the OS saves the registers it needs. */
+#define _DEFAULT_SOURCE /* syscall (AMX's arch_prctl) */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "internal.h"
 
@@ -15,7 +21,7 @@
 
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint32_t leaf7_1_eax,
                                     uint64_t xcr0, bool osxsave_usable) {
-    attn__cpu_features f = {false, false, false, false};
+    attn__cpu_features f = {false, false, false, false, false};
     bool fma = (leaf1_ecx >> 12) & 1, avx = (leaf1_ecx >> 28) & 1, f16c = (leaf1_ecx >> 29) & 1;
     bool avx2 = (leaf7_ebx >> 5) & 1, avx512f = (leaf7_ebx >> 16) & 1;
     bool avx512dq = (leaf7_ebx >> 17) & 1, avx512bw = (leaf7_ebx >> 30) & 1,
@@ -30,17 +36,36 @@ attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint
     return f;
 }
 
+bool attn__amx_decode(uint32_t leaf7_edx, uint64_t xcr0) {
+    const bool tile = (leaf7_edx >> 24) & 1, bf16 = (leaf7_edx >> 22) & 1;
+    return tile && bf16 && (xcr0 & 0x60000) == 0x60000;
+}
+
+/* Linux hands a process the 8 KiB of tile state only when asked
+ * (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, kernel 5.16 on); a tile
+ * instruction before that is a SIGILL. The grant is for the whole process,
+ * threads made before or after it alike. Elsewhere: no tiles. */
+static bool amx_granted(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
+
 static attn__cpu_features detect(void) {
-    const attn__cpu_features none = {false, false, false, false};
+    const attn__cpu_features none = {false, false, false, false, false};
 #ifdef ATTN_X86
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return none;
     uint32_t leaf1_ecx = c;
     bool osxsave = (leaf1_ecx >> 27) & 1;
-    uint32_t leaf7_ebx = 0, leaf7_1_eax = 0;
+    uint32_t leaf7_ebx = 0, leaf7_edx = 0, leaf7_1_eax = 0;
     if (__get_cpuid_max(0, NULL) >= 7) {
         __cpuid_count(7, 0, a, b, c, d);
         leaf7_ebx = b;
+        leaf7_edx = d;
         if (a >= 1) { /* subleaf 1 exists: AVX512-BF16 is its EAX bit 5 */
             __cpuid_count(7, 1, a, b, c, d);
             leaf7_1_eax = a;
@@ -52,7 +77,9 @@ static attn__cpu_features detect(void) {
         __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
         xcr0 = ((uint64_t)hi << 32) | lo;
     }
-    return attn__cpu_decode(leaf1_ecx, leaf7_ebx, leaf7_1_eax, xcr0, osxsave);
+    attn__cpu_features f = attn__cpu_decode(leaf1_ecx, leaf7_ebx, leaf7_1_eax, xcr0, osxsave);
+    f.amx = f.avx512_bf16 && attn__amx_decode(leaf7_edx, xcr0) && amx_granted();
+    return f;
 #else
     return none;
 #endif
@@ -63,16 +90,17 @@ const attn__cpu_features *attn__cpu(void) {
      * publish is one atomic index into constant data, so no thread ever
      * writes memory another may be reading. Each level implies the ones
      * before it (attn__cpu_decode). */
-    static const attn__cpu_features table[5] = {{false, false, false, false},
-                                                {true, false, false, false},
-                                                {true, true, false, false},
-                                                {true, true, true, false},
-                                                {true, true, true, true}};
+    static const attn__cpu_features table[6] = {{false, false, false, false, false},
+                                                {true, false, false, false, false},
+                                                {true, true, false, false, false},
+                                                {true, true, true, false, false},
+                                                {true, true, true, true, false},
+                                                {true, true, true, true, true}};
     static atomic_int index = -1;
     int i = atomic_load_explicit(&index, memory_order_acquire);
     if (i < 0) {
         attn__cpu_features f = detect();
-        i = f.avx512_bf16 ? 4 : f.avx512_core ? 3 : f.avx512f ? 2 : f.avx2_fma ? 1 : 0;
+        i = f.amx ? 5 : f.avx512_bf16 ? 4 : f.avx512_core ? 3 : f.avx512f ? 2 : f.avx2_fma ? 1 : 0;
         atomic_store_explicit(&index, i, memory_order_release);
     }
     return &table[i];
@@ -199,6 +227,9 @@ int attn_isa_supported(attn_isa isa) {
 #if defined(ATTN_HAVE_AVX512) && defined(ATTN_HAVE_AVX512_BF16)
     case ATTN_ISA_AVX512_BF16: return f->avx512_bf16;
 #endif
+#if defined(ATTN_HAVE_AVX512) && defined(ATTN_HAVE_AVX512_BF16) && defined(ATTN_HAVE_AMX)
+    case ATTN_ISA_AMX: return f->amx;
+#endif
     default: break;
     }
     return 0;
@@ -212,11 +243,13 @@ const char *attn_isa_name(attn_isa isa) {
     case ATTN_ISA_AVX2: return "avx2";
     case ATTN_ISA_AVX512: return "avx512";
     case ATTN_ISA_AVX512_BF16: return "avx512_bf16";
+    case ATTN_ISA_AMX: return "amx";
     }
     return "unknown";
 }
 
 static attn_isa best_isa(void) {
+    if (attn_isa_supported(ATTN_ISA_AMX)) return ATTN_ISA_AMX;
     if (attn_isa_supported(ATTN_ISA_AVX512_BF16)) return ATTN_ISA_AVX512_BF16;
     if (attn_isa_supported(ATTN_ISA_AVX512)) return ATTN_ISA_AVX512;
     if (attn_isa_supported(ATTN_ISA_AVX2)) return ATTN_ISA_AVX2;
@@ -247,7 +280,7 @@ static attn_isa isa_from_env(void) {
         return best_isa();
     }
     fprintf(stderr,
-            "attn: ignoring ATTN_ISA=%.32s: expected ref, generic, avx2, avx512, avx512_bf16 or auto; "
+            "attn: ignoring ATTN_ISA=%.32s: expected ref, generic, avx2, avx512, avx512_bf16, amx or auto; "
             "using %s\n",
             env, attn_isa_name(best_isa()));
     return best_isa();

@@ -324,6 +324,9 @@ typedef struct attn__cpu_features {
     bool avx512_core; /* avx512f + BW, DQ and VL: what OpenBLAS's SkylakeX
                          kernels need (gemm.c picks its core from this)     */
     bool avx512_bf16; /* avx512_core + AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16) */
+    bool amx;         /* avx512_bf16 + AMX-TILE and AMX-BF16, the OS saves the
+                         tile state (XCR0 bits 17, 18) and grants it (Linux's
+                         arch_prctl ARCH_REQ_XCOMP_PERM)                     */
 } attn__cpu_features;
 
 /* Detected once (CPUID + xgetbv), then cached. */
@@ -368,6 +371,10 @@ void attn__stream_prefetch_force(int on);
  * on feature sets this machine does not have. */
 attn__cpu_features attn__cpu_decode(uint32_t leaf1_ecx, uint32_t leaf7_ebx,
                                     uint32_t leaf7_1_eax, uint64_t xcr0, bool osxsave_usable);
+/* Whether CPUID leaf 7 EDX (AMX-TILE bit 24, AMX-BF16 bit 22) and XCR0
+ * (XTILECFG bit 17, XTILEDATA bit 18) allow AMX tiles; the caller adds the
+ * avx512_bf16 set and the kernel's permission (cpu.c). */
+bool attn__amx_decode(uint32_t leaf7_edx, uint64_t xcr0);
 
 /* ---- Philox-4x32-10 (philox.c) ---- */
 

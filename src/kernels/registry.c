@@ -10,7 +10,7 @@
 
 #include "ukernel.h"
 
-enum { CTX_GENERIC, CTX_AVX2, CTX_AVX512, CTX_AVX512_BF16, CTX_COUNT };
+enum { CTX_GENERIC, CTX_AVX2, CTX_AVX512, CTX_AVX512_BF16, CTX_AMX, CTX_COUNT };
 
 static attn__ukernel contexts[CTX_COUNT];
 /* Built under pthread_once: the first caller builds, every other waits for
@@ -40,11 +40,17 @@ static void build_contexts(void) {
     if (attn_isa_supported(ATTN_ISA_AVX512_BF16))
         attn__ukernel_init_avx512_bf16(&contexts[CTX_AVX512_BF16]);
 #endif
+    /* AMX: the AVX512-BF16 context with its products on tiles */
+    contexts[CTX_AMX] = contexts[CTX_AVX512_BF16];
+#ifdef ATTN_HAVE_AMX
+    if (attn_isa_supported(ATTN_ISA_AMX)) attn__ukernel_init_amx(&contexts[CTX_AMX]);
+#endif
 }
 
 const attn__ukernel *attn__ukernel_for(attn_isa isa) {
     pthread_once(&built, build_contexts);
     switch (isa) {
+    case ATTN_ISA_AMX: return &contexts[CTX_AMX];
     case ATTN_ISA_AVX512_BF16: return &contexts[CTX_AVX512_BF16];
     case ATTN_ISA_AVX512: return &contexts[CTX_AVX512];
     case ATTN_ISA_AVX2: return &contexts[CTX_AVX2];

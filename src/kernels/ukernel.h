@@ -75,7 +75,7 @@ static inline int64_t attn__rows_ahead(int64_t ahead_bytes, int64_t row_bytes) {
 enum { ATTN__KEY_BLOCK_CLASSES = 3 };
 
 typedef struct attn__ukernel {
-    const char *name; /* "generic", "avx2", "avx512", "avx512_bf16" */
+    const char *name; /* "generic", "avx2", "avx512", "avx512_bf16", "amx" */
 
     /* ---- blocking: the driver derives every block size from these ---- */
     int lanes;       /* queries in lanes: query rows per block, at most       */
@@ -207,6 +207,12 @@ typedef struct attn__ukernel {
      * (pack_p_bf), V rows vp (pack_v_bf) */
     void (*pv_bf)(const uint32_t *pp, int64_t ldpp, const uint32_t *vp, int64_t ldvp, int rows,
                   int64_t npairs, int64_t Ev, float *o, int64_t ldo, const float *alpha);
+    /* Optional (NULL: nothing to do): around a task's blocks of bfloat16
+     * products, on the thread that runs them, so that state the products
+     * keep (AMX's tile configuration) is set up once a task, not once a
+     * call, and released after it; qkt_bf and pv_bf also work outside. */
+    void (*tiles_begin)(void);
+    void (*tiles_end)(void);
 
     /* ---- micro-kernels, float64: the same contracts ---- */
     void (*pack_qt_d)(const double *q, int64_t rs, int64_t cs, int64_t nr, int64_t E,
@@ -243,10 +249,14 @@ void attn__ukernel_init_avx2(attn__ukernel *ctx);
 void attn__ukernel_init_avx512(attn__ukernel *ctx);
 /* The bfloat16 slots, on an AVX-512 context (ATTN_HAVE_AVX512_BF16). */
 void attn__ukernel_init_avx512_bf16(attn__ukernel *ctx);
+/* The bfloat16 products on AMX tiles, on an AVX512-BF16 context
+ * (ATTN_HAVE_AMX). */
+void attn__ukernel_init_amx(attn__ukernel *ctx);
 
 /* The context of a fused path, built once (thread-safe) and then constant:
- * ATTN_ISA_AVX2, ATTN_ISA_AVX512 and ATTN_ISA_AVX512_BF16 (AVX-512's
- * context with the bfloat16 slots) get theirs when it was compiled in,
+ * ATTN_ISA_AVX2, ATTN_ISA_AVX512, ATTN_ISA_AVX512_BF16 (AVX-512's
+ * context with the bfloat16 slots) and ATTN_ISA_AMX (that one with its
+ * products on tiles) get theirs when it was compiled in,
  * every other value (and an ISA not compiled in) the generic one. Whether
  * the CPU can run it is the caller's question (attn_isa_supported). */
 const attn__ukernel *attn__ukernel_for(attn_isa isa);

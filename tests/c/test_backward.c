@@ -171,7 +171,7 @@ static void test_reference_matches_finite_differences(void) {
 /* ---- fused paths against the reference ---- */
 
 static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512,
-                                 ATTN_ISA_AVX512_BF16};
+                                 ATTN_ISA_AVX512_BF16, ATTN_ISA_AMX};
 
 /* A random case of moderate size (one block and a few). */
 static bw_case random_case(rng *r) {

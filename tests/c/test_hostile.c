@@ -426,8 +426,10 @@ static void address_space_limit(void) {
 /* ---- which OpenBLAS kernels run ---- */
 
 static void blas_core_choice(void) {
-    const attn__cpu_features none = {false, false, false, false}, avx2 = {true, false, false, false},
-                             avx512f_only = {true, true, false, false}, avx512 = {true, true, true, false};
+    const attn__cpu_features none = {false, false, false, false, false},
+                             avx2 = {true, false, false, false, false},
+                             avx512f_only = {true, true, false, false, false},
+                             avx512 = {true, true, true, false, false};
     /* An OpenBLAS older than the CPU: upgrade. */
     CHECK(strcmp(attn__blas_core_upgrade("Prescott", &avx2), "Haswell") == 0, "Prescott on AVX2");
     CHECK(strcmp(attn__blas_core_upgrade("Prescott", &avx512), "SkylakeX") == 0,

@@ -165,8 +165,9 @@ static model model_of(const mod_case *c) {
     m.u = attn_get_isa() == ATTN_ISA_REF || !f32 ? 0x1p-53 : 0x1p-24;
     m.out_u = half_out(c) ? 0 : f32 ? 0x1p-24 : 0x1p-53;
     /* a bfloat16 call on the bfloat16-products path (its prefill blocks) */
+    const attn_isa isa = attn_get_isa();
     const bool bf16_products = c->dtype == ATTN_DTYPE_BF16 && c->kv_dtype == ATTN_DTYPE_BF16 &&
-                               attn_get_isa() == ATTN_ISA_AVX512_BF16;
+                               (isa == ATTN_ISA_AVX512_BF16 || isa == ATTN_ISA_AMX);
     m.p_u = bf16_products ? 0x1p-8 + 2 * ATTN__EXP2F_BF16_ERR : 0;
     double *Q = tt_dense(&c->q.t), *K = tt_dense(&c->k.t), *V = tt_dense(&c->v.t);
     double qrow = 0;

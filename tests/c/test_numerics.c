@@ -536,7 +536,7 @@ static void output_rows_round_as_attn_store(void) {
 /* A bfloat16 call, (1, L, 16), whose last value row holds NaN or ±Inf that
  * every other row weighs 0 (causal, or a bool mask hiding that key from
  * all): those rows give the same bits for 1-4 threads on every path, and
- * on avx512_bf16 (bfloat16 products) the bits of the same call with that
+ * on avx512_bf16 and amx (bfloat16 products) the bits of the same call with that
  * row finite. The products there once sent every row of a tile that met
  * the NaN (weight 0 times NaN) to the reference kernel, and the tiles,
  * hence the rows, differed between 1 and 3 threads. */
@@ -582,11 +582,11 @@ static void bf16_hidden_special_values(void) {
                           attn_isa_name((attn_isa)i), hide ? "mask" : "causal", special[sp],
                           L - 2, t);
                 }
-                if (i == ATTN_ISA_AVX512_BF16)
+                if (i == ATTN_ISA_AVX512_BF16 || i == ATTN_ISA_AMX)
                     CHECK(memcmp(out[0], base, sizeof(uint16_t) * (L - 1) * E) == 0,
-                          "avx512_bf16, %s, value %04x: the rows that weigh it 0 differ from "
+                          "%s, %s, value %04x: the rows that weigh it 0 differ from "
                           "the call with a finite value there",
-                          hide ? "mask" : "causal", special[sp]);
+                          attn_isa_name((attn_isa)i), hide ? "mask" : "causal", special[sp]);
             }
             memcpy(v, finite_v, sizeof v);
         }
@@ -730,6 +730,115 @@ static void bf16_softmax_weights(void) {
            0x1p-8);
 }
 
+/* The bfloat16 products of every context that has them (avx512_bf16's
+ * vdpbf16ps, amx's tiles) against float64 sums of the same bfloat16
+ * values: each product is exact, and the float32 sum of n of them is within
+ * n·2^-24 of their absolute sum. Shapes cover what the tiles take whole
+ * (E a multiple of 32, 16 keys, rows, features and pairs) and every tail
+ * they hand back to the vector kernels; AMX calls run both inside
+ * tiles_begin/tiles_end (as the driver calls them) and outside. Nothing
+ * past the tiles' rows, lanes or features is written. */
+static double bf(uint16_t h) { return attn__bf16_to_float(h); }
+
+static void bf16_products_qkt(const attn__ukernel *u, rng *r, bool bracket, double *worst) {
+    enum { QK_E = 160, QK_K = 70, QK_L = 96, LDQT = QK_L + 16, LDST = QK_L + 5 };
+    static uint16_t k[QK_K * (QK_E + 3)];
+    static uint32_t qtp[(QK_E / 2) * LDQT];
+    static float st[(QK_K + 1) * LDST];
+    const int64_t E = below(r, 3) ? 32 * (1 + (int64_t)below(r, 4)) : 1 + (int64_t)below(r, QK_E);
+    const int64_t nk = 1 + (int64_t)below(r, QK_K), lanes = 16 * (1 + (int64_t)below(r, 6));
+    const int64_t ldk = E + (int64_t)below(r, 3), pairs = (E + 1) / 2;
+    for (int64_t i = 0; i < nk * ldk; i++) k[i] = tt_half_bits(rng_normal(r), ATTN_DTYPE_BF16);
+    for (int64_t i = 0; i < pairs * LDQT; i++) {
+        const uint32_t lo = tt_half_bits(rng_normal(r), ATTN_DTYPE_BF16);
+        const uint32_t hi = tt_half_bits(rng_normal(r), ATTN_DTYPE_BF16);
+        qtp[i] = lo | (2 * (i / LDQT) + 1 < E ? hi << 16 : 0); /* an odd E's last pair: 0 */
+    }
+    for (int64_t i = 0; i < (QK_K + 1) * LDST; i++) st[i] = 12345.0f;
+    if (bracket) u->tiles_begin();
+    u->qkt_bf(qtp, LDQT, k, ldk, E, nk, lanes, st, LDST, NULL);
+    if (bracket) u->tiles_end();
+    for (int64_t j = 0; j <= nk; j++)
+        for (int64_t x = 0; x < LDST; x++) {
+            if (j == nk || x >= lanes) {
+                CHECK(st[j * LDST + x] == 12345.0f, "%s: St[%lld][%lld] written past the tile",
+                      u->name, (long long)j, (long long)x);
+                continue;
+            }
+            double want = 0, mag = 0;
+            for (int64_t e = 0; e < E; e++) {
+                const uint32_t pair = qtp[(e / 2) * LDQT + x];
+                const double t = bf(k[j * ldk + e]) * bf((uint16_t)(e % 2 ? pair >> 16 : pair));
+                want += t, mag += fabs(t);
+            }
+            const double err = fabs(st[j * LDST + x] - want), bound = (double)(E + 1) * 0x1p-24 * mag;
+            CHECK(err <= bound, "%s: E %lld nk %lld lanes %lld: St[%lld][%lld] %.9g, want %.9g",
+                  u->name, (long long)E, (long long)nk, (long long)lanes, (long long)j,
+                  (long long)x, st[j * LDST + x], want);
+            if (mag > 0) *worst = fmax(*worst, err / (E * 0x1p-24 * mag));
+        }
+}
+
+static void bf16_products_pv(const attn__ukernel *u, rng *r, bool bracket, double *worst) {
+    enum { MAXR = 100, MAXP = 40, MAXEV = 80, LDPP = MAXR + 4, LDVP = MAXEV + 3, LDO = MAXEV + 5 };
+    static uint32_t pp[MAXP * LDPP], vp[MAXP * LDVP];
+    static float o[(MAXR + 1) * LDO], o0[(MAXR + 1) * LDO], alpha[MAXR];
+    const int rows = below(r, 2) ? 16 * (1 + (int)below(r, 6)) : 1 + (int)below(r, MAXR);
+    const int64_t npairs = below(r, 2) ? 16 * (1 + (int64_t)below(r, 2)) : 1 + (int64_t)below(r, MAXP);
+    const int64_t Ev = below(r, 2) ? 16 * (1 + (int64_t)below(r, 5)) : 1 + (int64_t)below(r, MAXEV);
+    for (int64_t i = 0; i < MAXP * LDPP; i++)
+        pp[i] = tt_half_bits(rng_uniform(r), ATTN_DTYPE_BF16) |
+                (uint32_t)tt_half_bits(rng_uniform(r), ATTN_DTYPE_BF16) << 16;
+    for (int64_t i = 0; i < MAXP * LDVP; i++)
+        vp[i] = tt_half_bits(rng_normal(r), ATTN_DTYPE_BF16) |
+                (uint32_t)tt_half_bits(rng_normal(r), ATTN_DTYPE_BF16) << 16;
+    for (int64_t i = 0; i < (MAXR + 1) * LDO; i++) o0[i] = o[i] = (float)rng_normal(r);
+    for (int x = 0; x < rows; x++) alpha[x] = below(r, 3) ? 1.0f : (float)rng_uniform(r);
+    if (bracket) u->tiles_begin();
+    u->pv_bf(pp, LDPP, vp, LDVP, rows, npairs, Ev, o, LDO, alpha);
+    if (bracket) u->tiles_end();
+    for (int x = 0; x <= rows; x++)
+        for (int64_t e = 0; e < LDO; e++) {
+            const float got = o[x * LDO + e];
+            if (x == rows || e >= Ev) {
+                CHECK(got == o0[x * LDO + e], "%s: O[%d][%lld] written past the tile", u->name,
+                      x, (long long)e);
+                continue;
+            }
+            double want = (double)alpha[x] * o0[x * LDO + e], mag = fabs(want);
+            for (int64_t p = 0; p < npairs; p++)
+                for (int h = 0; h < 2; h++) {
+                    const double t = bf((uint16_t)(pp[p * LDPP + x] >> 16 * h)) *
+                                     bf((uint16_t)(vp[p * LDVP + e] >> 16 * h));
+                    want += t, mag += fabs(t);
+                }
+            const double n = 2 * (double)npairs + 2, err = fabs(got - want);
+            CHECK(err <= n * 0x1p-24 * mag,
+                  "%s: rows %d pairs %lld Ev %lld: O[%d][%lld] %.9g, want %.9g", u->name, rows,
+                  (long long)npairs, (long long)Ev, x, (long long)e, got, want);
+            if (mag > 0) *worst = fmax(*worst, err / (n * 0x1p-24 * mag));
+        }
+}
+
+static void bf16_product_kernels(void) {
+    rng r = {harness_seed() ^ 0xa3c5};
+    int paths = 0;
+    for (int isa = ATTN_ISA_AVX512_BF16; isa <= ATTN_ISA_LAST; isa++) {
+        const attn__ukernel *u = attn__ukernel_for((attn_isa)isa);
+        if (!attn_isa_supported((attn_isa)isa) || u->qkt_bf == NULL) continue;
+        double worst_s = 0, worst_o = 0;
+        for (int trial = 0; trial < 300; trial++) {
+            const bool bracket = u->tiles_begin != NULL && trial % 2 == 0;
+            bf16_products_qkt(u, &r, bracket, &worst_s);
+            bf16_products_pv(u, &r, bracket, &worst_o);
+        }
+        printf("  %s: worst error / (n·2^-24·sum|products|): scores %.3g, P·V %.3g\n", u->name,
+               worst_s, worst_o);
+        paths++;
+    }
+    if (paths == 0) printf("  (no bfloat16 products on this machine: skipped)\n");
+}
+
 /* ---- exact scores: float64 sums of float32 products ---- */
 
 /* Every context's qk_direct_f gives each score as the float64 sum of its
@@ -833,5 +942,5 @@ HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows)
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
              T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
              T(bf16_hidden_special_values), T(overflowing_float32_scores),
-             T(bf16_softmax_weights), T(exact_scores_are_float64_sums),
+             T(bf16_softmax_weights), T(bf16_product_kernels), T(exact_scores_are_float64_sums),
              T(packed_queries_are_the_transpose))

@@ -10,9 +10,9 @@
 #include "testutil.h"
 
 static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512,
-                                 ATTN_ISA_AVX512_BF16};
+                                 ATTN_ISA_AVX512_BF16, ATTN_ISA_AMX};
 static const attn_isa ALL[] = {ATTN_ISA_REF, ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512,
-                               ATTN_ISA_AVX512_BF16};
+                               ATTN_ISA_AVX512_BF16, ATTN_ISA_AMX};
 
 static void fill(void *data, attn_dtype dt, int64_t n, rng *r) {
     for (int64_t i = 0; i < n; i++) {

@@ -247,7 +247,7 @@ static void test_reference_matches_sdpa_backward(void) {
 }
 
 static const attn_isa FUSED[] = {ATTN_ISA_GENERIC, ATTN_ISA_AVX2, ATTN_ISA_AVX512,
-                                 ATTN_ISA_AVX512_BF16};
+                                 ATTN_ISA_AVX512_BF16, ATTN_ISA_AMX};
 
 /* The fused path's gradients against the reference path's on the same
  * inputs (test_backward's bound: relative to max(|grad|, 1), float32
