@@ -5,9 +5,11 @@
  *
  *   attn_bench peak [--threads N] [--bf16]
  *                                        measured FMA peak, GFLOP/s; --bf16:
- *                                        the AVX512-BF16 dot-product peak
- *                                        ("isa": "none" where the CPU or the
- *                                        compiler lacks it)
+ *                                        the bfloat16 products' peak on the
+ *                                        path in use: AMX tiles ("isa":
+ *                                        "amx"), else the AVX512-BF16 dot
+ *                                        product ("none" where the CPU or
+ *                                        the compiler lacks it)
  *   attn_bench bandwidth [--threads N] [--mib M] [--thp]
  *                                        streaming read bandwidth, GB/s
  *                                        (--thp: the buffer on transparent
@@ -93,20 +95,32 @@ static bool cpu_has_bf16(void) {
 #endif
 }
 
+/* The bfloat16 products' peak on the path bfloat16 prefills take: AMX
+ * tiles where the path is amx, vdpbf16ps where the CPU has AVX512-BF16. */
 static int cmd_peak_bf16(int threads) {
     double best = 0;
+    const char *isa = "none";
+#ifdef ATTN_BENCH_AMX
+    const bool amx = attn_get_isa() == ATTN_ISA_AMX;
+#else
+    const bool amx = false;
+#endif
 #ifdef ATTN_BENCH_AVX512BF16
-    for (int round = 0; round < 7 && cpu_has_bf16(); round++) {
+    for (int round = 0; round < 7 && (amx || cpu_has_bf16()); round++) {
         double flops = 0;
         const double t0 = bench_now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
+#ifdef ATTN_BENCH_AMX
+        flops += amx ? peak_amx_bf16(2000000) : peak_dp_bf16(4000000);
+#else
         flops += peak_dp_bf16(4000000);
+#endif
         const double g = flops / (bench_now() - t0) / 1e9;
         if (g > best) best = g;
     }
+    isa = amx ? "amx" : cpu_has_bf16() ? "avx512_bf16" : "none";
 #endif
-    printf("{\"isa\": \"%s\", \"threads\": %d, \"gflops\": %.2f}\n",
-           cpu_has_bf16() ? "avx512_bf16" : "none", threads, best);
+    printf("{\"isa\": \"%s\", \"threads\": %d, \"gflops\": %.2f}\n", isa, threads, best);
     return 0;
 }
 

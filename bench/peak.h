@@ -13,6 +13,9 @@ double peak_fma_avx2(int64_t iters);
 double peak_fma_scalar(int64_t iters);
 /* AVX512-BF16 dot products (vdpbf16ps), where compiled (ATTN_BENCH_AVX512BF16). */
 double peak_dp_bf16(int64_t iters);
+/* AMX-BF16 tile products (tdpbf16ps), where compiled (ATTN_BENCH_AMX) and
+ * attn_isa_supported(ATTN_ISA_AMX). */
+double peak_amx_bf16(int64_t iters);
 
 /* Sums n floats with independent accumulators (a pure streaming read). */
 float bandwidth_read(const float *x, int64_t n);

@@ -338,7 +338,8 @@ ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
  * call uses it), then each 16-bit output is the float32 result rounded
  * once, to nearest even (o / l formed in float64, so it is not rounded
  * twice). float16 overflows to infinity past 65504, as rounding does.
- * One exception, on the ATTN_ISA_AVX512_BF16 path: a bfloat16 call (q, k
+ * One exception, on the ATTN_ISA_AVX512_BF16 and ATTN_ISA_AMX paths (the
+ * latter multiplies on AMX tiles, the same rules): a bfloat16 call (q, k
  * and v all bfloat16) multiplies in bfloat16 where it processes many query
  * rows at once (prefill): each product is exact and summed in float32 as
  * before, but the weights P are rounded to bfloat16 before P·V, as
@@ -347,7 +348,8 @@ ATTN_API void attn_sdpa_params_init(attn_sdpa_params *params);
  * each output by at most (2^-8 + 6e-6) · sum_j P_j·|v_j| / sum_j P_j
  * (<= that times max |v|) and the lse by at most 3e-6; bfloat16 inputs
  * below 2^-126 count as 0 there.
- * ATTN_ISA=avx512 (or attn_set_isa) keeps such calls on float32 products.
+ * ATTN_ISA=avx512 (or attn_set_isa) keeps such calls on float32 products,
+ * as the automatic choice does on an Intel CPU without AMX (cpu.c).
  *
  * Computes attention into caller-allocated outputs.
  *   q, k, v   inputs (see Dtypes)

@@ -163,6 +163,16 @@ static atomic_int forced = -1; /* attn__stream_prefetch_force: -1 the rule */
 
 void attn__stream_prefetch_force(int on) { atomic_store(&forced, on < 0 ? -1 : on != 0); }
 
+/* CPUID's vendor string is "AuthenticAMD". */
+static bool cpu_is_amd(void) {
+#ifdef ATTN_X86
+    unsigned a, b, c, d;
+    if (__get_cpuid(0, &a, &b, &c, &d))
+        return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
+#endif
+    return false;
+}
+
 /* The rule's walks for this CPU, or every walk / none when forced. */
 static unsigned stream_prefetch_walks(void) {
     static atomic_int cached = -1; /* idempotent: racing first callers agree */
@@ -172,12 +182,10 @@ static unsigned stream_prefetch_walks(void) {
                  : 0;
     int walks = atomic_load_explicit(&cached, memory_order_relaxed);
     if (walks < 0) {
-        bool amd = false;
+        const bool amd = cpu_is_amd();
         unsigned family = 0, model = 0;
 #ifdef ATTN_X86
         unsigned a, b, c, d;
-        if (__get_cpuid(0, &a, &b, &c, &d))
-            amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
         if (__get_cpuid(1, &a, &b, &c, &d)) {
             family = (a >> 8) & 0xf;
             model = (a >> 4) & 0xf;
@@ -248,9 +256,16 @@ const char *attn_isa_name(attn_isa isa) {
     return "unknown";
 }
 
+/* vdpbf16ps pays where it does twice a float32 FMA's work a cycle, as on
+ * AMD Zen 4 and Zen 5 (docs/design.md, "bfloat16 products"). On Intel it
+ * did not: Xeon family 6 model 207, 2 threads, `attn_bench peak --bf16` 160
+ * against 288 GFLOP/s of float32 FMAs, and a bfloat16 prefill on it took
+ * 1.4-1.6x the time of the same call widened to float32 on the avx512 path
+ * (2026-11-30). So without AMX tiles an Intel CPU's automatic path is
+ * avx512; ATTN_ISA=avx512_bf16 still runs the kernels. */
 static attn_isa best_isa(void) {
     if (attn_isa_supported(ATTN_ISA_AMX)) return ATTN_ISA_AMX;
-    if (attn_isa_supported(ATTN_ISA_AVX512_BF16)) return ATTN_ISA_AVX512_BF16;
+    if (attn_isa_supported(ATTN_ISA_AVX512_BF16) && cpu_is_amd()) return ATTN_ISA_AVX512_BF16;
     if (attn_isa_supported(ATTN_ISA_AVX512)) return ATTN_ISA_AVX512;
     if (attn_isa_supported(ATTN_ISA_AVX2)) return ATTN_ISA_AVX2;
     return ATTN_ISA_GENERIC;

@@ -58,6 +58,14 @@ static void cpu_feature_decoding(void) {
     CHECK(!f.avx512_bf16, "AVX512-BF16 without OS ZMM support must not be used");
     f = attn__cpu_decode(0, 0, 0, 0, false);
     CHECK(!f.avx2_fma && !f.avx512f, "bare machine");
+    /* AMX: AMX-TILE (leaf 7 EDX bit 24) and AMX-BF16 (bit 22), and the OS
+     * saving XTILECFG and XTILEDATA (XCR0 bits 17, 18) */
+    const uint32_t edx_amx = 1u << 24 | 1u << 22;
+    CHECK(attn__amx_decode(edx_amx, 0x600E7), "AMX with the tile state saved");
+    CHECK(!attn__amx_decode(edx_amx, 0xE7) && !attn__amx_decode(edx_amx, 0x400E7),
+          "AMX without both tile state bits in XCR0 must not be used");
+    CHECK(!attn__amx_decode(1u << 24, 0x600E7) && !attn__amx_decode(1u << 22, 0x600E7),
+          "AMX-TILE without AMX-BF16 (or the reverse) is not the amx path");
     /* Streamed K/V rows are requested ahead only where that was measured
      * faster (cpu.c): Zen 5 and later on every walk, Zen 3 on the walk one
      * head at a time and four times as far, not Zen 4, not Intel yet. The
@@ -95,11 +103,14 @@ static void cpu_feature_decoding(void) {
     /* (a compiler without -mavx512bf16 leaves the path out on any CPU) */
     CHECK(!attn_isa_supported(ATTN_ISA_AVX512_BF16) || here->avx512_bf16,
           "isa_supported(avx512_bf16) only where the CPU has it");
+    CHECK(!attn_isa_supported(ATTN_ISA_AMX) || (here->amx && here->avx512_bf16),
+          "isa_supported(amx) only where the CPU has it and the OS granted the tiles");
     CHECK(attn_isa_supported(ATTN_ISA_REF) && attn_isa_supported(ATTN_ISA_GENERIC),
           "portable paths always run");
-    printf("  this CPU: avx2+fma %s, avx512f %s, avx512-bf16 %s, streamed rows requested "
-           "ahead %s\n", here->avx2_fma ? "yes" : "no", here->avx512f ? "yes" : "no",
-           here->avx512_bf16 ? "yes" : "no", attn__stream_prefetch() ? "yes" : "no");
+    printf("  this CPU: avx2+fma %s, avx512f %s, avx512-bf16 %s, amx %s, streamed rows "
+           "requested ahead %s\n", here->avx2_fma ? "yes" : "no", here->avx512f ? "yes" : "no",
+           here->avx512_bf16 ? "yes" : "no", here->amx ? "yes" : "no",
+           attn__stream_prefetch() ? "yes" : "no");
 }
 
 static void isa_switch(void) {
@@ -117,6 +128,7 @@ static void isa_switch(void) {
     CHECK(attn_get_isa() != ATTN_ISA_AUTO, "AUTO resolves to a concrete path");
     CHECK(strcmp(attn_isa_name(ATTN_ISA_AVX512), "avx512") == 0, "names");
     CHECK(strcmp(attn_isa_name(ATTN_ISA_AVX512_BF16), "avx512_bf16") == 0, "names");
+    CHECK(strcmp(attn_isa_name(ATTN_ISA_AMX), "amx") == 0, "names");
 }
 
 /* ---- the allocator hook ---- */
