@@ -83,7 +83,8 @@ def table(runs):
                  " | ".join(short_summary(r["cases"], True) for _, r in runs) + " |")
     return ["Each cell: PyTorch time / attn time in the same run (> 1: attn faster), then "
             "attn's share of that machine's FMA peak (decoding: of its read bandwidth; "
-            "bfloat16 rows: against PyTorch's bfloat16, of the bfloat16 products' peak: AVX512-BF16 dot products, or AMX tiles where the path is amx).",
+            "bfloat16 rows: against PyTorch's bfloat16, of the bfloat16 products' peak: "
+            "AVX512-BF16 dot products, or AMX tiles where the path is amx).",
             ""] + \
         lines + [""] + about
 
