@@ -17,8 +17,8 @@
  *                 transposed into a buffer here; B: 16 V pair rows x 16
  *                 features (pack_v_bf); C: 16 rows x 16 features of O
  * Four C tiles (2 x 2), two A and two B: the eight tiles there are.
- * Shapes the tiles do not cover whole — E not a multiple of 32, keys or
- * pairs past the last 16, rows or features past the last 16 — are the
+ * An E that is not a multiple of 32 ends in a step copied with zeros
+ * past E; keys, pairs, rows or features past the last 16 are the
  * AVX512-BF16 kernels' (the same contracts), so every call is exact to its
  * own rules and no tile reads past an operand.
  *
@@ -86,9 +86,39 @@ static void (*vector_pv_bf)(const uint32_t *, int64_t, const uint32_t *, int64_t
 
 /* ---- St = K · Qt ---- */
 
-/* One C block of (16·JK keys) x (16·JL lanes) over all E / 32 steps. */
+/* The last step of an E that is not a multiple of 32, zero-padded: K's
+ * 16·JK rows' features from e32 on (atail, 32 features a row) and Qt's pair
+ * rows from e32/2 on (btail, 32 lanes a row), so the tiles read only what
+ * the operands hold and add exact zeros past E. */
+typedef struct qkt_tail {
+    uint16_t a[32 * 32]; /* 32 keys x 32 features   */
+    uint32_t b[16 * 32]; /* 16 pair rows x 32 lanes */
+} qkt_tail;
+
+static void tail_keys(const uint16_t *k, int64_t ldk, int64_t e32, int64_t E, int rows,
+                      uint16_t *a) {
+    const __mmask32 live = (__mmask32)((1ull << (E - e32)) - 1);
+    for (int r = 0; r < rows; r++)
+        _mm512_storeu_si512(a + 32 * r, _mm512_maskz_loadu_epi16(live, k + r * ldk + e32));
+}
+
+static void tail_pairs(const uint32_t *qtp, int64_t ldqt, int64_t e32, int64_t E, int width,
+                       uint32_t *b) {
+    const int64_t p0 = e32 / 2, np = (E + 1) / 2 - p0;
+    const __mmask16 live = width >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << width) - 1);
+    for (int64_t p = 0; p < 16; p++)
+        for (int h = 0; h < 32; h += 16)
+            _mm512_storeu_si512(b + 32 * p + h,
+                                p < np && h < width
+                                    ? _mm512_maskz_loadu_epi32(live, qtp + (p0 + p) * ldqt + h)
+                                    : _mm512_setzero_si512());
+}
+
+/* One C block of (16·JK keys) x (16·JL lanes) over the E / 32 whole steps
+ * and, with `tail`, the padded last one. */
 ALWAYS_INLINE void qkt_block(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk,
-                             int64_t E, float *st, int64_t ldst, const int JK, const int JL) {
+                             int64_t E, const qkt_tail *tail, float *st, int64_t ldst,
+                             const int JK, const int JL) {
     const int64_t a_stride = 2 * ldk, b_stride = 4 * ldqt; /* bytes */
     _tile_zero(0);
     if (JL > 1) _tile_zero(1);
@@ -110,6 +140,20 @@ ALWAYS_INLINE void qkt_block(const uint32_t *qtp, int64_t ldqt, const uint16_t *
             if (JL > 1) _tile_dpbf16ps(3, 5, 7);
         }
     }
+    if (tail != NULL) {
+        _tile_loadd(4, tail->a, 64);
+        _tile_loadd(6, tail->b, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        if (JL > 1) {
+            _tile_loadd(7, tail->b + 16, 128);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (JK > 1) {
+            _tile_loadd(5, tail->a + 16 * 32, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            if (JL > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
     const int64_t c_stride = 4 * ldst;
     _tile_stored(0, st, c_stride);
     if (JL > 1) _tile_stored(1, st + 16, c_stride);
@@ -121,27 +165,31 @@ ALWAYS_INLINE void qkt_block(const uint32_t *qtp, int64_t ldqt, const uint16_t *
  * group's last keys (`keys`) are past the causal diagonal or not. */
 static void qkt_amx(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_t ldk, int64_t E,
                     int64_t nk, int64_t lanes, float *st, int64_t ldst, const int64_t *keys) {
-    const int64_t nk16 = nk / 16 * 16;
-    if (E % 32 != 0 || lanes % 16 != 0 || nk16 == 0) {
+    const int64_t nk16 = nk / 16 * 16, e32 = E / 32 * 32;
+    if (lanes % 16 != 0 || nk16 == 0) {
         vector_qkt_bf(qtp, ldqt, k, ldk, E, nk, lanes, st, ldst, keys);
         return;
     }
+    qkt_tail tail_buf __attribute__((aligned(64)));
+    const qkt_tail *tail = e32 < E ? &tail_buf : NULL;
     const bool own = !tiles_ready;
     if (own) configure_tiles();
     for (int64_t j = 0; j < nk16; j += 32) {
         const bool two_k = j + 32 <= nk16;
+        const uint16_t *kj = k + j * ldk;
+        if (tail) tail_keys(kj, ldk, e32, E, two_k ? 32 : 16, tail_buf.a);
         for (int64_t l = 0; l < lanes; l += 32) {
             const bool two_l = l + 32 <= lanes;
-            const uint16_t *kj = k + j * ldk;
+            if (tail) tail_pairs(qtp + l, ldqt, e32, E, two_l ? 32 : 16, tail_buf.b);
             float *s = st + j * ldst + l;
             if (two_k && two_l)
-                qkt_block(qtp + l, ldqt, kj, ldk, E, s, ldst, 2, 2);
+                qkt_block(qtp + l, ldqt, kj, ldk, E, tail, s, ldst, 2, 2);
             else if (two_k)
-                qkt_block(qtp + l, ldqt, kj, ldk, E, s, ldst, 2, 1);
+                qkt_block(qtp + l, ldqt, kj, ldk, E, tail, s, ldst, 2, 1);
             else if (two_l)
-                qkt_block(qtp + l, ldqt, kj, ldk, E, s, ldst, 1, 2);
+                qkt_block(qtp + l, ldqt, kj, ldk, E, tail, s, ldst, 1, 2);
             else
-                qkt_block(qtp + l, ldqt, kj, ldk, E, s, ldst, 1, 1);
+                qkt_block(qtp + l, ldqt, kj, ldk, E, tail, s, ldst, 1, 1);
         }
     }
     if (own) _tile_release();
