@@ -149,9 +149,21 @@ int64_t attn__l2_bytes(void) {
  * without; docs/design.md). On Zen 3 the walk one head at a time also
  * requests each block's V rows whole into L2 before the block's scores
  * (V_BLOCK): the P·V after them had waited on V's loads, and the same
- * decode took 0.93-0.98x the time (float32; bfloat16 0.995x). */
+ * decode took 0.93-0.98x the time (float32; bfloat16 0.995x). On Intel
+ * Xeon family 6 model 0xCF (Emerald Rapids, 2026-11-30; 2 threads,
+ * (1,32,1,S,128) with 8 KV heads, one process alternating the rules,
+ * medians of 15 rounds of 5 calls) the walk one head at a time gains from
+ * requests as Zen 3's (S = 32,768: 0.72x the time in float32 and bfloat16;
+ * S = 4,096 0.86x float32), at the kernels' distance (four times as far,
+ * or V rows whole, were no better), and the ganged walk of a float32
+ * cache's 4 KiB rows from dropping its whole-row requests (0.69x at
+ * S = 32,768, 0.75x at 4,096), while a bfloat16 cache's 2 KiB rows keep
+ * them (0.97-1.00x); per-head requests inside the ganged kernels cost it
+ * 1.2-1.4x. Sapphire Rapids (0x8F), the same core, was not measured. */
 unsigned attn__stream_prefetch_for(bool amd, unsigned family, unsigned model) {
-    if (!amd) return ATTN__AHEAD_ROWS;
+    if (!amd) /* Intel: Emerald Rapids (family 6 model 0xCF) measured, the rest not */
+        return family == 6 && model == 0xCF ? ATTN__AHEAD_HEADS | ATTN__AHEAD_SHORT_ROWS
+                                            : ATTN__AHEAD_ROWS;
     if (family >= 0x1A) return ATTN__AHEAD_HEADS | ATTN__AHEAD_GANG | ATTN__AHEAD_ROWS;
     const bool zen3 = family == 0x19 && (model <= 0x0F || (model >= 0x20 && model <= 0x2F) ||
                                          (model >= 0x40 && model <= 0x5F));

@@ -68,7 +68,8 @@ static void cpu_feature_decoding(void) {
           "AMX-TILE without AMX-BF16 (or the reverse) is not the amx path");
     /* Streamed K/V rows are requested ahead only where that was measured
      * faster (cpu.c): Zen 5 and later on every walk, Zen 3 on the walk one
-     * head at a time and four times as far, not Zen 4, not Intel yet. The
+     * head at a time and four times as far, Emerald Rapids on that walk at
+     * the kernels' distance, not Zen 4, not other Intel CPUs yet. The
      * ganged walk's whole rows: everywhere but rows of a page or more on
      * Zen 3. */
     const unsigned rows = ATTN__AHEAD_ROWS;
@@ -88,8 +89,12 @@ static void cpu_feature_decoding(void) {
               attn__stream_prefetch_for(true, 0x17, 0x31) == rows,
           "Zen 4 and Zen 2 keep their own prefetchers but for the ganged walk's whole rows");
     CHECK(attn__stream_prefetch_for(false, 6, 0x8F) == rows &&
+              attn__stream_prefetch_for(false, 6, 0x55) == rows &&
               attn__stream_prefetch_for(false, 0x1A, 0) == rows,
-          "not measured on Intel: only the ganged walk's whole rows");
+          "Intel CPUs not measured: only the ganged walk's whole rows");
+    CHECK(attn__stream_prefetch_for(false, 6, 0xCF) ==
+              (ATTN__AHEAD_HEADS | ATTN__AHEAD_SHORT_ROWS),
+          "Emerald Rapids requests ahead on the per-head walk, and whole rows under a page");
     CHECK(attn__gang_rows_ahead_for(zen3, 4095) && !attn__gang_rows_ahead_for(zen3, 4096) &&
               !attn__gang_rows_ahead_for(zen3, 16384),
           "Zen 3 requests whole rows shorter than a 4 KiB page only");
