@@ -8,32 +8,20 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "kernels/avx512/amx_tiles.h"
 #include "peak.h"
 
-typedef struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* a constant in memory: see flash_amx.c on GCC and local configurations */
-static const tile_config config = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
 double peak_amx_bf16(int64_t iters) {
-    static const uint16_t ones[16 * 32] __attribute__((aligned(64))) = {0};
-    _tile_loadconfig(&config);
+    static const uint16_t zeros[16 * 32] __attribute__((aligned(64))) = {0};
+    attn__configure_tiles();
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    _tile_loadd(4, ones, 64);
-    _tile_loadd(5, ones, 64);
-    _tile_loadd(6, ones, 64);
-    _tile_loadd(7, ones, 64);
+    _tile_loadd(4, zeros, 64);
+    _tile_loadd(5, zeros, 64);
+    _tile_loadd(6, zeros, 64);
+    _tile_loadd(7, zeros, 64);
     for (int64_t i = 0; i < iters; i++) {
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);

@@ -40,33 +40,16 @@
 #include <string.h>
 
 #include "../ukernel.h"
+#include "amx_tiles.h"
 #include "simd512.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* ldtilecfg's 64-byte operand: palette 1, per tile its rows and bytes a row. */
-typedef struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Tiles 0-3: C; 4, 5: A; 6, 7: B. All 16 rows of 64 bytes. A constant in
- * memory: GCC 12 drops stores to a local configuration as dead, for it does
- * not know that ldtilecfg reads them (a #GP, seen as SIGSEGV). */
-static const tile_config config = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-static void configure_tiles(void) { _tile_loadconfig(&config); }
 
 /* Whether this thread's tiles are configured by tiles_begin. */
 static _Thread_local bool tiles_ready;
 
 static void tiles_begin(void) {
-    if (!tiles_ready) configure_tiles();
+    if (!tiles_ready) attn__configure_tiles();
     tiles_ready = true;
 }
 
@@ -85,6 +68,43 @@ static void (*vector_pv_bf)(const uint32_t *, int64_t, const uint32_t *, int64_t
                             int64_t, float *, int64_t, const float *);
 
 /* ---- St = K · Qt ---- */
+
+/* The C tiles of a (16·JA) x (16·JB) block at c (row stride ldc floats):
+ * tile 0 top left, 1 top right, 2 bottom left, 3 bottom right. */
+ALWAYS_INLINE void load_c(float *c, int64_t ldc, const int JA, const int JB) {
+    const int64_t stride = 4 * ldc;
+    _tile_loadd(0, c, stride);
+    if (JB > 1) _tile_loadd(1, c + 16, stride);
+    if (JA > 1) _tile_loadd(2, c + 16 * ldc, stride);
+    if (JA > 1 && JB > 1) _tile_loadd(3, c + 16 * ldc + 16, stride);
+}
+
+ALWAYS_INLINE void store_c(float *c, int64_t ldc, const int JA, const int JB) {
+    const int64_t stride = 4 * ldc;
+    _tile_stored(0, c, stride);
+    if (JB > 1) _tile_stored(1, c + 16, stride);
+    if (JA > 1) _tile_stored(2, c + 16 * ldc, stride);
+    if (JA > 1 && JB > 1) _tile_stored(3, c + 16 * ldc + 16, stride);
+}
+
+/* One step of 32 bfloat16 products into the C tiles: A rows at a0 (and
+ * a1, the next 16, when JA > 1), B pair rows at b (and b + 16 lanes when
+ * JB > 1); strides in bytes. */
+ALWAYS_INLINE void tile_step(const void *a0, const void *a1, int64_t a_stride, const uint32_t *b,
+                             int64_t b_stride, const int JA, const int JB) {
+    _tile_loadd(4, a0, a_stride);
+    _tile_loadd(6, b, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (JB > 1) {
+        _tile_loadd(7, b + 16, b_stride);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (JA > 1) {
+        _tile_loadd(5, a1, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (JB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+}
 
 /* The last step of an E that is not a multiple of 32, zero-padded: K's
  * 16·JK rows' features from e32 on (atail, 32 features a row) and Qt's pair
@@ -125,40 +145,11 @@ ALWAYS_INLINE void qkt_block(const uint32_t *qtp, int64_t ldqt, const uint16_t *
     if (JK > 1) _tile_zero(2);
     if (JK > 1 && JL > 1) _tile_zero(3);
     for (int64_t s = 0; s < E / 32; s++) {
-        const uint16_t *a = k + 32 * s;         /* 16 keys x 32 features */
-        const uint32_t *b = qtp + 16 * s * ldqt; /* 16 pairs x 16 lanes   */
-        _tile_loadd(4, a, a_stride);
-        _tile_loadd(6, b, b_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (JL > 1) {
-            _tile_loadd(7, b + 16, b_stride);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (JK > 1) {
-            _tile_loadd(5, a + 16 * ldk, a_stride);
-            _tile_dpbf16ps(2, 5, 6);
-            if (JL > 1) _tile_dpbf16ps(3, 5, 7);
-        }
+        const uint16_t *a = k + 32 * s; /* 16 keys x 32 features */
+        tile_step(a, a + 16 * ldk, a_stride, qtp + 16 * s * ldqt, b_stride, JK, JL);
     }
-    if (tail != NULL) {
-        _tile_loadd(4, tail->a, 64);
-        _tile_loadd(6, tail->b, 128);
-        _tile_dpbf16ps(0, 4, 6);
-        if (JL > 1) {
-            _tile_loadd(7, tail->b + 16, 128);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (JK > 1) {
-            _tile_loadd(5, tail->a + 16 * 32, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            if (JL > 1) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    const int64_t c_stride = 4 * ldst;
-    _tile_stored(0, st, c_stride);
-    if (JL > 1) _tile_stored(1, st + 16, c_stride);
-    if (JK > 1) _tile_stored(2, st + 16 * ldst, c_stride);
-    if (JK > 1 && JL > 1) _tile_stored(3, st + 16 * ldst + 16, c_stride);
+    if (tail != NULL) tile_step(tail->a, tail->a + 16 * 32, 64, tail->b, 128, JK, JL);
+    store_c(st, ldst, JK, JL);
 }
 
 /* Every lane group gets every key: the tiles cost the same whether a
@@ -173,7 +164,7 @@ static void qkt_amx(const uint32_t *qtp, int64_t ldqt, const uint16_t *k, int64_
     qkt_tail tail_buf __attribute__((aligned(64)));
     const qkt_tail *tail = e32 < E ? &tail_buf : NULL;
     const bool own = !tiles_ready;
-    if (own) configure_tiles();
+    if (own) attn__configure_tiles();
     for (int64_t j = 0; j < nk16; j += 32) {
         const bool two_k = j + 32 <= nk16;
         const uint16_t *kj = k + j * ldk;
@@ -220,30 +211,11 @@ static void transpose_pairs(const uint32_t *pp, int64_t ldpp, int nr, int64_t np
 /* O's (16·JR rows) x (16·JE features) block += P · V over np pairs. */
 ALWAYS_INLINE void pv_block(const uint32_t *pt, const uint32_t *vp, int64_t ldvp, int64_t np,
                             float *o, int64_t ldo, const int JR, const int JE) {
-    const int64_t c_stride = 4 * ldo, a_stride = 4 * PV_PAIRS, b_stride = 4 * ldvp;
-    _tile_loadd(0, o, c_stride);
-    if (JE > 1) _tile_loadd(1, o + 16, c_stride);
-    if (JR > 1) _tile_loadd(2, o + 16 * ldo, c_stride);
-    if (JR > 1 && JE > 1) _tile_loadd(3, o + 16 * ldo + 16, c_stride);
-    for (int64_t s = 0; s < np; s += 16) {
-        const uint32_t *a = pt + s, *b = vp + s * ldvp;
-        _tile_loadd(4, a, a_stride);
-        _tile_loadd(6, b, b_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (JE > 1) {
-            _tile_loadd(7, b + 16, b_stride);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (JR > 1) {
-            _tile_loadd(5, a + 16 * PV_PAIRS, a_stride);
-            _tile_dpbf16ps(2, 5, 6);
-            if (JE > 1) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, o, c_stride);
-    if (JE > 1) _tile_stored(1, o + 16, c_stride);
-    if (JR > 1) _tile_stored(2, o + 16 * ldo, c_stride);
-    if (JR > 1 && JE > 1) _tile_stored(3, o + 16 * ldo + 16, c_stride);
+    const int64_t a_stride = 4 * PV_PAIRS, b_stride = 4 * ldvp;
+    load_c(o, ldo, JR, JE);
+    for (int64_t s = 0; s < np; s += 16) /* 16 rows x 16 pairs of P; 16 pairs x 16 of V */
+        tile_step(pt + s, pt + s + 16 * PV_PAIRS, a_stride, vp + s * ldvp, b_stride, JR, JE);
+    store_c(o, ldo, JR, JE);
 }
 
 /* O rows scaled by alpha before the tiles add to them (a row whose alpha
@@ -304,7 +276,7 @@ static void pv_amx(const uint32_t *pp, int64_t ldpp, const uint32_t *vp, int64_t
         vector_pv_bf(pp, ldpp, vp + ev16, ldvp, rows16, npairs, Ev - ev16, o + ev16, ldo, alpha);
     scale_rows(o, ldo, rows16, ev16, alpha);
     const bool own = !tiles_ready;
-    if (own) configure_tiles();
+    if (own) attn__configure_tiles();
     pv_tiles(pp, ldpp, vp, ldvp, rows16, np16, ev16, o, ldo);
     if (own) _tile_release();
     if (np16 < npairs)
