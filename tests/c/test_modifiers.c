@@ -212,12 +212,11 @@ static double out_ratio(const mod_case *c, const double *out, const double *ref,
     return worst;
 }
 
-/* One case on the current path against the oracle; returns err/tol. */
-static double run_case(mod_case *c, int index) {
+/* One case on the current path against its oracle result; returns
+ * err/tol. */
+static double check_case(mod_case *c, int index, const oracle_sdpa_result *oracle) {
+    const oracle_sdpa_result ref = *oracle;
     CHECK_OK(attn_sdpa(&c->q.t, &c->k.t, &c->v.t, &c->p, &c->out.t, NULL, &c->lse.t));
-    oracle_sdpa_args a = oracle_of(c);
-    oracle_sdpa_result ref;
-    CHECK(oracle_sdpa(&a, &ref) == 0, "case %d: the oracle rejects it", index);
     const model m = model_of(c);
     double *out = tt_dense(&c->out.t), *lse = tt_dense(&c->lse.t);
     const int64_t nout = ref.nbatch * ref.L * ref.Ev;
@@ -238,9 +237,17 @@ static double run_case(mod_case *c, int index) {
           tol, lerr, ltol);
     free(out);
     free(lse);
-    oracle_free(&ref);
     return fmax(ratio, lerr / ltol);
 }
+
+/* The oracle of a case: the float64 formula, which no path changes. */
+static oracle_sdpa_result oracle_case(mod_case *c, int index) {
+    oracle_sdpa_args a = oracle_of(c);
+    oracle_sdpa_result ref;
+    CHECK(oracle_sdpa(&a, &ref) == 0, "case %d: the oracle rejects it", index);
+    return ref;
+}
+
 
 static int paths(attn_isa *out) {
     int n = 0;
@@ -249,23 +256,30 @@ static int paths(attn_isa *out) {
     return n;
 }
 
+/* Each case is drawn and its oracle computed once, then run on every path
+ * (drawing and the float64 oracle were most of this test's time under the
+ * sanitizers). */
 static void random_modifiers(void) {
     const int cases = 160, decode_cases = 12;
     attn_isa isa[8];
     const int n = paths(isa);
-    for (int pi = 0; pi < n; pi++) {
-        CHECK_OK(attn_set_isa(isa[pi]));
-        rng r = {harness_seed() ^ 0x51ab};
-        double worst = 0;
-        for (int i = 0; i < cases + decode_cases; i++) {
-            mod_case c;
-            make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, false);
-            worst = fmax(worst, run_case(&c, i));
-            free_case(&c);
+    double worst[8] = {0};
+    rng r = {harness_seed() ^ 0x51ab};
+    for (int i = 0; i < cases + decode_cases; i++) {
+        mod_case c;
+        make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, false);
+        oracle_sdpa_result ref = oracle_case(&c, i);
+        for (int pi = 0; pi < n; pi++) {
+            CHECK_OK(attn_set_isa(isa[pi]));
+            worst[pi] = fmax(worst[pi], check_case(&c, i, &ref));
         }
-        printf("  path %-8s %d cases (%d decode) against the oracle; worst error/tolerance %.3f\n",
-               attn_isa_name(isa[pi]), cases + decode_cases, decode_cases, worst);
+        oracle_free(&ref);
+        free_case(&c);
     }
+    for (int pi = 0; pi < n; pi++)
+        printf("  path %-11s %d cases (%d decode) against the oracle; worst error/tolerance "
+               "%.3f\n",
+               attn_isa_name(isa[pi]), cases + decode_cases, decode_cases, worst[pi]);
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
@@ -278,26 +292,29 @@ static void half_dtypes(void) {
     const int cases = 120, decode_cases = 12;
     attn_isa isa[8];
     const int n = paths(isa);
-    for (int pi = 0; pi < n; pi++) {
-        CHECK_OK(attn_set_isa(isa[pi]));
-        rng r = {harness_seed() ^ 0x16b1};
-        double worst = 0;
-        int kinds[2][2] = {{0, 0}, {0, 0}}; /* [bf16][float32 query] */
-        for (int i = 0; i < cases + decode_cases; i++) {
-            mod_case c;
-            make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, true);
-            kinds[c.kv_dtype == ATTN_DTYPE_BF16][c.dtype == ATTN_DTYPE_F32]++;
-            worst = fmax(worst, run_case(&c, i));
-            free_case(&c);
+    double worst[8] = {0};
+    int kinds[2][2] = {{0, 0}, {0, 0}}; /* [bf16][float32 query] */
+    rng r = {harness_seed() ^ 0x16b1};
+    for (int i = 0; i < cases + decode_cases; i++) { /* each case and oracle once (above) */
+        mod_case c;
+        make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, true);
+        kinds[c.kv_dtype == ATTN_DTYPE_BF16][c.dtype == ATTN_DTYPE_F32]++;
+        oracle_sdpa_result ref = oracle_case(&c, i);
+        for (int pi = 0; pi < n; pi++) {
+            CHECK_OK(attn_set_isa(isa[pi]));
+            worst[pi] = fmax(worst[pi], check_case(&c, i, &ref));
         }
-        CHECK(kinds[0][0] && kinds[0][1] && kinds[1][0] && kinds[1][1],
-              "every dtype combination drawn: %d %d %d %d", kinds[0][0], kinds[0][1], kinds[1][0],
-              kinds[1][1]);
-        printf("  path %-8s %d cases (float16 %d, bfloat16 %d, float32 over 16-bit K/V %d); worst "
-               "error/bound %.3f\n",
-               attn_isa_name(isa[pi]), cases + decode_cases, kinds[0][0], kinds[1][0],
-               kinds[0][1] + kinds[1][1], worst);
+        oracle_free(&ref);
+        free_case(&c);
     }
+    CHECK(kinds[0][0] && kinds[0][1] && kinds[1][0] && kinds[1][1],
+          "every dtype combination drawn: %d %d %d %d", kinds[0][0], kinds[0][1], kinds[1][0],
+          kinds[1][1]);
+    for (int pi = 0; pi < n; pi++)
+        printf("  path %-11s %d cases (float16 %d, bfloat16 %d, float32 over 16-bit K/V %d); "
+               "worst error/bound %.3f\n",
+               attn_isa_name(isa[pi]), cases + decode_cases, kinds[0][0], kinds[1][0],
+               kinds[0][1] + kinds[1][1], worst[pi]);
     attn_set_isa(ATTN_ISA_AUTO);
 }
 
