@@ -161,11 +161,11 @@ static bool half_out(const mod_case *c) {
 
 static model model_of(const mod_case *c) {
     model m;
+    const attn_isa isa = attn_get_isa();
     const bool f32 = c->dtype != ATTN_DTYPE_F64; /* float32 kernels, also for 16-bit */
-    m.u = attn_get_isa() == ATTN_ISA_REF || !f32 ? 0x1p-53 : 0x1p-24;
+    m.u = isa == ATTN_ISA_REF || !f32 ? 0x1p-53 : 0x1p-24;
     m.out_u = half_out(c) ? 0 : f32 ? 0x1p-24 : 0x1p-53;
     /* a bfloat16 call on the bfloat16-products path (its prefill blocks) */
-    const attn_isa isa = attn_get_isa();
     const bool bf16_products = c->dtype == ATTN_DTYPE_BF16 && c->kv_dtype == ATTN_DTYPE_BF16 &&
                                (isa == ATTN_ISA_AVX512_BF16 || isa == ATTN_ISA_AMX);
     m.p_u = bf16_products ? 0x1p-8 + 2 * ATTN__EXP2F_BF16_ERR : 0;
@@ -256,9 +256,19 @@ static int paths(attn_isa *out) {
     return n;
 }
 
-/* Each case is drawn and its oracle computed once, then run on every path
- * (drawing and the float64 oracle were most of this test's time under the
- * sanitizers). */
+/* Case i on each of the n paths against one oracle result, each path's
+ * worst err/tol kept: a case is drawn and its oracle computed once (drawing
+ * and the float64 oracle were most of this test's time under the
+ * sanitizers when both were redone per path). */
+static void check_on_paths(mod_case *c, int i, const attn_isa *isa, int n, double *worst) {
+    oracle_sdpa_result ref = oracle_case(c, i);
+    for (int pi = 0; pi < n; pi++) {
+        CHECK_OK(attn_set_isa(isa[pi]));
+        worst[pi] = fmax(worst[pi], check_case(c, i, &ref));
+    }
+    oracle_free(&ref);
+}
+
 static void random_modifiers(void) {
     const int cases = 160, decode_cases = 12;
     attn_isa isa[8];
@@ -268,12 +278,7 @@ static void random_modifiers(void) {
     for (int i = 0; i < cases + decode_cases; i++) {
         mod_case c;
         make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, false);
-        oracle_sdpa_result ref = oracle_case(&c, i);
-        for (int pi = 0; pi < n; pi++) {
-            CHECK_OK(attn_set_isa(isa[pi]));
-            worst[pi] = fmax(worst[pi], check_case(&c, i, &ref));
-        }
-        oracle_free(&ref);
+        check_on_paths(&c, i, isa, n, worst);
         free_case(&c);
     }
     for (int pi = 0; pi < n; pi++)
@@ -295,16 +300,11 @@ static void half_dtypes(void) {
     double worst[8] = {0};
     int kinds[2][2] = {{0, 0}, {0, 0}}; /* [bf16][float32 query] */
     rng r = {harness_seed() ^ 0x16b1};
-    for (int i = 0; i < cases + decode_cases; i++) { /* each case and oracle once (above) */
+    for (int i = 0; i < cases + decode_cases; i++) {
         mod_case c;
         make_case(&c, &r, i >= cases ? CASE_DECODE : CASE_SMALL, false, true);
         kinds[c.kv_dtype == ATTN_DTYPE_BF16][c.dtype == ATTN_DTYPE_F32]++;
-        oracle_sdpa_result ref = oracle_case(&c, i);
-        for (int pi = 0; pi < n; pi++) {
-            CHECK_OK(attn_set_isa(isa[pi]));
-            worst[pi] = fmax(worst[pi], check_case(&c, i, &ref));
-        }
-        oracle_free(&ref);
+        check_on_paths(&c, i, isa, n, worst);
         free_case(&c);
     }
     CHECK(kinds[0][0] && kinds[0][1] && kinds[1][0] && kinds[1][1],
