@@ -30,12 +30,14 @@ attn_status attn__gemm_abt(attn_dtype dtype, int64_t m, int64_t n, int64_t k, co
 /* bfloat16 dot-product kernels for attn__gemm_abt_bf16: the kernel
  * layer's pack_qt_bf and qkt_bf (kernels/ukernel.h has their contract),
  * here B's rows (n x k) packed as Qt pairs (k/2 x n) and A's rows read in
- * place as the keys. */
+ * place as the keys; and its round_bf16_f for C's rows (optional: NULL
+ * rounds element by element, the same bits). */
 typedef struct attn__gemm_bf16 {
     void (*pack)(const uint16_t *b, int64_t rs, int64_t cs, int64_t n, int64_t k, uint32_t *bp,
                  int64_t ldbp);
     void (*tile)(const uint32_t *bp, int64_t ldbp, const uint16_t *a, int64_t lda, int64_t k,
                  int64_t m, int64_t lanes, float *c, int64_t ldc, const int64_t *keys);
+    void (*round)(const float *src, const float *bias, int64_t n, uint16_t *dst);
 } attn__gemm_bf16;
 
 /* attn__gemm_abt for bfloat16 A, B, bias and C with the products in

@@ -170,6 +170,11 @@ typedef struct attn__ukernel {
      * ATTN_DTYPE_BF16) as attn__store does; returns whether every o[e]·inv
      * is finite. A 16-bit call's output rows. */
     bool (*store_half_f)(const float *o, double inv, int64_t n, attn_dtype dtype, uint16_t *dst);
+    /* Optional (NULL: attn__float_to_bf16 per element): dst[j] =
+     * attn__float_to_bf16(src[j] + bias[j]) (the float32 sum; src[j] alone
+     * when bias is NULL) for j < n, the same bits, NaN included: a bfloat16
+     * GEMM's rows of C (core/gemm.c), 20% of its time element by element. */
+    void (*round_bf16_f)(const float *src, const float *bias, int64_t n, uint16_t *dst);
 
     /* ---- bfloat16 products (optional, all or none; NULL: a bfloat16 call
      * widens its rows and runs float32's kernels) ----

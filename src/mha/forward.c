@@ -415,7 +415,7 @@ attn_status attn__mha_gemm_abt(attn_dtype dt, int64_t m, int64_t n, int64_t k, c
     if (dt != ATTN_DTYPE_BF16)
         return attn__gemm_abt(dt, m, n, k, a, lda, w, k, bias, y, ldy, cancel);
     const attn__ukernel *u = attn__ukernel_for(attn_get_isa());
-    const attn__gemm_bf16 kern = {u->pack_qt_bf, u->qkt_bf};
+    const attn__gemm_bf16 kern = {u->pack_qt_bf, u->qkt_bf, u->round_bf16_f};
     return attn__gemm_abt_bf16(&kern, m, n, k, a, lda, w, k, bias, y, ldy, cancel);
 }
 

@@ -614,14 +614,17 @@ static void per_call_dropout(void) {
 static void bf16_projection_gemm(void) {
     static const int64_t shapes[][4] = {/* m, n, k, lda - k */
                                         {1, 1, 1, 0}, {3, 17, 5, 2}, {8, 16, 2, 0},
-                                        {33, 48, 7, 1}, {515, 260, 33, 3}, {600, 300, 129, 0}};
+                                        {33, 48, 7, 1}, {515, 260, 33, 3}, {600, 300, 129, 0},
+                                        /* B in column panels (bf16_panel) */
+                                        {40, 300, 2048, 5}};
     rng r = {harness_seed() ^ 0xbf16};
     int paths = 0;
     for (int isa = ATTN_ISA_REF; isa <= ATTN_ISA_LAST + 1; isa++) {
         const bool fallback = isa == ATTN_ISA_LAST + 1;
         const attn__ukernel *u = fallback ? NULL : attn__ukernel_for((attn_isa)isa);
         if (!fallback && (!attn_isa_supported((attn_isa)isa) || u->qkt_bf == NULL)) continue;
-        const attn__gemm_bf16 kern = {u ? u->pack_qt_bf : NULL, u ? u->qkt_bf : NULL};
+        const attn__gemm_bf16 kern = {u ? u->pack_qt_bf : NULL, u ? u->qkt_bf : NULL,
+                                      u ? u->round_bf16_f : NULL};
         paths++;
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
             for (int with_bias = 0; with_bias < 2; with_bias++) {

@@ -531,6 +531,49 @@ static void output_rows_round_as_attn_store(void) {
     printf("  %d rows compared\n", checked);
 }
 
+/* Every context's round_bf16_f writes attn__float_to_bf16's bits for
+ * src + bias in float32 (src alone without a bias): ties each way, the
+ * edges of float32, subnormals, ±Inf, NaN of any payload and sign, sums
+ * that overflow; every tail length; nothing past n. */
+static void gemm_rows_round_as_float_to_bf16(void) {
+    rng r = {harness_seed() ^ 0xb16};
+    enum { N = 40 };
+    const uint32_t edges[] = {0x3f808000u, 0x3f818000u, 0xbf808000u, 0x3f807fffu, 0x3f808001u,
+                              0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u, 0x00000001u, 0x80400000u,
+                              0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u,
+                              0x7fbfffffu, 0x00000000u, 0x80000000u};
+    int checked = 0;
+    for (int isa = ATTN_ISA_GENERIC; isa <= ATTN_ISA_LAST; isa++) {
+        if (!attn_isa_supported((attn_isa)isa)) continue;
+        const attn__ukernel *kern = attn__ukernel_for((attn_isa)isa);
+        if (kern->round_bf16_f == NULL) continue;
+        for (int trial = 0; trial < 400; trial++) {
+            float src[N], bias[N];
+            const int64_t n = 1 + (int64_t)below(&r, N);
+            const bool with_bias = trial % 2;
+            for (int64_t j = 0; j < n; j++) {
+                const uint32_t bits = edges[below(&r, sizeof edges / sizeof *edges)];
+                if (below(&r, 3) == 0)
+                    memcpy(&src[j], &bits, sizeof bits);
+                else
+                    src[j] = (float)(rng_normal(&r) * ldexp(1, (int)below(&r, 60) - 30));
+                bias[j] = below(&r, 4) == 0 ? 3e38f : (float)rng_normal(&r);
+            }
+            uint16_t got[N + 1];
+            got[n] = 0xdead;
+            kern->round_bf16_f(src, with_bias ? bias : NULL, n, got);
+            CHECK(got[n] == 0xdead, "%s: wrote past n = %lld", kern->name, (long long)n);
+            for (int64_t j = 0; j < n; j++) {
+                const uint16_t want = attn__float_to_bf16(with_bias ? src[j] + bias[j] : src[j]);
+                CHECK(got[j] == want, "%s: %a + %a gave %04x, attn__float_to_bf16 %04x",
+                      kern->name, (double)src[j], with_bias ? (double)bias[j] : 0.0, got[j], want);
+            }
+            checked++;
+        }
+    }
+    printf("  %d rows compared\n", checked);
+}
+
 /* ---- bfloat16: a hidden NaN/Inf value row, any thread count ---- */
 
 /* A bfloat16 call, (1, L, 16), whose last value row holds NaN or ±Inf that
@@ -941,6 +984,7 @@ HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows)
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
              T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
+             T(gemm_rows_round_as_float_to_bf16),
              T(bf16_hidden_special_values), T(overflowing_float32_scores),
              T(bf16_softmax_weights), T(bf16_product_kernels), T(exact_scores_are_float64_sums),
              T(packed_queries_are_the_transpose))

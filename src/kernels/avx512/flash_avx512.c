@@ -647,6 +647,24 @@ static bool store_half_f(const float *o, double inv, int64_t n, attn_dtype dtype
     return special == 0;
 }
 
+/* attn__float_to_bf16 16 values at a time (ukernel.h: round_bf16_f):
+ * 0x7fff plus the kept bit's parity added, and a NaN quieted instead. */
+static void round_bf16_f(const float *src, const float *bias, int64_t n, uint16_t *dst) {
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mk = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(mk, src + j);
+        if (bias != NULL) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mk, bias + j));
+        const __m512i u = _mm512_castps_si512(x);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+        const __m512i parity = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, parity)), 16);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm512_mask_cvtepi32_storeu_epi16(dst + j, mk, r);
+    }
+}
+
 /* ---- the backward's elementwise step (ukernel.h) ---- */
 
 /* P = 2^(S·c - off) and dS = ds_scale·P·(dP - D), 16 queries per vector.
@@ -723,4 +741,5 @@ void attn__ukernel_init_avx512(attn__ukernel *ctx) {
     ctx->pv_f = pv_f;
     ctx->softmax_bwd_t_f = softmax_bwd_t_f;
     ctx->store_half_f = store_half_f;
+    ctx->round_bf16_f = round_bf16_f;
 }
