@@ -189,7 +189,7 @@ static float *widen_matrix(const void *src, attn_dtype dt, int64_t rows, int64_t
  * sets no bits. */
 static int64_t bf16_panel(int64_t k) {
     const int64_t pair_row = (k + 1) / 2 * (int64_t)sizeof(uint32_t);
-    const int64_t lanes = attn__l2_bytes() / 4 / pair_row;
+    const int64_t lanes = pair_row > 0 ? attn__l2_bytes() / 4 / pair_row : 0;
     return lanes < 96 ? 96 : lanes / 96 * 96;
 }
 
