@@ -595,7 +595,10 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
         for (int vi = 0; vi < NV; vi++)
             acc[r][vi] = _mm256_mul_ps(a, load_vec(o + r * ldo + 8 * vi, vi, NV, TAIL, last));
     }
-    for (int64_t j = 0; j < nk; j++) {
+    /* key j's weights: rows 0-2 at p0 + {0, 1, 2}·p_rs, rows 3-5 at p3 +
+     * the same (flash_avx512.c's pv_tile says why) */
+    const float *p0 = p, *p3 = R > 3 ? p + 3 * p_rs : p;
+    for (int64_t j = 0; j < nk; j++, p0 += p_cs, p3 += p_cs) {
         if (ahead && j + ahead < held) /* below `streamed`; a chunk: 64 bytes or less */
             request_line(v, (j + ahead) * ldv, HK);
 #pragma GCC unroll 2
@@ -605,7 +608,7 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
                                             : load8(v, j * ldv + 8 * vi, HK);
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
-            const __m256 pb = _mm256_broadcast_ss(p + r * p_rs + j * p_cs);
+            const __m256 pb = _mm256_broadcast_ss(r < 3 ? p0 + r * p_rs : p3 + (r - 3) * p_rs);
 #pragma GCC unroll 2
             for (int vi = 0; vi < NV; vi++) acc[r][vi] = _mm256_fmadd_ps(pb, vv[vi], acc[r][vi]);
         }
