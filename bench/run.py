@@ -45,6 +45,15 @@ model: one folder per machine measured, with its ISA path, BLAS core and
 commit recorded inside), and prints the Markdown table.
 bench/machines.py puts every machine's results side by side.
 
+glibc's malloc is set as a long-running process ends up with it (blocks
+below 32 MiB from the heap, which is trimmed past 64 MiB free), from the
+start: otherwise its thresholds rise only once a large block is freed, so a
+case's PyTorch time depended on the cases before it. PyTorch's seed 000 MHA
+maps, faults in and unmaps its 10 MB intermediates on every call until
+then: 14-17 ms in a fresh process, 7-9 ms after (Emerald Rapids; attn keeps
+its workspace between calls and ran 8-10 ms either way), so `--only` runs
+and full runs disagreed (1.61x against 1.03x).
+
 An OPENBLAS_CORETYPE in the environment is dropped before attn loads (and so
 for attn_bench too), unless --keep-blas-core: the bench measures attn as it
 loads by default, which picks OpenBLAS's kernels for the CPU. (This
@@ -53,6 +62,7 @@ CPUs: MHA BERT-base ran at 47% of the FMA peak under it on Zen 5, 76%
 without.) The results name the core that ran and the setting dropped.
 """
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -634,6 +644,17 @@ def blas_env_note(machine):
             if dropped else "")
 
 
+def steady_heap():
+    """glibc's malloc thresholds fixed where a long-running process's settle
+    (module docstring): mmap only from 32 MiB (M_MMAP_THRESHOLD, -3), trim
+    the heap past 64 MiB free (M_TRIM_THRESHOLD, -1). Elsewhere: unchanged."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(-3, 32 << 20)) and bool(libc.mallopt(-1, 64 << 20))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -654,6 +675,7 @@ def main():
         memory_probe(args.memory_probe)
         return
 
+    steady_heap()
     torch.set_num_threads(args.threads)
     attn.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
