@@ -195,6 +195,13 @@ static int64_t bf16_panel(int64_t k) {
 
 enum { BF16_ROWS = 128 }; /* rows a tile call covers: A's block and C's stay in L2 */
 
+/* src + bias (bias may be NULL) rounded to bfloat16: the portable form of
+ * the context's round_bf16_f, for contexts without one. */
+static void round_bf16_rows(const float *src, const float *bias, int64_t n, uint16_t *dst) {
+    for (int64_t j = 0; j < n; j++)
+        dst[j] = attn__float_to_bf16(bias != NULL ? src[j] + bias[j] : src[j]);
+}
+
 /* A tile in bfloat16 dot products, a panel of columns at a time (rows
  * inside, so the panel's B stays in cache): float32 sums into the scratch
  * (lanes rounded up to 16), the float32 bias added, each element rounded
@@ -204,23 +211,17 @@ static attn_status bf16_tile(const gemm_call *g, int64_t r0, int64_t mr, int64_t
                              float *t) {
     const int64_t panel = bf16_panel(g->k);
     const float *bias = (const float *)g->bias;
+    void (*round)(const float *, const float *, int64_t, uint16_t *) =
+        g->bf->round != NULL ? g->bf->round : round_bf16_rows;
     for (int64_t p0 = c0; p0 < c0 + nc; p0 += panel) {
         const int64_t np = c0 + nc - p0 < panel ? c0 + nc - p0 : panel, ldt = round_up(np, 16);
         for (int64_t q0 = r0; q0 < r0 + mr; q0 += BF16_ROWS) {
             const int64_t nq = r0 + mr - q0 < BF16_ROWS ? r0 + mr - q0 : BF16_ROWS;
             g->bf->tile(g->bp + p0, g->ldbp, (const uint16_t *)g->a + q0 * g->lda, g->lda, g->k,
                         nq, ldt, t, ldt, NULL); /* t: nq x ldt */
-            for (int64_t r = 0; r < nq; r++) {
-                float *row = t + r * ldt;
-                uint16_t *out = (uint16_t *)g->c + (q0 + r) * g->ldc + p0;
-                if (g->bf->round != NULL) {
-                    g->bf->round(row, bias != NULL ? bias + p0 : NULL, np, out);
-                    continue;
-                }
-                if (bias != NULL)
-                    for (int64_t j = 0; j < np; j++) row[j] += bias[p0 + j];
-                narrow_row(row, np, ATTN_DTYPE_BF16, out);
-            }
+            for (int64_t r = 0; r < nq; r++)
+                round(t + r * ldt, bias != NULL ? bias + p0 : NULL, np,
+                      (uint16_t *)g->c + (q0 + r) * g->ldc + p0);
         }
     }
     return ATTN_OK;
