@@ -645,9 +645,10 @@ def blas_env_note(machine):
 
 
 def steady_heap():
-    """glibc's malloc thresholds fixed where a long-running process's settle
+    """glibc's malloc thresholds fixed at what a long-running process ends up with
     (module docstring): mmap only from 32 MiB (M_MMAP_THRESHOLD, -3), trim
-    the heap past 64 MiB free (M_TRIM_THRESHOLD, -1). Elsewhere: unchanged."""
+    the heap past 64 MiB free (M_TRIM_THRESHOLD, -1). Without glibc: left
+    as they are (False)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

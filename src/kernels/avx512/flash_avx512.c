@@ -485,8 +485,8 @@ ALWAYS_INLINE void pv_tile(const float *p, int64_t p_rs, int64_t p_cs, const voi
      * p[r·p_rs + j·p_cs], GCC kept six row pointers, spilled to the stack
      * and to xmm registers, a reload and an add to memory beside each
      * row's four multiply-adds: the backward's dK and dV products (p_rs =
-     * lanes) ran at 76-85% of the speed of dQ's (p_rs = 1); now within
-     * 5% (tiles in cache, Emerald Rapids, one thread). */
+     * lanes) ran at 0.78-0.95x the speed of dQ's (p_rs = 1), now at
+     * 0.93-1.03x (tiles in cache, Emerald Rapids, one thread). */
     const float *p0 = p, *p3 = R > 3 ? p + 3 * p_rs : p;
     for (int64_t j = 0; j < nk; j++, p0 += p_cs, p3 += p_cs) {
         if (ahead && j + ahead < held) /* below `streamed` */
