@@ -212,6 +212,12 @@ typedef struct attn__ukernel {
      * (pack_p_bf), V rows vp (pack_v_bf) */
     void (*pv_bf)(const uint32_t *pp, int64_t ldpp, const uint32_t *vp, int64_t ldvp, int rows,
                   int64_t npairs, int64_t Ev, float *o, int64_t ldo, const float *alpha);
+    /* pv_bf over a lanes block's every row and key in one call, also where
+     * the block crosses the causal diagonal (whose weights past a row's
+     * last key are 0), instead of pv_rows rows at a time up to their last
+     * key: AMX's tiles take 16 rows at a time, and multiply those zeros
+     * faster than the vector kernel runs a 6-row tile's keys. */
+    bool pv_bf_whole;
     /* Optional (NULL: nothing to do): around a task's blocks of bfloat16
      * products, on the thread that runs them, so that state the products
      * keep (AMX's tile configuration) is set up once a task, not once a

@@ -293,6 +293,7 @@ void attn__ukernel_init_amx(attn__ukernel *ctx) {
     ctx->name = "amx";
     ctx->qkt_bf = qkt_amx;
     ctx->pv_bf = pv_amx;
+    ctx->pv_bf_whole = true; /* causal (1,16,2048,2048,64): see pv_amx */
     ctx->tiles_begin = tiles_begin;
     ctx->tiles_end = tiles_end;
 }
