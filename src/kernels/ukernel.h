@@ -91,6 +91,7 @@ typedef struct attn__ukernel {
      * queries-in-lanes layout for heads up to 128 wide (wider: key_block) */
     int pairs_lanes;
     int pairs_keys;
+    int pairs_keys_wide; /* heads of 65-128 (0: pairs_keys)                   */
     int direct_keys; /* keys in columns: keys per block                       */
     int direct_rows; /* keys in columns for head groups of at most this many
                         query rows (decoding)                                 */

@@ -263,7 +263,9 @@ static flash_work plan_work(const attn__problem *p, const attn__ukernel *kern, i
     if (!w.direct) w.lanes = lanes_for(&w, kern, threads); /* many threads, few blocks */
     w.BR = w.direct ? w.nrows : w.lanes;
     w.nqb = (w.nrows + w.BR - 1) / w.BR;
-    w.BC = w.direct ? kern->direct_keys : pairs ? kern->pairs_keys : lanes_keys(kern, width);
+    const int pairs_keys = width > 64 && kern->pairs_keys_wide > 0 ? kern->pairs_keys_wide
+                                                                   : kern->pairs_keys;
+    w.BC = w.direct ? kern->direct_keys : pairs ? pairs_keys : lanes_keys(kern, width);
     w.gang = gang_size(p, &w);
     w.kv_rows = w.nrows;
     /* The gang's heads are one group of rows. Its key blocks stay
