@@ -297,7 +297,7 @@ void attn__ukernel_init_amx(attn__ukernel *ctx) {
     /* Heads of 65-128 in blocks of 128 keys: each O tile that P·V loads and
      * stores then takes 64 key pairs, not 32. (1,16,2048,2048,128) 4-11%
      * faster, causal too; 256 keys 2-3% more, inside the noise; at E = 64
-     * 128 keys were 5% slower (docs/design.md) */
+     * 128 keys took 1.05x the time (docs/design.md) */
     ctx->pairs_keys_wide = 128;
     ctx->tiles_begin = tiles_begin;
     ctx->tiles_end = tiles_end;
