@@ -95,7 +95,9 @@ typedef struct attn__ukernel {
     int direct_keys; /* keys in columns: keys per block                       */
     int direct_rows; /* keys in columns for head groups of at most this many
                         query rows (decoding)                                 */
-    int pv_rows;     /* rows of a micro-tile: qk_direct takes 1..pv_rows      */
+    int pv_rows;     /* rows of a micro-tile: qk_direct_d and qk_rows_f take
+                        1..pv_rows, qk_direct_f any number (a tiny call's
+                        head at once, so K is transposed once)               */
     int col_step;    /* keys in columns: S columns are padded to this         */
 
     /* ---- operand loads: rows of an operand into the compute type ----

@@ -548,8 +548,9 @@ static flash_scratch_size scratch_size(const attn__problem *p, const flash_work 
     const int64_t loaded = w->gang > 1 ? w->gang * (w->BC < GANG_STEP ? w->BC : GANG_STEP) : w->BC;
     z.kp = w->gang > 1 || key_buffer(p, &p->k) ? loaded * p->E : 0;
     z.vp = w->gang > 1 || key_buffer(p, &p->v) ? loaded * p->Ev : 0; /* likewise */
-    /* scores: a tile's, every row's when ganged (gang_block), or the lanes block's */
-    z.s = w->direct ? (w->gang > 1 ? w->BR : kern->pv_rows) * cols : w->BC * w->lanes;
+    /* scores: every row's in keys in columns (gang_block; a tiny call's
+     * exact scores, direct_block), or the lanes block's */
+    z.s = w->direct ? w->BR * cols : w->BC * w->lanes;
     z.o = w->BR * p->Ev;
     z.stat = 4 * w->BR;                        /* m, l, alpha, best value       */
     z.keep = cols;

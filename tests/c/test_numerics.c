@@ -886,13 +886,14 @@ static void bf16_product_kernels(void) {
 
 /* Every context's qk_direct_f gives each score as the float64 sum of its
  * float32 products rounded once to float32: within half a float32 ulp of
- * the exact dot product plus float64's summation error, for 1..6 rows,
- * every key and feature tail (heads past 256 take the one-key loop), and
- * writes nothing past its rows and keys. */
+ * the exact dot product plus float64's summation error, for 1..20 rows
+ * (past 6, a tiny call's whole head: the same bits as 6-row tiles called
+ * one by one), every key and feature tail (heads past 256 take the
+ * one-key loop), and writes nothing past its rows and keys. */
 static void exact_scores_are_float64_sums(void) {
     rng r = {harness_seed() ^ 0xd1ec7};
-    enum { MAXR = 6, MAXK = 37, MAXW = 300, LDS = MAXK + 3 };
-    static float q[MAXR * (MAXW + 5)], k[MAXK * (MAXW + 5)], s[MAXR * LDS];
+    enum { MAXR = 20, TILE = 6, MAXK = 37, MAXW = 300, LDS = MAXK + 3 };
+    static float q[MAXR * (MAXW + 5)], k[MAXK * (MAXW + 5)], s[MAXR * LDS], t[MAXR * LDS];
     int checked = 0;
     for (int isa = ATTN_ISA_GENERIC; isa <= ATTN_ISA_LAST; isa++) {
         if (!attn_isa_supported((attn_isa)isa)) continue;
@@ -908,6 +909,13 @@ static void exact_scores_are_float64_sums(void) {
             for (int64_t i = 0; i < MAXK * (MAXW + 5); i++) k[i] = (float)rng_normal(&r);
             for (int64_t i = 0; i < MAXR * LDS; i++) s[i] = 12345.0f;
             kern->qk_direct_f(q, ldq, k, ldk, E, rows, nk, s, LDS);
+            for (int r0 = 0; r0 < rows; r0 += TILE) /* the same rows tile by tile */
+                kern->qk_direct_f(q + r0 * ldq, ldq, k, ldk, E, rows - r0 < TILE ? rows - r0 : TILE,
+                                  nk, t + r0 * LDS, LDS);
+            for (int i = 0; i < rows; i++)
+                CHECK(memcmp(s + i * LDS, t + i * LDS, sizeof(float) * (size_t)nk) == 0,
+                      "%s rows %d E %lld nk %lld: row %d differs from its tile's call", kern->name,
+                      rows, (long long)E, (long long)nk, i);
             for (int i = 0; i < MAXR; i++)
                 for (int64_t j = 0; j < LDS; j++) {
                     const float got = s[i * LDS + j];

@@ -282,11 +282,17 @@ ALWAYS_INLINE void qk_direct_tile(const double *q64, int64_t ld4, const float *k
     }
 }
 
-/* Float64 sums of 1..ROWS rows' scores (see qk_direct_keys_f): keys 4 to
+/* Float64 sums of any number of rows' scores (see qk_direct_keys_f): keys 4 to
  * a vector, without a horizontal sum per score or Q widened per key (the
  * AVX-512 kernel's scheme; see there). */
 static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, float *s, int64_t lds) {
+    if (rows > ROWS) { /* a tiny call's every row of a head: tile by tile */
+        for (int r0 = 0; r0 < rows; r0 += ROWS)
+            qk_direct_f(q + r0 * ldq, ldq, k, ldk, E, rows - r0 < ROWS ? rows - r0 : ROWS, nk,
+                        s + r0 * lds, lds);
+        return;
+    }
     if (E > DIRECT_E) {
         qk_direct_keys_f(q, ldq, k, ldk, E, rows, nk, s, lds);
         return;

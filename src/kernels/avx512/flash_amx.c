@@ -293,7 +293,7 @@ void attn__ukernel_init_amx(attn__ukernel *ctx) {
     ctx->name = "amx";
     ctx->qkt_bf = qkt_amx;
     ctx->pv_bf = pv_amx;
-    ctx->pv_bf_whole = true; /* causal (1,16,2048,2048,64): see pv_amx */
+    ctx->pv_bf_whole = true; /* the causal diagonal on tiles too (ukernel.h) */
     /* Heads of 65-128 in blocks of 128 keys: each O tile that P·V loads and
      * stores then takes 64 key pairs, not 32. (1,16,2048,2048,128) 4-11%
      * faster, causal too; 256 keys 2-3% more, inside the noise; at E = 64

@@ -257,27 +257,113 @@ ALWAYS_INLINE void qk_direct_tile(const double *q64, int64_t ld8, const float *k
     }
 }
 
-/* Float64 sums of 1..ROWS rows' scores (the exact scores: see
+/* Q rows rr .. rr+rows-1 widened into q64 (rows x ld8 doubles, zero past E). */
+static void widen_rows(const float *q, int64_t ldq, int64_t E, int64_t ld8, int rows,
+                       double *q64) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t e = 0; e < ld8; e++) q64[r * ld8 + e] = e < E ? (double)q[r * ldq + e] : 0.0;
+}
+
+/* One row tile of qk_direct_tile's sums over K widened and transposed
+ * beforehand (kt: per 8 keys, ld8 features x 8 keys), the same
+ * multiply-adds in the same order, so the same bits. Two groups of 8 keys
+ * at a time: 12 sums in flight, where 6 left the FMA pipes waiting on
+ * each other's latency. */
+ALWAYS_INLINE void qk_direct_kt(const double *q64, int64_t ld8, const double *kt, int64_t nk,
+                                float *s, int64_t lds, const int R) {
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+        const int64_t left = nk - j0;
+        const int n0 = left < 8 ? (int)left : 8, n1 = left <= 8 ? 0 : left < 16 ? (int)(left - 8) : 8;
+        const double *k0 = kt + j0 * ld8, *k1 = n1 > 0 ? k0 + 8 * ld8 : k0;
+        __m512d a0[ROWS], a1[ROWS];
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_pd();
+        for (int64_t e = 0; e < ld8; e++) {
+            const __m512d c0 = _mm512_loadu_pd(k0 + 8 * e), c1 = _mm512_loadu_pd(k1 + 8 * e);
+            for (int r = 0; r < R; r++) {
+                const __m512d qe = _mm512_set1_pd(q64[r * ld8 + e]);
+                a0[r] = _mm512_fmadd_pd(qe, c0, a0[r]);
+                a1[r] = _mm512_fmadd_pd(qe, c1, a1[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm512_mask_storeu_ps(s + r * lds + j0, (__mmask16)((1u << n0) - 1),
+                                  _mm512_castps256_ps512(_mm512_cvtpd_ps(a0[r])));
+            if (n1 > 0)
+                _mm512_mask_storeu_ps(s + r * lds + j0 + 8, (__mmask16)((1u << n1) - 1),
+                                      _mm512_castps256_ps512(_mm512_cvtpd_ps(a1[r])));
+        }
+    }
+}
+
+/* Keys j0 .. j0+nk-1 of K widened and transposed into kt as qk_direct_kt
+ * reads them (8 keys a group; keys past nk zero). */
+static void transpose_keys(const float *k, int64_t ldk, int64_t E, int64_t ld8, int64_t nk,
+                           double *kt) {
+    for (int64_t j0 = 0; j0 < nk; j0 += 8) {
+        const int nj = nk - j0 < 8 ? (int)(nk - j0) : 8;
+        for (int64_t e0 = 0; e0 < ld8; e0 += 8) {
+            const __mmask16 em = (__mmask16)(E - e0 >= 8 ? 0xff : (1u << (E - e0)) - 1);
+            __m512d c[8];
+            for (int i = 0; i < 8; i++)
+                c[i] = i < nj ? _mm512_cvtps_pd(_mm512_castps512_ps256(
+                                    _mm512_maskz_loadu_ps(em, k + (j0 + i) * ldk + e0)))
+                              : _mm512_setzero_pd();
+            transpose8d(c); /* c[e]: feature e0 + e of the 8 keys */
+            for (int e = 0; e < 8; e++) _mm512_storeu_pd(kt + j0 * ld8 + (e0 + e) * 8, c[e]);
+        }
+    }
+}
+
+enum { KT_DOUBLES = 2048 }; /* qk_direct_f's transposed keys on the stack: 16 KiB */
+
+/* Float64 sums of any number of rows' scores (the exact scores: see
  * qk_direct_keys_f). On heads of 64, keys 8 to a vector took a third of
  * the one-key-at-a-time loop's time, its horizontal sums and Q widened per
- * key gone (a 32-token call spent half its time there). */
+ * key gone (a 32-token call spent half its time there). Up to ROWS rows
+ * widen and transpose K in registers as they go; more rows (a tiny call's
+ * every row of a head at once) share each chunk of K widened and
+ * transposed once, where each tile of ROWS had done it again: 41-43% of
+ * the C call of (1,1,16,16,128) and (1,1,32,32,32) had been this kernel. */
 static void qk_direct_f(const float *q, int64_t ldq, const float *k, int64_t ldk, int64_t E,
                         int rows, int64_t nk, float *s, int64_t lds) {
     if (E > DIRECT_E) {
-        qk_direct_keys_f(q, ldq, k, ldk, E, rows, nk, s, lds);
+        for (int r0 = 0; r0 < rows; r0 += ROWS)
+            qk_direct_keys_f(q + r0 * ldq, ldq, k, ldk, E, rows - r0 < ROWS ? rows - r0 : ROWS,
+                             nk, s + r0 * lds, lds);
         return;
     }
     const int64_t ld8 = (E + 7) / 8 * 8;
-    double q64[ROWS * DIRECT_E]; /* rows x ld8 */
-    for (int r = 0; r < rows; r++)
-        for (int64_t e = 0; e < ld8; e++) q64[r * ld8 + e] = e < E ? (double)q[r * ldq + e] : 0.0;
-    switch (rows) {
-    case 1: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 1); break;
-    case 2: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 2); break;
-    case 3: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 3); break;
-    case 4: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 4); break;
-    case 5: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 5); break;
-    default: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, ROWS); break;
+    double q64[ROWS * DIRECT_E]; /* a row tile, rows x ld8 */
+    if (rows <= ROWS) {
+        widen_rows(q, ldq, E, ld8, rows, q64);
+        switch (rows) {
+        case 1: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 1); break;
+        case 2: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 2); break;
+        case 3: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 3); break;
+        case 4: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 4); break;
+        case 5: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, 5); break;
+        default: qk_direct_tile(q64, ld8, k, ldk, E, nk, s, lds, ROWS); break;
+        }
+        return;
+    }
+    double kt[KT_DOUBLES] __attribute__((aligned(64)));
+    const int64_t chunk = KT_DOUBLES / ld8 / 8 * 8; /* keys, >= 8 as ld8 <= DIRECT_E */
+    for (int64_t j0 = 0; j0 < nk; j0 += chunk) {
+        const int64_t n = nk - j0 < chunk ? nk - j0 : chunk;
+        transpose_keys(k + j0 * ldk, ldk, E, ld8, n, kt);
+        for (int r0 = 0; r0 < rows; r0 += ROWS) {
+            const int R = rows - r0 < ROWS ? rows - r0 : ROWS;
+            widen_rows(q + r0 * ldq, ldq, E, ld8, R, q64);
+            float *sr = s + r0 * lds + j0;
+            switch (R) {
+            case 1: qk_direct_kt(q64, ld8, kt, n, sr, lds, 1); break;
+            case 2: qk_direct_kt(q64, ld8, kt, n, sr, lds, 2); break;
+            case 3: qk_direct_kt(q64, ld8, kt, n, sr, lds, 3); break;
+            case 4: qk_direct_kt(q64, ld8, kt, n, sr, lds, 4); break;
+            case 5: qk_direct_kt(q64, ld8, kt, n, sr, lds, 5); break;
+            default: qk_direct_kt(q64, ld8, kt, n, sr, lds, ROWS); break;
+            }
+        }
     }
 }
 
