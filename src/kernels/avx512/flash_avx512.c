@@ -228,6 +228,19 @@ ALWAYS_INLINE void transpose8d(__m512d r[8]) {
     }
 }
 
+/* Keys j0 .. j0+nj-1 (nj <= 8; the rest zero), features e0 .. e0+7 (zero
+ * past E), widened and transposed in registers: c[e] holds feature e0 + e
+ * of the 8 keys. */
+ALWAYS_INLINE void widen_keys8(const float *k, int64_t ldk, int64_t E, int64_t j0, int nj,
+                               int64_t e0, __m512d c[8]) {
+    const __mmask16 em = (__mmask16)(E - e0 >= 8 ? 0xff : (1u << (E - e0)) - 1);
+    for (int i = 0; i < 8; i++)
+        c[i] = i < nj ? _mm512_cvtps_pd(_mm512_castps512_ps256(
+                            _mm512_maskz_loadu_ps(em, k + (j0 + i) * ldk + e0)))
+                      : _mm512_setzero_pd();
+    transpose8d(c);
+}
+
 /* R rows of scores, 8 keys a vector: each 8 x 8 block of K widened and
  * transposed in registers, so a multiply-add with a broadcast Q element
  * gives a lane of 8 scores and no score needs a horizontal sum. q64: the
@@ -239,13 +252,8 @@ ALWAYS_INLINE void qk_direct_tile(const double *q64, int64_t ld8, const float *k
         __m512d acc[ROWS];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_pd();
         for (int64_t e0 = 0; e0 < ld8; e0 += 8) {
-            const __mmask16 em = (__mmask16)(E - e0 >= 8 ? 0xff : (1u << (E - e0)) - 1);
             __m512d c[8];
-            for (int i = 0; i < 8; i++)
-                c[i] = i < nj ? _mm512_cvtps_pd(_mm512_castps512_ps256(
-                                    _mm512_maskz_loadu_ps(em, k + (j0 + i) * ldk + e0)))
-                              : _mm512_setzero_pd();
-            transpose8d(c); /* c[e]: feature e0 + e of the 8 keys */
+            widen_keys8(k, ldk, E, j0, nj, e0, c);
             for (int e = 0; e < 8; e++)
                 for (int r = 0; r < R; r++)
                     acc[r] = _mm512_fmadd_pd(_mm512_set1_pd(q64[r * ld8 + e0 + e]), c[e], acc[r]);
@@ -302,13 +310,8 @@ static void transpose_keys(const float *k, int64_t ldk, int64_t E, int64_t ld8, 
     for (int64_t j0 = 0; j0 < nk; j0 += 8) {
         const int nj = nk - j0 < 8 ? (int)(nk - j0) : 8;
         for (int64_t e0 = 0; e0 < ld8; e0 += 8) {
-            const __mmask16 em = (__mmask16)(E - e0 >= 8 ? 0xff : (1u << (E - e0)) - 1);
             __m512d c[8];
-            for (int i = 0; i < 8; i++)
-                c[i] = i < nj ? _mm512_cvtps_pd(_mm512_castps512_ps256(
-                                    _mm512_maskz_loadu_ps(em, k + (j0 + i) * ldk + e0)))
-                              : _mm512_setzero_pd();
-            transpose8d(c); /* c[e]: feature e0 + e of the 8 keys */
+            widen_keys8(k, ldk, E, j0, nj, e0, c);
             for (int e = 0; e < 8; e++) _mm512_storeu_pd(kt + j0 * ld8 + (e0 + e) * 8, c[e]);
         }
     }
