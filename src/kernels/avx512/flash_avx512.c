@@ -282,6 +282,7 @@ ALWAYS_INLINE void qk_direct_kt(const double *q64, int64_t ld8, const double *kt
     for (int64_t j0 = 0; j0 < nk; j0 += 16) {
         const int64_t left = nk - j0;
         const int n0 = left < 8 ? (int)left : 8, n1 = left <= 8 ? 0 : left < 16 ? (int)(left - 8) : 8;
+        /* no second group: k1 reads k0 again and its sums are not stored */
         const double *k0 = kt + j0 * ld8, *k1 = n1 > 0 ? k0 + 8 * ld8 : k0;
         __m512d a0[ROWS], a1[ROWS];
         for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_pd();
