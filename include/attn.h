@@ -51,6 +51,9 @@
  *    different outputs, including attn_mha_forward() on one shared attn_mha.
  *    The process-wide settings (thread count, allocator, ISA) should be set
  *    before concurrent use begins.
+ *  - Stack: a call takes at most 64 KiB of the calling thread's stack (and
+ *    of each worker's); its large buffers are workspace. So a thread with a
+ *    small stack (musl's default is 128 KiB) can call it.
  */
 #ifndef ATTN_H
 #define ATTN_H
