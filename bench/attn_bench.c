@@ -3,9 +3,10 @@
  * that need no Python. bench/run.py calls it for the probes, in the same run
  * as the attn-vs-PyTorch comparison. Every command prints one JSON object.
  *
- *   attn_bench peak [--threads N] [--bf16]
- *                                        measured FMA peak, GFLOP/s; --bf16:
- *                                        the bfloat16 products' peak on the
+ *   attn_bench peak [--threads N] [--bf16] [--rounds R]
+ *                                        measured FMA peak, GFLOP/s, best
+ *                                        of R rounds (7); --bf16: the
+ *                                        bfloat16 products' peak on the
  *                                        path in use: AMX tiles ("isa":
  *                                        "amx"), else the AVX512-BF16 dot
  *                                        product ("none" where the CPU or
@@ -97,7 +98,7 @@ static bool cpu_has_bf16(void) {
 
 /* The bfloat16 products' peak on the path bfloat16 prefills take: AMX
  * tiles where the path is amx, vdpbf16ps where the CPU has AVX512-BF16. */
-static int cmd_peak_bf16(int threads) {
+static int cmd_peak_bf16(int threads, int rounds) {
     double best = 0;
     const char *isa = "none";
 #ifdef ATTN_BENCH_AMX
@@ -106,7 +107,7 @@ static int cmd_peak_bf16(int threads) {
     const bool amx = false;
 #endif
 #ifdef ATTN_BENCH_AVX512BF16
-    for (int round = 0; round < 7 && (amx || cpu_has_bf16()); round++) {
+    for (int round = 0; round < rounds && (amx || cpu_has_bf16()); round++) {
         double flops = 0;
         const double t0 = bench_now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
@@ -126,12 +127,15 @@ static int cmd_peak_bf16(int threads) {
 
 static int cmd_peak(int argc, char **argv) {
     const int threads = (int)bench_opt_long(argc, argv, "--threads", attn_get_num_threads());
-    if (bench_has_flag(argc, argv, "--bf16")) return cmd_peak_bf16(threads);
+    /* best of `rounds` (7; fewer for the probes run beside a case's rounds) */
+    const long rounds_opt = bench_opt_long(argc, argv, "--rounds", 7);
+    const int rounds = rounds_opt < 1 ? 1 : rounds_opt > 100 ? 100 : (int)rounds_opt;
+    if (bench_has_flag(argc, argv, "--bf16")) return cmd_peak_bf16(threads, rounds);
     const char *isa = attn_isa_supported(ATTN_ISA_AVX512) ? "avx512"
                       : attn_isa_supported(ATTN_ISA_AVX2) ? "avx2"
                                                           : "scalar";
     double best = 0;
-    for (int round = 0; round < 7; round++) {
+    for (int round = 0; round < rounds; round++) {
         double flops = 0;
         const double t0 = bench_now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)

@@ -39,6 +39,15 @@ Each case runs at least --reps alternating rounds, and more (up to three
 times as many) while its spread, half the interquartile range over the
 median, is above 5%; the spread is reported beside each median.
 
+The machine's state is probed between a case's rounds too (these VMs move
+by 2x within minutes): the FMA peak beside the prefill and backward cases,
+the bfloat16 products' peak beside the bfloat16 cases (AMX tiles read
+2,200 or 5,300 GFLOP/s by turns on one Emerald Rapids VM, and attn's
+bfloat16 BERT-base module 66-82 ms or 35-47 ms with them), and the read
+bandwidth beside the decode. Each row notes its median and range; the
+targets stay graded against the run's own peak (the decode's bandwidth
+against its probes beside).
+
 Writes results.json, results.md and throughput.png (and serving.json,
 serving.md) under bench/results/<cpu>/ (the CPU's model name, family and
 model: one folder per machine measured, with its ISA path, BLAS core and
@@ -258,7 +267,7 @@ def bench_sdpa(args, B, H, L, S, E, causal=False, kv_heads=None, reps=None, besi
                 mem_torch=peak_memory(args, "torch", "sdpa", (B, H, L, S, E, causal, kv_heads)))
 
 
-def bench_half(args, B, H, L, S, E, causal, dtype=torch.bfloat16):
+def bench_half(args, B, H, L, S, E, causal, dtype=torch.bfloat16, beside=None):
     """bfloat16 prefill (issue 13): attn on torch bfloat16 tensors against
     PyTorch's bfloat16 SDPA, then against attn's own float32 on the same
     values (each pair alternating, as everywhere)."""
@@ -278,7 +287,7 @@ def bench_half(args, B, H, L, S, E, causal, dtype=torch.bfloat16):
     out_a, out_t = run_attn(), run_torch()
     run_f32()
     reps = max(3, args.reps // 3)
-    vs_torch = alternate(run_attn, run_torch, reps)
+    vs_torch = alternate(run_attn, run_torch, reps, beside=beside)
     vs_f32 = alternate(run_attn, run_f32, reps)
     flops = 4.0 * B * H * L * S * E * (0.5 if causal else 1.0)
     return dict(vs_torch, ms_f32=vs_f32["ms_torch"], spread_f32=vs_f32["spread_torch"],
@@ -286,7 +295,7 @@ def bench_half(args, B, H, L, S, E, causal, dtype=torch.bfloat16):
                 max_diff=float((out_a.double() - out_t.double()).abs().max()))
 
 
-def bench_mha_half(args, N, L, E, H, dtype=torch.bfloat16):
+def bench_mha_half(args, N, L, E, H, dtype=torch.bfloat16, beside=None):
     """bfloat16 MHA (issue 13): attn.MultiheadAttention in bfloat16 on torch
     bfloat16 tensors against torch's module in bfloat16, then against attn's
     own float32 module on the same values, each pair alternating."""
@@ -310,7 +319,7 @@ def bench_mha_half(args, N, L, E, H, dtype=torch.bfloat16):
 
     out_a, out_t = run_attn(), run_torch()
     run_f32()
-    vs_torch = alternate(run_attn, run_torch, args.reps)
+    vs_torch = alternate(run_attn, run_torch, args.reps, beside=beside)
     vs_f32 = alternate(run_attn, run_f32, args.reps)
     D = E
     flops = 2.0 * N * L * E * 3 * D + 2.0 * N * L * D * E + 4.0 * N * H * L * L * (D // H)
@@ -334,13 +343,15 @@ def half_table(cases, peak_bf16, bf16_isa="avx512_bf16"):
              f"(need_weights=False), each also against attn's own float32 on the same values, "
              f"each pair alternating; % of peak: of {peak_note}.", "",
              "| case | attn bf16 ms | attn f32 ms | PyTorch bf16 ms | vs attn f32 | "
-             "vs PyTorch bf16 | attn bf16 GFLOP/s | % of bf16 peak | max \\|diff\\| vs PyTorch |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "vs PyTorch bf16 | attn bf16 GFLOP/s | % of bf16 peak | max \\|diff\\| vs PyTorch | "
+             "note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in half:
         pct = f"{100 * c['gflops_attn'] / peak_bf16:.0f}%" if peak_bf16 else "–"
         lines.append(f"| {c['label']} | {c['ms_attn']:.2f} | {c['ms_f32']:.2f} | "
                      f"{c['ms_torch']:.2f} | **{c['vs_f32']:.2f}×** | **{c['ratio']:.2f}×** | "
-                     f"{c['gflops_attn']:.1f} | {pct} | {c['max_diff']:.1e} |")
+                     f"{c['gflops_attn']:.1f} | {pct} | {c['max_diff']:.1e} | "
+                     f"{c.get('extra', '')} |")
     return lines
 
 
@@ -471,9 +482,10 @@ def grads(q, k, v):
     return [t.grad.clone() for t in (q, k, v)]
 
 
-def bench_backward(args, B, H, L, S, E, causal):
+def bench_backward(args, B, H, L, S, E, causal, beside=None):
     """Medians over calls that alternate attn and PyTorch (order flipped
-    every call); gradients compared on the warm-up calls."""
+    every call); gradients compared on the warm-up calls. beside: as
+    alternate's (the FMA peak probed after every round)."""
     q, k, v, dout = backward_inputs(B, H, L, S, E)
     for t in (q, k, v):
         t.requires_grad_()
@@ -484,18 +496,22 @@ def bench_backward(args, B, H, L, S, E, causal):
     theirs = grads(q, k, v)
     diffs = {name: float((a - b).abs().max()) for name, a, b in zip(("dq", "dk", "dv"), ours, theirs)}
     runs = dict(attn_fwd_bwd=[], attn_bwd=[], torch_fwd_bwd=[], torch_bwd=[])
+    probes = []
     for r in range(reps):
         pair = (("attn", attn.scaled_dot_product_attention), ("torch", F.scaled_dot_product_attention))
         for name, sdpa in (pair if r % 2 == 0 else pair[::-1]):
             both, bwd = backward_call(sdpa, q, k, v, dout, causal)
             runs[name + "_fwd_bwd"].append(both)
             runs[name + "_bwd"].append(bwd)
+        if beside is not None:
+            probes.append(beside())
     half = 0.5 if causal else 1.0
     med = {key: statistics.median(x) for key, x in runs.items()}
+    beside_figures = dict(beside=probes) if beside is not None else {}
     return dict(ms_attn=med["attn_fwd_bwd"], ms_attn_bwd=med["attn_bwd"],
                 ms_torch=med["torch_fwd_bwd"], ms_torch_bwd=med["torch_bwd"],
                 flops=14.0 * B * H * L * S * E * half, flops_bwd=10.0 * B * H * L * S * E * half,
-                max_diff=diffs, reps=reps, runs_ms=runs)
+                max_diff=diffs, reps=reps, runs_ms=runs, **beside_figures)
 
 
 def backward_figures(c, peak):
@@ -512,11 +528,14 @@ def backward_figures(c, peak):
 
 def fmt_backward_row(c):
     d = c["max_diff"]
+    beside = (f"{100 * c['gflops_attn_bwd'] / c['peak_beside']:.0f}% "
+              f"({c['peak_beside']:.0f} GFLOP/s, {min(c['beside']):.0f}–{max(c['beside']):.0f})"
+              if "peak_beside" in c else "–")
     return (f"| {c['label']} | {c['ms_attn']:.2f} | {c['ms_attn_bwd']:.2f} | "
             f"{c['ms_torch']:.2f} | {c['ms_torch_bwd']:.2f} | **{c['ratio']:.2f}×** | "
             f"{c['ratio_bwd']:.2f}× | {c['gflops_attn']:.1f} | {c['gflops_torch']:.1f} | "
             f"{c['gflops_attn_bwd']:.1f} | {c['peak_pct']:.0f}% | {c['peak_pct_bwd']:.0f}% | "
-            f"{d['dq']:.1e} / {d['dk']:.1e} / {d['dv']:.1e} |")
+            f"{beside} | {d['dq']:.1e} / {d['dk']:.1e} / {d['dv']:.1e} |")
 
 
 def backward_table(cases):
@@ -532,8 +551,9 @@ def backward_table(cases):
             "| case | attn fwd+bwd ms | attn bwd ms | PyTorch fwd+bwd ms | PyTorch bwd ms | "
             "speed-up fwd+bwd | speed-up bwd | attn fwd+bwd GFLOP/s | PyTorch fwd+bwd GFLOP/s | "
             "attn bwd GFLOP/s | attn fwd+bwd % of peak | attn bwd % of peak | "
+            "attn bwd % of the FMA peak probed between its rounds | "
             "max \\|diff\\| dq / dk / dv |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + \
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + \
         [fmt_backward_row(c) for c in cases]
 
 
@@ -661,8 +681,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
-    ap.add_argument("--only", default="", help="run cases whose label contains this text "
-                    "('serving': the serving section)")
+    ap.add_argument("--only", default="", help="run cases whose label contains this text, "
+                    "or any of several joined by '|' ('serving': the serving section)")
     ap.add_argument("--serving", action="store_true",
                     help="only the serving section; writes only serving.json and serving.md")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "build", "bench", "attn_bench"))
@@ -733,6 +753,17 @@ def main():
     for name, N, L, E, H in (MHA if not args.quick else MHA[:1]):
         plan.append(("half_mha", (name, N, L, E, H)))
 
+    # The machine's state beside a case's own rounds (shared VMs move by 2x
+    # within minutes): the FMA peak after every round of the prefill and
+    # backward cases, and the bfloat16 products' peak after every round of
+    # the bfloat16 cases against PyTorch (where this CPU has them).
+    def fma_beside():
+        return probe(args, "peak", "--rounds", "3")["gflops"]
+    bf16_path = attn.kernel_info()["isa"] in ("avx512_bf16", "amx")
+
+    def bf16_beside():
+        return probe(args, "peak", "--bf16", "--rounds", "2")["gflops"]
+
     cases, backward = [], []
     for i, (group, p) in enumerate(plan):
         if group in ("mha", "half_mha"):
@@ -744,13 +775,14 @@ def main():
             label = (("backward " if group == "backward" else "short " if group == "short"
                       else "bfloat16 " if group == "half" else "") + f"({B},{H},{L},{S},{E})" +
                      (" causal" if causal else "") + (f" {kvh} KV heads" if kvh else ""))
-        if args.only and args.only not in label:
+        if args.only and not any(part in label for part in args.only.split("|")):
             continue
         log(f"[{i + 1}/{len(plan)}] {group}: {label} ...")
         t0 = time.perf_counter()
         if group == "backward":
-            c = bench_backward(args, B, H, L, S, E, causal)
+            c = bench_backward(args, B, H, L, S, E, causal, beside=fma_beside)
             c.update(group=group, label=label, threads=args.threads, L=L, causal=causal)
+            c["peak_beside"] = statistics.median(c["beside"])
             backward.append(c)
             log(f"    attn fwd+bwd {c['ms_attn']:.2f} ms (bwd {c['ms_attn_bwd']:.2f}), torch "
                 f"{c['ms_torch']:.2f} ms (bwd {c['ms_torch_bwd']:.2f}), "
@@ -763,11 +795,12 @@ def main():
             c = bench_short(args, H, L, E)
             c.update(L=L, causal=False, H=H, E=E)
         elif group == "half":
-            c = bench_half(args, B, H, L, S, E, causal)
+            c = bench_half(args, B, H, L, S, E, causal,
+                           beside=bf16_beside if bf16_path else None)
             c.update(L=L, causal=causal)
             c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
         elif group == "half_mha":  # reported among the bfloat16 rows
-            c = bench_mha_half(args, N, L, E, H)
+            c = bench_mha_half(args, N, L, E, H, beside=bf16_beside if bf16_path else None)
             c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
             group = "half"
         elif group == "decode":  # the read bandwidth probed between its rounds
@@ -775,7 +808,8 @@ def main():
                            beside=lambda: probe(args, "bandwidth")["gbps"])
             c.update(L=L, causal=causal)
         else:
-            c = bench_sdpa(args, B, H, L, S, E, causal, kvh)
+            c = bench_sdpa(args, B, H, L, S, E, causal, kvh,
+                           beside=fma_beside if group == "prefill" else None)
             c.update(L=L, causal=causal)
         c.update(group=group, label=label, threads=args.threads)
         c["ratio"] = c["ms_torch"] / c["ms_attn"]
@@ -792,6 +826,12 @@ def main():
             c["extra"] = (f"K/V {c['kv_gbps']:.1f} GB/s = {c['bw_pct']:.0f}% of the read BW "
                           f"probed between its rounds ({c['bw_beside_gbps']:.1f} GB/s), "
                           f"{c['bw_pct_first']:.0f}% of the run's first probe")
+        elif "beside" in c:  # a peak probed between its rounds (FMA, or bfloat16 products)
+            c["peak_beside"] = statistics.median(c["beside"])
+            what = "bfloat16 peak" if group == "half" else "FMA peak"
+            c["extra"] = (f"{c['gflops_attn'] / c['peak_beside']:.0%} of the {what} probed "
+                          f"between its rounds ({c['peak_beside']:.0f} GFLOP/s, "
+                          f"{min(c['beside']):.0f}–{max(c['beside']):.0f})")
         cases.append(c)
         log(f"    attn {c['ms_attn']:.3f} ms ±{100 * c['spread_attn']:.0f}%, torch "
             f"{c['ms_torch']:.3f} ms ±{100 * c['spread_torch']:.0f}%, {c['ratio']:.2f}x, "
