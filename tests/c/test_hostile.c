@@ -372,7 +372,12 @@ static void overlapping_outputs(void) {
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define UNDER_SANITIZER 1
-#else
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define UNDER_SANITIZER 1
+#endif
+#endif
+#ifndef UNDER_SANITIZER
 #define UNDER_SANITIZER 0
 #endif
 
@@ -624,113 +629,91 @@ static void serving_indices_changing(void) {
  * heads, float64, 16-bit, the backward, MHA forward and backward). */
 enum { STACK_BYTES = 4 << 20, STACK_PAINT = 0xA5, STACK_BOUND = 64 << 10 };
 
-typedef enum stack_call {
-    STACK_TINY, STACK_DECODE, STACK_PREFILL, STACK_WIDE, STACK_F64, STACK_BF16, STACK_F16,
-    STACK_BACKWARD, STACK_MHA, STACK_CALLS
-} stack_call;
+/* One call per kernel family: SDPA of (1, H, L|S, E) zeros (with its
+ * backward when `backward`), or MHA (E = 64, 4 heads, (L = 40, N = 2, E))
+ * forward_train and backward when `mha`. */
+typedef struct stack_case {
+    const char *name;
+    int64_t H, L, S, E;
+    attn_dtype dt;
+    bool causal, backward, mha;
+} stack_case;
 
-static const char *const stack_call_names[STACK_CALLS] = {
-    "tiny (1,1,16,16,128)", "decode (1,2,1,600,128)", "prefill (1,2,300,300,64) causal",
-    "wide head (1,2,100,100,256)", "float64 (1,2,100,100,64)", "bfloat16 (1,2,300,300,128)",
-    "float16 (1,2,100,100,64)", "backward (1,2,100,100,64) causal", "MHA forward + backward"};
+static const stack_case stack_cases[] = {
+    {"tiny (1,1,16,16,128)", 1, 16, 16, 128, ATTN_DTYPE_F32, false, false, false},
+    {"decode (1,2,1,600,128)", 2, 1, 600, 128, ATTN_DTYPE_F32, false, false, false},
+    {"prefill (1,2,300,300,64) causal", 2, 300, 300, 64, ATTN_DTYPE_F32, true, false, false},
+    {"wide head (1,2,100,100,256)", 2, 100, 100, 256, ATTN_DTYPE_F32, false, false, false},
+    {"float64 (1,2,100,100,64)", 2, 100, 100, 64, ATTN_DTYPE_F64, false, false, false},
+    {"bfloat16 (1,2,300,300,128) causal", 2, 300, 300, 128, ATTN_DTYPE_BF16, true, false, false},
+    {"float16 (1,2,100,100,64)", 2, 100, 100, 64, ATTN_DTYPE_F16, false, false, false},
+    {"backward (1,2,100,100,64) causal", 2, 100, 100, 64, ATTN_DTYPE_F32, true, true, false},
+    {"MHA forward_train + backward", 0, 0, 0, 0, ATTN_DTYPE_F32, false, false, true},
+};
 
 typedef struct stack_job {
-    stack_call call;
+    const stack_case *c;
     const unsigned char *base; /* the painted stack's lowest byte */
     size_t used;               /* bytes the call touched */
     attn_status st;
+    char message[256];         /* the job thread's own error message */
 } stack_job;
 
-/* One SDPA call on zeroed (B, H, L|S, E) inputs of dtype dt; with
- * `backward`, its backward too. */
-static attn_status stack_sdpa(int64_t H, int64_t L, int64_t S, int64_t E, attn_dtype dt,
-                              bool causal, bool backward) {
-    const size_t es = dt == ATTN_DTYPE_F64 ? 8 : dt == ATTN_DTYPE_F32 ? 4 : 2;
-    const int64_t qs[4] = {1, H, L, E}, ks[4] = {1, H, S, E};
-    char *q = calloc((size_t)(H * L * E), es * 3), *k = calloc((size_t)(H * S * E), es * 4);
-    float *lse = calloc((size_t)(H * L), sizeof(float));
-    if (!q || !k || !lse) {
-        free(q), free(k), free(lse);
-        return ATTN_ERR_NOMEM;
-    }
-    char *out = q + (size_t)(H * L * E) * es, *dq = out + (size_t)(H * L * E) * es;
-    char *v = k + (size_t)(H * S * E) * es, *dk = v + (size_t)(H * S * E) * es;
-    char *dv = dk + (size_t)(H * S * E) * es;
-    attn_tensor tq, tk, tv, to, tl, tdq, tdk, tdv;
-    attn_tensor_init(&tq, q, dt, 4, qs);
-    attn_tensor_init(&tk, k, dt, 4, ks);
-    attn_tensor_init(&tv, v, dt, 4, ks);
-    attn_tensor_init(&to, out, dt, 4, qs);
-    attn_tensor_init(&tl, lse, ATTN_DTYPE_F32, 3, qs);
-    attn_tensor_init(&tdq, dq, dt, 4, qs);
-    attn_tensor_init(&tdk, dk, dt, 4, ks);
-    attn_tensor_init(&tdv, dv, dt, 4, ks);
+static attn_status stack_sdpa(const stack_case *c) {
+    const int64_t qs[4] = {1, c->H, c->L, c->E}, ks[4] = {1, c->H, c->S, c->E};
+    const attn_dtype dts[8] = {c->dt, c->dt, c->dt, c->dt, ATTN_DTYPE_F32, c->dt, c->dt, c->dt};
+    const int64_t *shapes[8] = {qs, ks, ks, qs, qs, qs, ks, ks};
+    rng r = {1};
+    test_tensor t[8]; /* q, k, v, out, lse (rank 3), dq, dk, dv: zeros */
+    for (int i = 0; i < 8; i++)
+        tt_make_output(&t[i], &r, dts[i], i == 4 ? 3 : 4, shapes[i], LAYOUT_CONTIGUOUS);
     attn_sdpa_params p;
     attn_sdpa_params_init(&p);
-    p.causal = causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
-    attn_status st = attn_sdpa(&tq, &tk, &tv, &p, &to, NULL, backward ? &tl : NULL);
-    if (st == ATTN_OK && backward) /* dout: the zeroed output itself */
-        st = attn_sdpa_backward(&to, &tq, &tk, &tv, &to, &tl, &p, &tdq, &tdk, &tdv, NULL);
-    free(q), free(k), free(lse);
+    p.causal = c->causal ? ATTN_CAUSAL_TOP_LEFT : ATTN_CAUSAL_NONE;
+    attn_status st = attn_sdpa(&t[0].t, &t[1].t, &t[2].t, &p, &t[3].t, NULL,
+                               c->backward ? &t[4].t : NULL);
+    if (st == ATTN_OK && c->backward) /* dout: the zeroed output itself */
+        st = attn_sdpa_backward(&t[3].t, &t[0].t, &t[1].t, &t[2].t, &t[3].t, &t[4].t, &p,
+                                &t[5].t, &t[6].t, &t[7].t, NULL);
+    for (int i = 0; i < 8; i++) tt_free(&t[i]);
     return st;
 }
 
-/* MHA (E = 64, 4 heads) on a (N = 2, L = 40, E) batch: forward_train and backward. */
 static attn_status stack_mha(void) {
-    const int64_t xs[3] = {40, 2, 64}, n = 40 * 2 * 64;
-    float *x = calloc((size_t)(3 * n), sizeof(float));
+    const int64_t xs[3] = {40, 2, 64};
+    rng r = {1};
+    test_tensor t[3]; /* x (query, key and value), y, dx: zeros */
+    for (int i = 0; i < 3; i++) tt_make_output(&t[i], &r, ATTN_DTYPE_F32, 3, xs, LAYOUT_CONTIGUOUS);
     attn_mha *m = NULL;
     attn_mha_saved *saved = NULL;
-    attn_mha_config c;
-    attn_mha_config_init(&c, 64, 4);
-    attn_status st = x ? attn_mha_create(&c, &m) : ATTN_ERR_NOMEM;
-    attn_tensor tx, ty, tdx;
-    attn_tensor_init(&tx, x, ATTN_DTYPE_F32, 3, xs);
-    attn_tensor_init(&ty, x + n, ATTN_DTYPE_F32, 3, xs);
-    attn_tensor_init(&tdx, x + 2 * n, ATTN_DTYPE_F32, 3, xs);
-    if (st == ATTN_OK) st = attn_mha_forward_train(m, &tx, &tx, &tx, NULL, &ty, NULL, &saved);
+    attn_mha_config cfg;
+    attn_mha_config_init(&cfg, 64, 4);
+    attn_status st = attn_mha_create(&cfg, &m);
     if (st == ATTN_OK)
-        st = attn_mha_backward(m, saved, &tx, &tx, &tx, &ty, &tdx, NULL, NULL, NULL);
+        st = attn_mha_forward_train(m, &t[0].t, &t[0].t, &t[0].t, NULL, &t[1].t, NULL, &saved);
+    if (st == ATTN_OK)
+        st = attn_mha_backward(m, saved, &t[0].t, &t[0].t, &t[0].t, &t[1].t, &t[2].t, NULL, NULL,
+                               NULL);
     attn_mha_saved_destroy(saved);
     attn_mha_destroy(m);
-    free(x);
+    for (int i = 0; i < 3; i++) tt_free(&t[i]);
     return st;
 }
 
 static void *stack_job_run(void *arg) {
     stack_job *j = arg;
     volatile unsigned char top = 0; /* the thread's first frame */
-    switch (j->call) {
-    case STACK_TINY: j->st = stack_sdpa(1, 16, 16, 128, ATTN_DTYPE_F32, false, false); break;
-    case STACK_DECODE: j->st = stack_sdpa(2, 1, 600, 128, ATTN_DTYPE_F32, false, false); break;
-    case STACK_PREFILL: j->st = stack_sdpa(2, 300, 300, 64, ATTN_DTYPE_F32, true, false); break;
-    case STACK_WIDE: j->st = stack_sdpa(2, 100, 100, 256, ATTN_DTYPE_F32, false, false); break;
-    case STACK_F64: j->st = stack_sdpa(2, 100, 100, 64, ATTN_DTYPE_F64, false, false); break;
-    case STACK_BF16: j->st = stack_sdpa(2, 300, 300, 128, ATTN_DTYPE_BF16, true, false); break;
-    case STACK_F16: j->st = stack_sdpa(2, 100, 100, 64, ATTN_DTYPE_F16, false, false); break;
-    case STACK_BACKWARD: j->st = stack_sdpa(2, 100, 100, 64, ATTN_DTYPE_F32, true, true); break;
-    default: j->st = stack_mha(); break;
-    }
+    j->st = j->c->mha ? stack_mha() : stack_sdpa(j->c);
+    snprintf(j->message, sizeof j->message, "%s", attn_last_error());
     const unsigned char *low = j->base;
-    while (*low == STACK_PAINT && low < (const unsigned char *)&top) low++;
+    while (low < (const unsigned char *)&top && *low == STACK_PAINT) low++;
     j->used = (size_t)((const unsigned char *)&top - low);
     return NULL;
 }
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define STACK_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define STACK_SANITIZED 1
-#endif
-#endif
-
 static void caller_stack(void) {
-#ifdef STACK_SANITIZED
-    const bool bounded = false; /* sanitizers' frames are larger by design (ASan: 476 KiB) */
-#else
-    const bool bounded = true;
-#endif
+    /* sanitizers' frames are larger by design (ASan: 476 KiB) */
+    const bool bounded = !UNDER_SANITIZER;
     const int threads = attn_get_num_threads();
     attn_set_num_threads(1);
     unsigned char *stack = NULL;
@@ -739,20 +722,22 @@ static void caller_stack(void) {
         if (!attn_isa_supported((attn_isa)isa)) continue;
         CHECK_OK(attn_set_isa((attn_isa)isa));
         size_t most = 0;
-        for (int c = 0; c < STACK_CALLS; c++) {
+        for (size_t c = 0; c < sizeof stack_cases / sizeof *stack_cases; c++) {
+            const char *name = stack_cases[c].name, *path = attn_isa_name((attn_isa)isa);
             memset(stack, STACK_PAINT, STACK_BYTES);
-            stack_job j = {(stack_call)c, stack, 0, ATTN_OK};
+            stack_job j = {&stack_cases[c], stack, 0, ATTN_OK, ""};
             pthread_attr_t attr;
             pthread_attr_init(&attr);
             pthread_attr_setstack(&attr, stack, STACK_BYTES);
             pthread_t t;
-            CHECK(pthread_create(&t, &attr, stack_job_run, &j) == 0, "no thread");
-            pthread_join(t, NULL);
+            const bool started = pthread_create(&t, &attr, stack_job_run, &j) == 0;
             pthread_attr_destroy(&attr);
-            CHECK(j.st == ATTN_OK, "%s on %s: %s", stack_call_names[c],
-                  attn_isa_name((attn_isa)isa), attn_last_error());
+            CHECK(started, "%s on %s: no thread", name, path);
+            if (!started) continue;
+            pthread_join(t, NULL);
+            CHECK(j.st == ATTN_OK, "%s on %s: %s", name, path, j.message);
             CHECK(!bounded || j.used <= STACK_BOUND, "%s on %s took %zu bytes of stack (at most %d)",
-                  stack_call_names[c], attn_isa_name((attn_isa)isa), j.used, STACK_BOUND);
+                  name, path, j.used, STACK_BOUND);
             most = j.used > most ? j.used : most;
         }
         printf("  %s: at most %.1f KiB of the caller's stack\n", attn_isa_name((attn_isa)isa),
