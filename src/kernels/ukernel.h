@@ -173,6 +173,11 @@ typedef struct attn__ukernel {
      * ATTN_DTYPE_BF16) as attn__store does; returns whether every o[e]·inv
      * is finite. A 16-bit call's output rows. */
     bool (*store_half_f)(const float *o, double inv, int64_t n, attn_dtype dtype, uint16_t *dst);
+    /* Optional (NULL: the driver's loop, which the portable build keeps to
+     * SSE2): dst[e] = o[e]·inv in float32 for e < n; returns whether every
+     * dst[e] is finite. A float32 output row: at L = S = 32, E = 128 the
+     * SSE2 loop took 12% of a call (perf, Intel), as much as a score tile. */
+    bool (*store_row_f)(const float *o, float inv, int64_t n, float *dst);
     /* Optional (NULL: attn__float_to_bf16 per element): dst[j] =
      * attn__float_to_bf16(src[j] + bias[j]) (the float32 sum; src[j] alone
      * when bias is NULL) for j < n, the same bits, NaN included: a bfloat16

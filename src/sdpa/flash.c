@@ -334,6 +334,10 @@ static const void *element_at(const void *data, attn_dtype dtype, int64_t off) {
     return (const char *)data + off * (int64_t)attn_dtype_size(dtype);
 }
 
+/* The fewest keys for which pack_q copies a block's Q rows before it
+ * transposes them (its cost is paid once a block, its gain once a key). */
+#define COPY_Q_MIN_KEYS 256
+
 /* n rows of `width` elements of `size` bytes, `rs` elements apart, copied
  * into dst one after another. Cold rows copied this way and then
  * transposed from L1 take half the time of a transpose where they lie (a

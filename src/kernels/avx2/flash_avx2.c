@@ -819,6 +819,27 @@ static void load_rows_f(const void *src, attn_dtype dtype, int64_t rs, int64_t c
  * past L1: 73 against 79 GFLOP/s at (1,1,2048,2048,64), and 61 against 67
  * for causal (1,12,512,512,64)); up to 128 wide, 48 keys (80-82 against
  * 77-79 for 64, causal and not). */
+/* A float32 output row (ukernel.h: store_row_f): one multiply a value, as
+ * the portable loop, so the same bits; an all-ones exponent marks NaN/Inf. */
+static bool store_row_f(const float *o, float inv, int64_t n, float *dst) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    const __m256i exp = _mm256_set1_epi32(0x7f800000);
+    __m256i special = _mm256_setzero_si256();
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(o + e), iv);
+        _mm256_storeu_ps(dst + e, x);
+        special = _mm256_or_si256(
+            special, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(x), exp), exp));
+    }
+    bool finite = _mm256_testz_si256(special, special);
+    for (; e < n; e++) {
+        dst[e] = o[e] * inv;
+        finite &= isfinite(dst[e]);
+    }
+    return finite;
+}
+
 void attn__ukernel_init_avx2(attn__ukernel *ctx) {
     ctx->name = "avx2";
     ctx->load_rows_f = load_rows_f;
@@ -836,4 +857,5 @@ void attn__ukernel_init_avx2(attn__ukernel *ctx) {
     ctx->softmax_f = softmax_f;
     ctx->pv_f = pv_f;
     ctx->softmax_bwd_t_f = softmax_bwd_t_f;
+    ctx->store_row_f = store_row_f;
 }

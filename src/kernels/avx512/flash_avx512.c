@@ -745,6 +745,22 @@ static bool store_half_f(const float *o, double inv, int64_t n, attn_dtype dtype
     return special == 0;
 }
 
+/* A float32 output row (ukernel.h: store_row_f): one multiply a value, as
+ * the portable loop, so the same bits; an all-ones exponent marks NaN/Inf. */
+static bool store_row_f(const float *o, float inv, int64_t n, float *dst) {
+    const __m512 iv = _mm512_set1_ps(inv);
+    const __m512i exp = _mm512_set1_epi32(0x7f800000);
+    __mmask16 special = 0;
+    for (int64_t e = 0; e < n; e += 16) {
+        const __mmask16 mk = n - e >= 16 ? 0xffff : (__mmask16)((1u << (n - e)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, o + e), iv);
+        _mm512_mask_storeu_ps(dst + e, mk, x);
+        special |= _mm512_mask_cmpeq_epi32_mask(
+            mk, _mm512_and_si512(_mm512_castps_si512(x), exp), exp);
+    }
+    return special == 0;
+}
+
 /* attn__float_to_bf16 16 values at a time (ukernel.h: round_bf16_f):
  * 0x7fff plus the kept bit's parity added, and a NaN quieted instead. */
 static void round_bf16_f(const float *src, const float *bias, int64_t n, uint16_t *dst) {
@@ -839,5 +855,6 @@ void attn__ukernel_init_avx512(attn__ukernel *ctx) {
     ctx->pv_f = pv_f;
     ctx->softmax_bwd_t_f = softmax_bwd_t_f;
     ctx->store_half_f = store_half_f;
+    ctx->store_row_f = store_row_f;
     ctx->round_bf16_f = round_bf16_f;
 }
