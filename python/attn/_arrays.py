@@ -142,16 +142,17 @@ def torch_array(t):
     if t is None:
         return None
     torch = _torch()
+    T = torch.Tensor  # its methods from the class: a tensor's own attributes may shadow them
     # each step only where it changes something: a training step converts a
     # dozen tensors, and detach, resolve_conj and resolve_neg make a new
     # tensor object each time (1.2 against 0.9 us a tensor, measured)
     if t.requires_grad:
-        t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return (t.view(torch.int16) if t.dtype is torch.bfloat16 else t).numpy()
+        t = T.detach(t)
+    if T.is_conj(t):
+        t = T.resolve_conj(t)
+    if T.is_neg(t):
+        t = T.resolve_neg(t)
+    return T.numpy(T.view(t, torch.int16) if t.dtype is torch.bfloat16 else t)
 
 
 def torch_result(a, dtype):

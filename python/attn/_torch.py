@@ -393,9 +393,10 @@ def _views(query, key, value, attn_mask):
 _tracing = torch._C._is_tracing
 _from_numpy = torch.from_numpy
 _grad_enabled = torch.is_grad_enabled
-# plain CPU tensors of these dtypes are read in place by _attn (plain below)
-_attn._torch_intake(torch.Tensor, torch.strided, torch.float32, torch.float64, torch.float16,
-                    torch.bfloat16, torch.bool)
+# plain CPU tensors of these dtypes are read in place by _attn (plain below),
+# unless torch.Tensor's accessors are not torch's own (a patched class)
+_IN_PLACE = _attn._torch_intake(torch.Tensor, torch.strided, torch.float32, torch.float64,
+                                torch.float16, torch.bfloat16, torch.bool)
 
 
 def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
@@ -438,14 +439,15 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
         seed = drawn_seed() if dropout_p > 0.0 else _no_seed()
         return AttnSdpa.apply(query, key, value, attn_mask, dropout_p, causal, scale,
                               enable_gqa, seed, False)[0]
-    # _attn reads the tensors themselves (python/src/_attn_tensors.c: 5,000
-    # instructions a tensor where .numpy() took 6,300); what .numpy() would
-    # refuse it refuses too, and the checked route explains it. A dropout
+    # _attn reads the tensors themselves (python/src/_attn_tensors.c, through
+    # torch's accessors: cheaper than .numpy()); what .numpy() would refuse
+    # it refuses too, and the checked route explains it. A dropout
     # call draws its seed before _attn reads anything, and a refusal after
     # the draw would draw again on the checked route: it takes NumPy views
     # first, as the checked route does.
     views = (query, key, value, attn_mask)
-    if dropout_p > 0.0 and (views := _views(query, key, value, attn_mask)) is None:
+    if (dropout_p > 0.0 or not _IN_PLACE) and (
+            views := _views(query, key, value, attn_mask)) is None:
         return None
     q, k, v, mask = views
     try:

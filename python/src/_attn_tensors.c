@@ -6,7 +6,8 @@
  * 6,300 instructions each, counted with callgrind). The extension never
  * links against torch, so it reads a tensor through torch's own Python
  * properties and methods instead (is_cpu, layout, dtype, is_neg, shape,
- * stride, data_ptr: about 5,000 instructions, no NumPy object made). The
+ * stride, data_ptr), called through their descriptors on the class: no
+ * NumPy object made, and no attribute of the tensor itself consulted. The
  * Python layer registers torch's types once (`_attn._torch_intake`) and
  * passes tensors only on its short route (attn/_torch.py plain), after its
  * own checks (exact class, no torch mode, no functorch wrapper).
@@ -31,7 +32,14 @@ static const attn_dtype attn_dtypes[T_NDTYPES] = {ATTN_DTYPE_F32, ATTN_DTYPE_F64
                                                   ATTN_DTYPE_F16, ATTN_DTYPE_BF16,
                                                   ATTN_DTYPE_BOOL};
 static PyObject *not_read_in_place; /* the exception class */
-static PyObject *s_data_ptr, *s_stride, *s_is_neg, *s_shape, *s_dtype, *s_layout, *s_is_cpu;
+/* Each accessor's descriptor on torch.Tensor (a getset for the properties,
+ * a method descriptor for the methods), found once when the types are
+ * registered and then called directly. By name, obj.<name> looked the name
+ * up in the class's MRO and in the tensor's own __dict__ at every read (a
+ * third of a short call's tensor intake), and an instance attribute
+ * shadowed a method: `t.data_ptr = lambda: 4096` crashed the process, and
+ * `t.stride = ...` read the wrong elements. */
+static PyObject *d_data_ptr, *d_stride, *d_is_neg, *d_shape, *d_dtype, *d_layout, *d_is_cpu;
 static Py_ssize_t tensors_read; /* read by the tests through _tensors_read() */
 
 static double empty_tensor_data; /* the data of a tensor with no elements */
@@ -48,19 +56,29 @@ static int refuse(const char *name, const char *why) {
     return -1;
 }
 
-/* obj.<attr> (call: obj.<attr>()) is Py_True: 1, anything else 0, -1 on error. */
-static int flag(PyObject *obj, PyObject *attr, int call) {
-    PyObject *r = call ? PyObject_CallMethodNoArgs(obj, attr) : PyObject_GetAttr(obj, attr);
+/* The accessor `d` of obj (call: a method without arguments), a new
+ * reference or NULL. */
+static PyObject *tensor_attr(PyObject *obj, PyObject *d, int call) {
+    if (call) {
+        PyObject *args[1] = {obj};
+        return PyObject_Vectorcall(d, args, 1, NULL);
+    }
+    return Py_TYPE(d)->tp_descr_get(d, obj, (PyObject *)Py_TYPE(obj));
+}
+
+/* tensor_attr() is Py_True: 1, anything else 0, -1 on error. */
+static int flag(PyObject *obj, PyObject *d, int call) {
+    PyObject *r = tensor_attr(obj, d, call);
     if (r == NULL) return -1;
     const int on = r == Py_True;
     Py_DECREF(r);
     return on;
 }
 
-/* obj.<attr> into *found, borrowed (a dtype or a layout: torch keeps them
- * alive, and only their identity is compared); 0, or -1 on error. */
-static int attr_of(PyObject *obj, PyObject *attr, PyObject **found) {
-    PyObject *r = PyObject_GetAttr(obj, attr);
+/* A property of obj into *found, borrowed (a dtype or a layout: torch keeps
+ * them alive, and only their identity is compared); 0, or -1 on error. */
+static int attr_of(PyObject *obj, PyObject *d, PyObject **found) {
+    PyObject *r = tensor_attr(obj, d, 0);
     if (r == NULL) return -1;
     *found = r;
     Py_DECREF(r);
@@ -88,11 +106,11 @@ static attn_dtype dtype_of(PyObject *dt, int bf16) {
 
 /* The tensor's shape and strides (in elements) into t; 0 or -1. */
 static int sizes_of(PyObject *obj, attn_tensor *t) {
-    PyObject *shape = PyObject_GetAttr(obj, s_shape);
+    PyObject *shape = tensor_attr(obj, d_shape, 0);
     const int rank = int_tuple(shape, t->shape);
     Py_XDECREF(shape);
     if (rank < 0) return -1;
-    PyObject *stride = PyObject_CallMethodNoArgs(obj, s_stride);
+    PyObject *stride = tensor_attr(obj, d_stride, 1);
     const int srank = int_tuple(stride, t->strides);
     Py_XDECREF(stride);
     if (srank != rank) return -1;
@@ -108,15 +126,15 @@ int tensor_view(PyObject *obj, const char *name, int bf16, buffer_view *v) {
     memset(v, 0, sizeof *v);
     attn_tensor *t = &v->t;
     PyObject *layout = NULL, *dt = NULL;
-    if (flag(obj, s_is_cpu, 0) != 1) return refuse(name, "it is not on the CPU");
-    if (attr_of(obj, s_layout, &layout) < 0 || layout != strided_layout)
+    if (flag(obj, d_is_cpu, 0) != 1) return refuse(name, "it is not on the CPU");
+    if (attr_of(obj, d_layout, &layout) < 0 || layout != strided_layout)
         return refuse(name, "its layout is not strided");
-    if (attr_of(obj, s_dtype, &dt) < 0 || (t->dtype = dtype_of(dt, bf16)) == 0)
+    if (attr_of(obj, d_dtype, &dt) < 0 || (t->dtype = dtype_of(dt, bf16)) == 0)
         return refuse(name, "attn does not read its dtype");
-    if (flag(obj, s_is_neg, 1) != 0) return refuse(name, "it is a negated view");
+    if (flag(obj, d_is_neg, 1) != 0) return refuse(name, "it is a negated view");
     if (sizes_of(obj, t) < 0)
         return refuse(name, "its sizes and strides cannot be read (or it has over 8 dimensions)");
-    PyObject *ptr = PyObject_CallMethodNoArgs(obj, s_data_ptr);
+    PyObject *ptr = tensor_attr(obj, d_data_ptr, 1);
     void *data = ptr != NULL ? PyLong_AsVoidPtr(ptr) : NULL;
     Py_XDECREF(ptr);
     if (PyErr_Occurred()) return refuse(name, "its data pointer cannot be read");
@@ -142,7 +160,44 @@ PyDoc_STRVAR(torch_intake_doc,
              "_torch_intake(Tensor, strided, float32, float64, float16, bfloat16, bool)\n\n"
              "Registers torch's tensor class, strided layout and dtypes, so that\n"
              "sdpa() reads plain CPU tensors of those dtypes in place (once, when\n"
-             "attn._torch is imported).");
+             "attn._torch is imported). False when the class's accessors are not\n"
+             "torch's C descriptors (a patched class): no tensor is read in place.");
+
+/* type.<name> into *d (a new reference) when it is a getset (`call` 0) or
+ * a method descriptor (`call` 1) of the type or a base; 1 if so, 0 if not
+ * (another kind of attribute: a patched class), -1 on error. */
+static int accessor(PyTypeObject *type, const char *name, int call, PyObject **d) {
+    Py_CLEAR(*d);
+    PyObject *found = PyObject_GetAttrString((PyObject *)type, name);
+    if (found == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    if (!Py_IS_TYPE(found, call ? &PyMethodDescr_Type : &PyGetSetDescr_Type) ||
+        !PyType_IsSubtype(type, PyDescr_TYPE(found))) {
+        Py_DECREF(found);
+        return 0;
+    }
+    *d = found;
+    return 1;
+}
+
+/* Every accessor tensor_view reads: 1 when all are descriptors, else 0
+ * (the tensors then go to the checked route, through .numpy()); -1. */
+static int find_accessors(PyTypeObject *type) {
+    static const char *const names[] = {"is_cpu", "layout", "dtype",   "shape",
+                                        "is_neg", "stride", "data_ptr"};
+    PyObject **slots[] = {&d_is_cpu, &d_layout, &d_dtype,   &d_shape,
+                          &d_is_neg, &d_stride, &d_data_ptr};
+    int all = 1;
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        const int found = accessor(type, names[i], i >= 4, slots[i]);
+        if (found < 0) return -1;
+        all &= found;
+    }
+    return all;
+}
 
 static PyObject *py_torch_intake(PyObject *self, PyObject *args) {
     (void)self;
@@ -150,15 +205,20 @@ static PyObject *py_torch_intake(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!OOOOOO:_torch_intake", &PyType_Type, &type, &strided, &dt[0],
                           &dt[1], &dt[2], &dt[3], &dt[4]))
         return NULL;
-    Py_INCREF(type);
-    Py_XSETREF(tensor_type, (PyTypeObject *)type);
+    Py_CLEAR(tensor_type); /* no tensor read in place until every accessor is found */
+    const int found = find_accessors((PyTypeObject *)type);
+    if (found < 0) return NULL;
+    if (found) {
+        Py_INCREF(type);
+        tensor_type = (PyTypeObject *)type;
+    }
     Py_INCREF(strided);
     Py_XSETREF(strided_layout, strided);
     for (int i = 0; i < T_NDTYPES; i++) {
         Py_INCREF(dt[i]);
         Py_XSETREF(dtypes[i], dt[i]);
     }
-    Py_RETURN_NONE;
+    return PyBool_FromLong(found);
 }
 
 static PyObject *py_tensors_read(PyObject *self, PyObject *noargs) {
@@ -174,12 +234,6 @@ static PyMethodDef tensor_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 int tensor_intake_add(PyObject *module) {
-    static const char *const names[] = {"data_ptr", "stride", "is_neg", "shape",
-                                        "dtype",    "layout", "is_cpu"};
-    PyObject **slots[] = {&s_data_ptr, &s_stride, &s_is_neg, &s_shape,
-                          &s_dtype,    &s_layout, &s_is_cpu};
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
-        if ((*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) return -1;
     not_read_in_place = PyErr_NewExceptionWithDoc(
         "attn._attn.NotReadInPlace",
         "A torch tensor the extension cannot read in place (what tensor.numpy() "

@@ -354,6 +354,43 @@ def test_plain_tensors_are_read_in_place_without_numpy(rng):
     qg = q.clone().requires_grad_()
     with torch.no_grad():
         assert np.array_equal(attn.scaled_dot_product_attention(qg, q, q).numpy(), ref)
+    # the tensor's own attributes are never consulted: by name, a shadowed
+    # data_ptr crashed the process and a shadowed stride read wrong elements
+    for name, fake in (("data_ptr", lambda: 4096), ("stride", lambda: (0, 0, 0)),
+                       ("is_neg", lambda: False)):
+        x = q.clone()
+        setattr(x, name, fake)
+        before = _attn._tensors_read()
+        assert np.array_equal(attn.scaled_dot_product_attention(x, q, q).numpy(), ref), name
+        assert _attn._tensors_read() == before + 3, name
+    shadowed = torch._neg_view(-q)
+    shadowed.is_neg = lambda: False  # still refused in place: its memory holds -q
+    assert np.array_equal(attn.scaled_dot_product_attention(shadowed, q, q).numpy(), ref)
+
+
+def test_torch_intake_of_a_patched_class(rng):
+    """A torch.Tensor whose accessor is not torch's C descriptor (patched)
+    reads no tensor in place: the short route takes NumPy views instead."""
+    from attn import _attn, _torch as route
+    q = torch.from_numpy(rng.standard_normal((2, 5, 8)).astype(np.float32))
+    ref = attn.scaled_dot_product_attention(q.numpy(), q.numpy(), q.numpy())
+    types = (torch.Tensor, torch.strided, torch.float32, torch.float64, torch.float16,
+             torch.bfloat16, torch.bool)
+    original = torch.Tensor.stride
+    try:
+        torch.Tensor.stride = lambda self, *a: original(self, *a)
+        assert _attn._torch_intake(*types) is False
+        route._IN_PLACE = False
+        before = _attn._tensors_read()
+        assert np.array_equal(attn.scaled_dot_product_attention(q, q, q).numpy(), ref)
+        assert _attn._tensors_read() == before
+    finally:
+        torch.Tensor.stride = original
+        route._IN_PLACE = _attn._torch_intake(*types)
+    assert route._IN_PLACE is True
+    before = _attn._tensors_read()
+    assert np.array_equal(attn.scaled_dot_product_attention(q, q, q).numpy(), ref)
+    assert _attn._tensors_read() == before + 3
 
 
 def test_scalar_and_list_masks(rng):
