@@ -81,6 +81,30 @@ def no_backward(what, remedy="pass detached tensors (tensor.detach())"):
     )
 
 
+def storage_short(x):
+    """(need, held) bytes when x's sizes, strides and storage offset reach
+    past its storage, else None. A storage resized behind the tensor's back
+    (untyped_storage().resize_(), as FSDP frees parameters) leaves such
+    sizes: torch's own ops refuse the tensor, and .numpy() would hand attn
+    memory past the allocation."""
+    torch = _torch()
+    T = torch.Tensor  # from the class: a tensor's own attributes may shadow them
+    if T.numel(x) == 0:
+        return None
+    reach = T.storage_offset(x) + sum((n - 1) * s for n, s in zip(x.shape, T.stride(x))) + 1
+    need, held = reach * T.element_size(x), torch.UntypedStorage.nbytes(T.untyped_storage(x))
+    return (need, held) if need > held else None
+
+
+def storage_error(name, short):
+    need, held = short
+    return ValueError(
+        f"{name}'s sizes, strides and storage offset reach {need} bytes of its storage, which "
+        f"holds {held} (was the storage resized behind the tensor, e.g. by "
+        f"untyped_storage().resize_()?)"
+    )
+
+
 def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
     """A NumPy view of a torch tensor, refusing every tensor whose storage
     does not hold its values. `copying`: the values are copied (parameters),
@@ -113,6 +137,8 @@ def _torch_numpy(x, name, kind, copying, bfloat16_bits=False):
                         f"{name}.to_dense()")
     if not copying and tracks_grad(x):
         raise no_backward(f"{name} requires grad")
+    if (short := storage_short(x)) is not None:
+        raise storage_error(name, short)
     t = x.detach().resolve_conj().resolve_neg()
     if bfloat16_bits and t.dtype == torch.bfloat16:
         t = t.view(torch.int16)  # the same memory, reinterpreted
@@ -135,7 +161,7 @@ def _torch_dtypes(kind):
             FLOAT: floats[2:]}.get(kind, ())
 
 
-def torch_array(t):
+def torch_array(t, name="a tensor"):
     """A NumPy view of a plain CPU torch tensor its caller checked (or torch
     made), detached; bfloat16 as an int16 view of its bits, which _attn reads
     as bfloat16. None stays None."""
@@ -143,6 +169,8 @@ def torch_array(t):
         return None
     torch = _torch()
     T = torch.Tensor  # its methods from the class: a tensor's own attributes may shadow them
+    if (short := storage_short(t)) is not None:
+        raise storage_error(name, short)
     # each step only where it changes something: a training step converts a
     # dozen tensors, and detach, resolve_conj and resolve_neg make a new
     # tensor object each time (1.2 against 0.9 us a tensor, measured)

@@ -18,7 +18,7 @@ from torch.autograd import forward_ad
 
 from . import _attn
 from ._arrays import (TENSOR, _torch_dtypes, empty, is_bfloat16, library_error, results,
-                      torch_array, torch_result)
+                      storage_short, torch_array, torch_result)
 
 Tensor = torch.Tensor
 
@@ -374,6 +374,8 @@ def _view(x):
     without its resolve_conj/resolve_neg, which cost 0.6 us a tensor (1.8 of
     a 12 us call) for views this route leaves to the checked one anyway."""
     try:
+        if storage_short(x) is not None:
+            return None
         t = x.detach() if x.requires_grad else x
         return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     except (TypeError, RuntimeError):
@@ -395,8 +397,9 @@ _from_numpy = torch.from_numpy
 _grad_enabled = torch.is_grad_enabled
 # plain CPU tensors of these dtypes are read in place by _attn (plain below),
 # unless torch.Tensor's accessors are not torch's own (a patched class)
-_IN_PLACE = _attn._torch_intake(torch.Tensor, torch.strided, torch.float32, torch.float64,
-                                torch.float16, torch.bfloat16, torch.bool)
+_IN_PLACE = _attn._torch_intake(torch.Tensor, torch.UntypedStorage, torch.strided,
+                                torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                torch.bool)
 
 
 def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):

@@ -70,7 +70,7 @@ class _CModules:
             self.layout = self.run.param_layout()
         flat = np.frombuffer(self.run, dtype=_NUMPY[spec["dtype"]])
         for (name, shape, offset), p in zip(self.layout, params):
-            flat[offset:offset + p.numel()] = torch_array(p.reshape(-1))
+            flat[offset:offset + p.numel()] = torch_array(p.reshape(-1), name)
         return self.run
 
     def grad_module(self):
@@ -130,7 +130,8 @@ class _MHAFunction(torch.autograd.Function):
             run = cm.get(spec, params)
             try:
                 out, w, saved = run.forward_train(
-                    torch_array(query), torch_array(key), torch_array(value), empty=empty, **kw)
+                    torch_array(query, "query"), torch_array(key, "key"),
+                    torch_array(value, "value"), empty=empty, **kw)
             except (ValueError, TypeError, MemoryError, RuntimeError) as e:
                 raise library_error(e) from None
         ctx.call, ctx.saved = call, saved
@@ -249,7 +250,8 @@ def _mha_call(m, query, key, value, key_padding_mask, need_weights, attn_mask,
         "cmodules": _cmodules(m),
         "spec": _spec(m, query.dtype),
         "kwargs": dict(
-            key_padding_mask=torch_array(key_padding_mask), attn_mask=torch_array(attn_mask),
+            key_padding_mask=torch_array(key_padding_mask, "key_padding_mask"),
+            attn_mask=torch_array(attn_mask, "attn_mask"),
             need_weights=bool(need_weights), average_attn_weights=bool(average_attn_weights),
             is_causal=causal, training=training, dropout=float(m.dropout), seed=seed,
             rng_offset=0, batch_first=int(bool(m.batch_first))),
@@ -552,8 +554,9 @@ class TransformerEncoderLayer(torch.nn.Module):
         with c.lock:
             layer = c.get(spec, self._c_params(spec["bias"]))
             out = layer.forward(
-                torch_array(src), empty=empty, src_mask=torch_array(mask),
-                src_key_padding_mask=torch_array(src_key_padding_mask), is_causal=causal,
+                torch_array(src, "src"), empty=empty, src_mask=torch_array(mask, "src_mask"),
+                src_key_padding_mask=torch_array(src_key_padding_mask, "src_key_padding_mask"),
+                is_causal=causal,
                 training=training, seed=seed, batch_first=int(bool(self.self_attn.batch_first)))
         return torch_result(out, src.dtype)
 

@@ -40,6 +40,9 @@ static PyObject *not_read_in_place; /* the exception class */
  * shadowed a method: `t.data_ptr = lambda: 4096` crashed the process, and
  * `t.stride = ...` read the wrong elements. */
 static PyObject *d_data_ptr, *d_stride, *d_is_neg, *d_shape, *d_dtype, *d_layout, *d_is_cpu;
+/* ... and those that bound the storage: Tensor.storage_offset,
+ * Tensor.untyped_storage, UntypedStorage.nbytes */
+static PyObject *d_storage_offset, *d_untyped_storage, *d_nbytes;
 static Py_ssize_t tensors_read; /* read by the tests through _tensors_read() */
 
 static double empty_tensor_data; /* the data of a tensor with no elements */
@@ -118,6 +121,39 @@ static int sizes_of(PyObject *obj, attn_tensor *t) {
     return 0;
 }
 
+/* A method of obj without arguments (descriptor d) that returns an int,
+ * into *out; 0, or -1 on error. */
+static int int_attr(PyObject *obj, PyObject *d, int64_t *out) {
+    PyObject *r = tensor_attr(obj, d, 1);
+    if (r == NULL) return -1;
+    *out = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* Whether every element t's sizes and strides reach (numel > 0) lies in
+ * obj's storage. A storage resized behind its tensor's back
+ * (untyped_storage().resize_(), as FSDP frees parameters) leaves the sizes
+ * reaching past it: torch's own ops refuse such a tensor ("setStorage: ...
+ * out of bound"), and attn read past the allocation. 1, 0, or -1. */
+static int within_storage(PyObject *obj, const attn_tensor *t) {
+    int64_t reach, nbytes;
+    if (int_attr(obj, d_storage_offset, &reach) < 0) return -1;
+    PyObject *storage = tensor_attr(obj, d_untyped_storage, 1);
+    if (storage == NULL) return -1;
+    const int got = int_attr(storage, d_nbytes, &nbytes);
+    Py_DECREF(storage);
+    if (got < 0) return -1;
+    if (reach < 0) return 0;
+    for (int d = 0; d < t->rank; d++) { /* reach = offset + sum (n - 1)·stride */
+        const int64_t n = t->shape[d] - 1, s = t->strides[d];
+        if (s < 0 || (s > 0 && n > (INT64_MAX - reach) / s)) return 0;
+        reach += n * s;
+    }
+    const int64_t size = (int64_t)attn_dtype_size(t->dtype);
+    return reach < INT64_MAX / size - 1 && (reach + 1) * size <= nbytes;
+}
+
 /* Fills v->t from a plain tensor (is_plain_tensor). 0, or -1 with
  * NotReadInPlace set where `.numpy()` would refuse it too (and where
  * reading it raised). Each read is a torch property or method, about 500
@@ -140,10 +176,14 @@ int tensor_view(PyObject *obj, const char *name, int bf16, buffer_view *v) {
     if (PyErr_Occurred()) return refuse(name, "its data pointer cannot be read");
 
     int64_t numel = 1;
-    for (int d = 0; d < t->rank; d++) {
+    for (int d = 0; d < t->rank; d++)
         if (t->shape[d] <= 0) numel = 0;
+    int within = 1;
+    if (numel > 0 && (within = within_storage(obj, t)) != 1)
+        return refuse(name, within < 0 ? "its storage cannot be read"
+                                       : "its sizes and strides reach past its storage");
+    for (int d = 0; d < t->rank; d++)
         if (t->shape[d] <= 1) t->strides[d] = 0; /* never used; as view_get_as does */
-    }
     if (numel == 0) {
         data = &empty_tensor_data; /* nothing to read; the library reports the shape */
     } else if (data == NULL) {
@@ -157,7 +197,8 @@ int tensor_view(PyObject *obj, const char *name, int bf16, buffer_view *v) {
 }
 
 PyDoc_STRVAR(torch_intake_doc,
-             "_torch_intake(Tensor, strided, float32, float64, float16, bfloat16, bool)\n\n"
+             "_torch_intake(Tensor, UntypedStorage, strided, float32, float64, float16,\n"
+             "              bfloat16, bool)\n\n"
              "Registers torch's tensor class, strided layout and dtypes, so that\n"
              "sdpa() reads plain CPU tensors of those dtypes in place (once, when\n"
              "attn._torch is imported). False when the class's accessors are not\n"
@@ -185,28 +226,31 @@ static int accessor(PyTypeObject *type, const char *name, int call, PyObject **d
 
 /* Every accessor tensor_view reads: 1 when all are descriptors, else 0
  * (the tensors then go to the checked route, through .numpy()); -1. */
-static int find_accessors(PyTypeObject *type) {
-    static const char *const names[] = {"is_cpu", "layout", "dtype",   "shape",
-                                        "is_neg", "stride", "data_ptr"};
-    PyObject **slots[] = {&d_is_cpu, &d_layout, &d_dtype,   &d_shape,
-                          &d_is_neg, &d_stride, &d_data_ptr};
+static int find_accessors(PyTypeObject *type, PyTypeObject *storage) {
+    static const char *const names[] = {"is_cpu", "layout",         "dtype",
+                                        "shape",  "is_neg",         "stride",
+                                        "data_ptr", "storage_offset", "untyped_storage"};
+    PyObject **slots[] = {&d_is_cpu,   &d_layout,         &d_dtype,
+                          &d_shape,    &d_is_neg,         &d_stride,
+                          &d_data_ptr, &d_storage_offset, &d_untyped_storage};
     int all = 1;
     for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
         const int found = accessor(type, names[i], i >= 4, slots[i]);
         if (found < 0) return -1;
         all &= found;
     }
-    return all;
+    const int found = accessor(storage, "nbytes", 1, &d_nbytes);
+    return found < 0 ? -1 : all & found;
 }
 
 static PyObject *py_torch_intake(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *type, *strided, *dt[T_NDTYPES];
-    if (!PyArg_ParseTuple(args, "O!OOOOOO:_torch_intake", &PyType_Type, &type, &strided, &dt[0],
-                          &dt[1], &dt[2], &dt[3], &dt[4]))
+    PyObject *type, *storage, *strided, *dt[T_NDTYPES];
+    if (!PyArg_ParseTuple(args, "O!O!OOOOOO:_torch_intake", &PyType_Type, &type, &PyType_Type,
+                          &storage, &strided, &dt[0], &dt[1], &dt[2], &dt[3], &dt[4]))
         return NULL;
     Py_CLEAR(tensor_type); /* no tensor read in place until every accessor is found */
-    const int found = find_accessors((PyTypeObject *)type);
+    const int found = find_accessors((PyTypeObject *)type, (PyTypeObject *)storage);
     if (found < 0) return NULL;
     if (found) {
         Py_INCREF(type);

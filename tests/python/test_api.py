@@ -368,14 +368,49 @@ def test_plain_tensors_are_read_in_place_without_numpy(rng):
     assert np.array_equal(attn.scaled_dot_product_attention(shadowed, q, q).numpy(), ref)
 
 
+@pytest.mark.parametrize("nbytes", [0, 64])
+def test_tensor_past_its_storage(rng, nbytes):
+    """A storage resized behind its tensor (FSDP frees parameters so) is
+    refused, as torch's own SDPA refuses it, on every route: attn read
+    past the allocation."""
+    from attn import _attn
+    q = torch.from_numpy(rng.standard_normal((1, 2, 64, 32)).astype(np.float32))
+    for name in ("query", "key", "value"):
+        args = dict(query=q, key=q, value=q)
+        x = args[name] = q.clone()
+        x.untyped_storage().resize_(nbytes)
+        with pytest.raises(RuntimeError, match="out of bound"):
+            torch.nn.functional.scaled_dot_product_attention(**args)
+        for grad in (False, True):
+            if grad:
+                args = {n: t.detach().requires_grad_() if n != name else t
+                        for n, t in args.items()}
+            with pytest.raises(ValueError, match=f"{name}'s sizes, strides and storage "
+                               f"offset reach 16384 bytes of its storage, which holds {nbytes}"):
+                attn.scaled_dot_product_attention(**args, is_causal=grad)
+    m = torch.zeros(64, 64, dtype=torch.bool)
+    m.untyped_storage().resize_(nbytes)
+    with pytest.raises(ValueError, match="attn_mask's sizes"):
+        attn.scaled_dot_product_attention(q, q, q, attn_mask=m)
+    with pytest.raises(_attn.NotReadInPlace, match="its sizes and strides reach past its storage"):
+        _attn.sdpa(x, q, q, empty=np.empty)
+    mha = attn.nn.MultiheadAttention(32, 4, batch_first=True)
+    z = torch.from_numpy(rng.standard_normal((2, 16, 32)).astype(np.float32))
+    y = z.clone()
+    y.untyped_storage().resize_(nbytes)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="query's sizes"):
+            mha(y, z, z)
+
+
 def test_torch_intake_of_a_patched_class(rng):
     """A torch.Tensor whose accessor is not torch's C descriptor (patched)
     reads no tensor in place: the short route takes NumPy views instead."""
     from attn import _attn, _torch as route
     q = torch.from_numpy(rng.standard_normal((2, 5, 8)).astype(np.float32))
     ref = attn.scaled_dot_product_attention(q.numpy(), q.numpy(), q.numpy())
-    types = (torch.Tensor, torch.strided, torch.float32, torch.float64, torch.float16,
-             torch.bfloat16, torch.bool)
+    types = (torch.Tensor, torch.UntypedStorage, torch.strided, torch.float32, torch.float64,
+             torch.float16, torch.bfloat16, torch.bool)
     original = torch.Tensor.stride
     try:
         torch.Tensor.stride = lambda self, *a: original(self, *a)
