@@ -247,6 +247,12 @@ def _cache(x, name, writable):
         if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"{name} has dtype {x.dtype}; expected float16, bfloat16, float32 "
                             f"or float64")
+        if writable and torch.Tensor.is_neg(x):  # its view would be resolve_neg()'s copy
+            raise TypeError(
+                f"{name} is a negated view (its memory holds -x, e.g. from .conj().imag); "
+                f"attention_with_kvcache writes the new rows k and v into the cache in place, "
+                f"which would land in a copy and be lost: keep {name}.resolve_neg() as the cache"
+            )
         bf16 = x.dtype == torch.bfloat16
         return _torch_numpy(x, name, CACHE, copying=False, bfloat16_bits=True), bf16
     if writable:

@@ -470,6 +470,24 @@ def test_kvcache_torch_caches_in_place_and_torch_out(rng):
     close(out, kvcache_reference(q, k_cache, v_cache, [6, 6])[0], np.float32)
 
 
+@pytest.mark.parametrize("negated", ["k_cache", "v_cache"])
+def test_kvcache_a_negated_view_cache_is_refused_when_written(negated):
+    """A negated view's memory holds -x: its NumPy view is a copy, so rows
+    appended to it were lost (and its version bumped) with no error. Read
+    only (no new rows), it is read as its values."""
+    caches = dict(k_cache=torch.zeros(1, 4, 1, 4), v_cache=torch.zeros(1, 4, 1, 4))
+    caches[negated] = torch.zeros(1, 4, 1, 4, dtype=torch.complex64).conj().imag
+    caches[negated][:, :2] = torch.randn(1, 2, 1, 4)  # through the view, as torch writes
+    assert caches[negated].is_neg()
+    q, k, v = (torch.randn(1, 1, 1, 4) for _ in range(3))
+    with pytest.raises(TypeError, match=f"{negated} is a negated view"):
+        attn.attention_with_kvcache(q, **caches, k=k, v=v, cache_seqlens=2)
+    assert (caches[negated][:, 2:] == 0).all()
+    out = attn.attention_with_kvcache(q, **caches, cache_seqlens=2)
+    resolved = {n: c.resolve_neg() for n, c in caches.items()}
+    assert torch.equal(out, attn.attention_with_kvcache(q, **resolved, cache_seqlens=2))
+
+
 def test_kvcache_a_strided_view_of_a_cache_is_written_where_it_lies(rng):
     big_k, big_v = np.zeros((2, 12, 2, 8)), np.zeros((2, 12, 2, 8))
     k_cache, v_cache = big_k[:, ::2], big_v[:, ::2]  # every other row: strided, not a copy
