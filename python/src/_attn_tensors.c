@@ -36,7 +36,7 @@ static PyObject *not_read_in_place; /* the exception class */
  * a method descriptor for the methods), found once when the types are
  * registered and then called directly. By name, obj.<name> looked the name
  * up in the class's MRO and in the tensor's own __dict__ at every read (a
- * third of a short call's tensor intake), and an instance attribute
+ * quarter of a short call's tensor intake), and an instance attribute
  * shadowed a method: `t.data_ptr = lambda: 4096` crashed the process, and
  * `t.stride = ...` read the wrong elements. */
 static PyObject *d_data_ptr, *d_stride, *d_is_neg, *d_shape, *d_dtype, *d_layout, *d_is_cpu;
