@@ -916,7 +916,8 @@ ATTN_API attn_status attn_npy_read_header(const char *path, attn_dtype *dtype, i
  * the caller may set it; other hard links to the old file keep the old
  * data. A symbolic link is followed: the file it points to is replaced
  * (or, for a dangling link, created, as open(2) would). An existing target
- * that is not a regular file (/dev/null, a FIFO) is written in place. A
+ * that is not a regular file (/dev/null, a FIFO) is written in place (a
+ * FIFO that no process opens for reading within 5 s: ATTN_ERR_IO). A
  * folder is never replaced.
  */
 ATTN_API attn_status attn_npy_save(const char *path, const attn_tensor *t);
@@ -948,8 +949,10 @@ ATTN_API attn_status attn_npy_write_fd(int fd, const attn_tensor *t);
  * not define are skipped, as the reference does), no name given twice, each
  * dtype known, each shape's entries non-negative integers whose product and
  * byte count fit in 64 bits, and 0 <= BEGIN <= END <= the buffer's size with
- * END - BEGIN the tensor's byte count. Tensors may share or skip bytes of
- * the buffer (the format does not forbid it). Names are any UTF-8 strings
+ * END - BEGIN the tensor's byte count, and the tensors' data tiling the
+ * buffer as the reference reader requires (in order of BEGIN, each starts
+ * where the one before ends and the last ends with the buffer: no byte
+ * shared by two tensors, none owned by none). Names are any UTF-8 strings
  * but "__metadata__", which holds the metadata (string keys and values);
  * a name or string containing U+0000 is refused (C strings cannot hold
  * it). Failures: ATTN_ERR_FORMAT with what is wrong and where (the byte

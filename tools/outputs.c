@@ -37,7 +37,7 @@
 #include <unistd.h>
 
 #include "cli.h"
-#include "io/io.h" /* attn__dangling_link_target */
+#include "io/io.h" /* attn__dangling_link_target, attn__open_in_place */
 
 enum { MAX_OUTPUTS = 8 };
 
@@ -394,8 +394,9 @@ int outputs_commit(void) {
     for (int i = 0; i < count; i++) {
         output *o = &outputs[i];
         if (!o->in_place || o->write == NULL) continue;
-        int fd = open(o->path, O_WRONLY | O_TRUNC | O_CLOEXEC);
-        const char *failed = fd < 0 ? strerror(errno) : o->write(fd, o->ctx);
+        int fd;
+        const int err = attn__open_in_place(o->path, &fd);
+        const char *failed = err != 0 ? attn__in_place_error(o->path, err) : o->write(fd, o->ctx);
         if (failed != NULL) {
             say("attn: writing %s '%s': %s\n", o->option, o->path, failed);
             if (fd >= 0) close(fd);

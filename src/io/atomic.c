@@ -164,10 +164,40 @@ static int replace(const target *tg, attn__file_writer writer, const void *ctx,
 
 /* A device or FIFO (/dev/null, a pipe) cannot be replaced; it is written in
  * place, as before. */
+int attn__open_in_place(const char *path, int *fd) {
+    for (int waited = 0;; waited += 10) { /* ms */
+        *fd = open(path, O_WRONLY | O_TRUNC | O_CLOEXEC | O_NONBLOCK);
+        if (*fd >= 0) break;
+        const int err = errno;
+        struct stat st;
+        if (err != ENXIO || waited >= ATTN__FIFO_READER_WAIT_MS || stat(path, &st) != 0 ||
+            !S_ISFIFO(st.st_mode))
+            return err;
+        const struct timespec step = {0, 10 * 1000 * 1000};
+        nanosleep(&step, NULL); /* a signal cuts it short: the loop asks again */
+    }
+    const int flags = fcntl(*fd, F_GETFL);
+    if (flags < 0 || fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK) < 0) { /* the writes may wait */
+        const int err = errno;
+        close(*fd);
+        *fd = -1;
+        return err;
+    }
+    return 0;
+}
+
+const char *attn__in_place_error(const char *path, int err) {
+    struct stat st;
+    if (err == ENXIO && stat(path, &st) == 0 && S_ISFIFO(st.st_mode))
+        return "a FIFO that no process opened for reading within 5 s";
+    return strerror(err);
+}
+
 static int write_in_place(const char *path, attn__file_writer writer, const void *ctx) {
-    int fd = open(path, O_WRONLY | O_TRUNC | O_CLOEXEC);
-    if (fd < 0) return errno;
-    int err = writer(fd, ctx);
+    int fd;
+    int err = attn__open_in_place(path, &fd);
+    if (err != 0) return err;
+    err = writer(fd, ctx);
     if (close(fd) != 0 && err == 0) err = errno;
     return err;
 }
@@ -183,7 +213,7 @@ attn_status attn__save_atomic(const char *path, attn__file_writer writer, const 
     if (err != 0) {
         char shown[ATTN__MESSAGE_PATH];
         return attn__fail(ATTN_ERR_IO, "%s '%s': %s", what, attn__message_path(path, shown),
-                          strerror(err));
+                          attn__in_place_error(path, err));
     }
     return ATTN_OK;
 }

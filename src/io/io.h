@@ -19,6 +19,18 @@ int attn__write_all(int fd, const void *bytes, size_t n);
  * Returns 0, ENOENT when path is no link, or an errno value (ELOOP, ...). */
 int attn__dangling_link_target(const char *path, char *out, size_t cap);
 
+/* Opens an existing non-regular file (a device, a FIFO) for writing in
+ * place into *fd (blocking, close-on-exec); returns 0 or an errno value. A
+ * FIFO waits at most ATTN__FIFO_READER_WAIT_MS for a process to open it
+ * for reading, then gives ENXIO: open(2) would wait for good, and with no
+ * reader coming the caller hung (as a FIFO input without a writer did). */
+#define ATTN__FIFO_READER_WAIT_MS 5000
+int attn__open_in_place(const char *path, int *fd);
+
+/* What went wrong opening path in place: strerror(err), or for ENXIO on a
+ * FIFO, that no process reads it. */
+const char *attn__in_place_error(const char *path, int err);
+
 /* Writes a whole file to fd; returns 0 or an errno value. */
 typedef int (*attn__file_writer)(int fd, const void *ctx);
 

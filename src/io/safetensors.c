@@ -558,6 +558,50 @@ static attn_status index_names(attn_safetensors *f) {
     return ATTN_OK;
 }
 
+static int by_offsets(const void *a, const void *b) {
+    const st_entry *x = *(st_entry *const *)a, *y = *(st_entry *const *)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->end < y->end ? -1 : x->end > y->end;
+}
+
+/* The format's rule, as its reference reader applies it: the tensors' data
+ * tile the buffer, each starting where the one before ended and the last
+ * ending at the buffer's end. Two tensors over the same bytes (one then
+ * aliasing the other) or bytes no tensor owns make a malformed file. */
+static attn_status check_coverage(const attn_safetensors *f) {
+    if (f->ntensors == 0) {
+        if (f->buffer_size == 0) return ATTN_OK;
+        return attn__fail(ATTN_ERR_FORMAT,
+                          "safetensors header names no tensor, but %llu data bytes follow it",
+                          (unsigned long long)f->buffer_size);
+    }
+    st_entry **order = attn__alloc_array((size_t)f->ntensors, sizeof *order);
+    if (order == NULL) return ATTN_ERR_NOMEM;
+    memcpy(order, f->by_name, (size_t)f->ntensors * sizeof *order);
+    qsort(order, (size_t)f->ntensors, sizeof *order, by_offsets);
+    attn_status st = ATTN_OK;
+    uint64_t at = 0;
+    for (int64_t i = 0; i < f->ntensors && st == ATTN_OK; i++) {
+        const st_entry *e = order[i];
+        if (e->begin != at)
+            st = attn__fail(ATTN_ERR_FORMAT,
+                            "safetensors tensor '%.*s': data_offsets [%llu, %llu] begin %s byte "
+                            "%llu, where the tensor before it ends (the tensors must tile the "
+                            "data buffer, sharing and skipping no byte)",
+                            SHOWN, e->name, (unsigned long long)e->begin,
+                            (unsigned long long)e->end, e->begin < at ? "before" : "past",
+                            (unsigned long long)at);
+        at = e->end;
+    }
+    if (st == ATTN_OK && at != f->buffer_size)
+        st = attn__fail(ATTN_ERR_FORMAT,
+                        "safetensors data buffer is %llu bytes, but its tensors cover %llu (the "
+                        "header does not account for the rest)",
+                        (unsigned long long)f->buffer_size, (unsigned long long)at);
+    attn__free(order);
+    return st;
+}
+
 static const st_entry *find_entry(const attn_safetensors *f, const char *name) {
     if (f == NULL || name == NULL || f->ntensors == 0) return NULL;
     st_entry key = {.name = name}, *pkey = &key;
@@ -609,6 +653,7 @@ static attn_status build(const unsigned char *b, size_t size, attn_safetensors *
         st = parse_header(&ps);
     }
     if (st == ATTN_OK) st = index_names(f);
+    if (st == ATTN_OK) st = check_coverage(f);
     if (st != ATTN_OK) {
         attn_safetensors_close(f);
         return st;

@@ -508,6 +508,11 @@ static void failed_run_writes_nothing(void) {
     rc = run("sdpa -q fifo.npy -k fq.npy -v fv.npy -o fo.npy", log, sizeof log);
     CHECK(rc == 1 && strstr(log, "fifo.npy") && strstr(log, "not a regular file"), "fifo: %d %s",
           rc, log);
+    /* A FIFO output that no process reads: refused after a bounded wait
+     * for a reader (5 s), where open(2) had waited for good. */
+    rc = run("sdpa -q fq.npy -k fq.npy -v fv.npy -o fifo.npy", log, sizeof log);
+    CHECK(rc == 1 && strstr(log, "'fifo.npy': a FIFO that no process opened for reading"),
+          "fifo output: %d %s", rc, log);
 }
 
 /* Issue 9: SIGINT/SIGTERM during a large --weights write left a file whose

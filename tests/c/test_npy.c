@@ -254,6 +254,10 @@ static void save_through_links_and_fifos(void) {
     waitpid(pid, &status, 0);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the FIFO's reader got the wrong bytes");
     CHECK(lstat(fifo, &st) == 0 && S_ISFIFO(st.st_mode), "the FIFO was replaced");
+    /* With no reader, a bounded wait and an error, not open(2)'s wait for good. */
+    CHECK_STATUS(attn_npy_save(fifo, &t), ATTN_ERR_IO);
+    CHECK(strstr(attn_last_error(), "a FIFO that no process opened for reading within 5 s"),
+          "message: %s", attn_last_error());
     CHECK(tt_list_dir(dir, names, sizeof names) == 3 &&
               strcmp(names, "fifo file.npy link.npy") == 0,
           "left in the folder: %s", names);

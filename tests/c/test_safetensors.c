@@ -699,9 +699,51 @@ static void hostile_lengths(void) {
     free(whole);
 }
 
-/* A tensor at an offset not aligned to its elements: no view, a copy. */
+/* The tensors' data must tile the buffer, as the format's reference reader
+ * demands: overlapping offsets (one tensor aliasing another), a hole, or
+ * bytes past the last tensor make a malformed file. */
+static void data_must_tile_the_buffer(void) {
+    static const struct {
+        const char *json;
+        size_t data;
+        const char *message;
+    } cases[] = {
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+         "\"y\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+         16, "data_offsets [0, 16] begin before byte 4"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+         "\"y\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[12,16]}}",
+         16, "data_offsets [12, 16] begin past byte 8"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 16,
+         "its tensors cover 4"},
+        {"{}", 4, "names no tensor, but 4 data bytes"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[4,4]},"
+         "\"y\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+         4, NULL}, /* an empty tensor where the one before ends: fine */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const size_t n = strlen(cases[c].json), size = 8 + n + cases[c].data;
+        unsigned char *b = calloc(1, size);
+        b[0] = (unsigned char)n;
+        memcpy(b + 8, cases[c].json, n);
+        attn_safetensors *f = NULL;
+        if (cases[c].message == NULL) {
+            CHECK_OK(attn_safetensors_parse(b, size, &f));
+        } else {
+            CHECK_STATUS(attn_safetensors_parse(b, size, &f), ATTN_ERR_FORMAT);
+            CHECK_MESSAGE(cases[c].message);
+            CHECK(f == NULL, "case %zu: no handle", c);
+        }
+        attn_safetensors_close(f);
+        free(b);
+    }
+}
+
+/* A tensor at an offset not aligned to its elements (after a 1-byte one):
+ * no view, a copy. */
 static void misaligned(void) {
-    const char *json = "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[1,5]}}";
+    const char *json = "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[1,5]},"
+                       "\"pad\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
     const size_t n = strlen(json);
     unsigned char b[128] = {0};
     b[0] = (unsigned char)n;
@@ -830,4 +872,5 @@ static void failed_save_keeps_old_file(void) {
 
 HARNESS_MAIN(T(half_conversions), T(reference_files), T(round_trips), T(many_tensors),
              T(conversions), T(malformed_headers), T(hostile_lengths), T(misaligned),
+             T(data_must_tile_the_buffer),
              T(save_errors), T(failed_save_keeps_old_file))
