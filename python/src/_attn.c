@@ -1160,6 +1160,17 @@ static PyObject *st_load_one(attn_safetensors *f, int64_t i, attn_dtype to, PyOb
                          dt == ATTN_DTYPE_BF16))
             to = dt == ATTN_DTYPE_BF16 ? ATTN_DTYPE_F32 : dt; /* NumPy has no bfloat16 */
         value = PyObject_CallFunction(empty, "Os", shp, attn_dtype_name(to));
+        if (value == NULL && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            /* a legal empty shape NumPy cannot make, e.g. (2**61, 0): name it */
+            PyObject *type, *why, *trace;
+            PyErr_Fetch(&type, &why, &trace);
+            PyErr_NormalizeException(&type, &why, &trace);
+            PyErr_Format(PyExc_ValueError, "tensor '%s' of shape %R: NumPy cannot make it (%S)",
+                         name, shp, why);
+            Py_XDECREF(type);
+            Py_XDECREF(why);
+            Py_XDECREF(trace);
+        }
         Py_buffer b;
         if (value != NULL && PyObject_GetBuffer(value, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) {
             attn_tensor t;

@@ -4,6 +4,7 @@ safetensors.torch, files they write read with attn, every dtype, 0-d and
 empty tensors, strided sources, metadata, and the errors of both functions.
 """
 
+import json
 import os
 
 import numpy as np
@@ -178,6 +179,21 @@ def test_load_errors(tmp_path):
     np_save({"x": np.ones((1,) * 9, np.float32)}, str(r9))
     with pytest.raises(ValueError, match="more than 8 dimensions"):
         attn.load_safetensors(r9)
+    # the tensors must tile the data buffer, as the reference reader says
+    for offsets, match in ((([0, 96], [0, 16]), "begin before byte 16"),
+                           (([0, 16], [32, 48]), "begin past byte 16")):
+        header = json.dumps({n: {"dtype": "F32", "shape": [(e - b) // 4], "data_offsets": [b, e]}
+                             for n, (b, e) in zip("xy", offsets)}).encode()
+        bad.write_bytes(len(header).to_bytes(8, "little") + header + bytes(max(max(offsets))))
+        with pytest.raises(Exception, match="invalid offset"):
+            np_load(str(bad))
+        with pytest.raises(ValueError, match=match):
+            attn.load_safetensors(bad)
+    # an empty tensor of a shape NumPy cannot make: named, not NumPy's bare error
+    header = b'{"x":{"dtype":"F32","shape":[2305843009213693952,0],"data_offsets":[0,0]}}'
+    bad.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match="tensor 'x' of shape"):
+        attn.load_safetensors(bad)
 
 
 def test_docs_example_runs(tmp_path, monkeypatch):
