@@ -191,7 +191,13 @@ static int load_integers(const char *option, const char *path, attn_tensor *t) {
         return CLI_RUNTIME;
     }
     unsigned char *type = descr_type(buf, size);
-    const bool integer = type != NULL && type[0] == 'i' && (type[1] == '4' || type[1] == '8');
+    /* exactly '<i4', '>i4', '<i8' or '>i8' (in either quote): '|i4' has no
+     * byte order and '<i44' is no integer; both were read as the float
+     * they became below, and NumPy's wording of a broken file then named
+     * a float */
+    const bool integer = type != NULL && (type[-1] == '<' || type[-1] == '>') &&
+                         type[0] == 'i' && (type[1] == '4' || type[1] == '8') &&
+                         type[2] == type[-2];
     if (!integer) {
         free(buf);
         fprintf(stderr, "attn: reading %s: '%s' is not an int32 or int64 .npy array (index "
@@ -203,8 +209,8 @@ static int load_integers(const char *option, const char *path, attn_tensor *t) {
     attn_status st = attn_npy_parse(buf, size, t);
     free(buf);
     if (st != ATTN_OK) {
-        char what[48];
-        snprintf(what, sizeof what, "reading %s", option);
+        char what[4160]; /* a path of up to 4,096 bytes and the option */
+        snprintf(what, sizeof what, "reading %s '%s'", option, path);
         return cli_fail(what, st);
     }
     if (wide) return narrow_int64(option, path, t);

@@ -152,6 +152,27 @@ def test_varlen_index_file_headers_as_numpy_reads_them(tmp_path, rng, header):
     np.testing.assert_array_equal(np.load(out), np.load(want))
 
 
+@pytest.mark.parametrize("descr, extra, match", [
+    ("<i44", b"", "is not an int32 or int64 .npy array"),
+    ("|i4", b"", "is not an int32 or int64 .npy array"),
+    ("<i4", b"x", "cu_raw.npy': .npy data is"),
+])
+def test_varlen_broken_index_files_are_named_as_integers(tmp_path, rng, descr, extra, match):
+    """An index file's broken descr or length: the message names the file
+    and no float (the tool reads index files as the float of their width;
+    it named '<f44' and '|f4', and no path; hostile tester, 2026-11-30)."""
+    a, f = varlen_files(tmp_path, rng)
+    text = ("{'descr': '%s', 'fortran_order': False, 'shape': (%d,), }"
+            % (descr, a["cu_q"].size)).encode()
+    text += b" " * ((64 - (10 + len(text) + 1) % 64) % 64) + b"\n"
+    raw = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + a["cu_q"].tobytes()
+    (tmp_path / "cu_raw.npy").write_bytes(raw + extra)
+    r = run("varlen", "-q", f["q"], "-k", f["k"], "-v", f["v"], "--cu-seqlens-q",
+            tmp_path / "cu_raw.npy", "--cu-seqlens-k", f["cu_k"], "-o", tmp_path / "o.npy")
+    assert r.returncode == 1 and match in r.stderr and "f4" not in r.stderr, r.stderr
+    assert not (tmp_path / "o.npy").exists()
+
+
 @pytest.mark.parametrize("cu_q, code, match", [
     (np.array([0.0, 3, 10]), 1, "index files are int32"),
     (np.array([0, 3, 10], np.int16), 1, "index files are int32"),
