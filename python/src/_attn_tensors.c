@@ -227,15 +227,20 @@ static int accessor(PyTypeObject *type, const char *name, int call, PyObject **d
 /* Every accessor tensor_view reads: 1 when all are descriptors, else 0
  * (the tensors then go to the checked route, through .numpy()); -1. */
 static int find_accessors(PyTypeObject *type, PyTypeObject *storage) {
-    static const char *const names[] = {"is_cpu", "layout",         "dtype",
-                                        "shape",  "is_neg",         "stride",
-                                        "data_ptr", "storage_offset", "untyped_storage"};
-    PyObject **slots[] = {&d_is_cpu,   &d_layout,         &d_dtype,
-                          &d_shape,    &d_is_neg,         &d_stride,
-                          &d_data_ptr, &d_storage_offset, &d_untyped_storage};
+    static const struct {
+        const char *name;
+        int call; /* a method (1) or a property (0) */
+        PyObject **slot;
+    } accessors[] = {
+        {"is_cpu", 0, &d_is_cpu},     {"layout", 0, &d_layout},
+        {"dtype", 0, &d_dtype},       {"shape", 0, &d_shape},
+        {"is_neg", 1, &d_is_neg},     {"stride", 1, &d_stride},
+        {"data_ptr", 1, &d_data_ptr}, {"storage_offset", 1, &d_storage_offset},
+        {"untyped_storage", 1, &d_untyped_storage},
+    };
     int all = 1;
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        const int found = accessor(type, names[i], i >= 4, slots[i]);
+    for (size_t i = 0; i < sizeof accessors / sizeof *accessors; i++) {
+        const int found = accessor(type, accessors[i].name, accessors[i].call, accessors[i].slot);
         if (found < 0) return -1;
         all &= found;
     }
