@@ -145,27 +145,38 @@ def _patch_mha(patch, torch):
     patch._set(mha, "forward", _counted_mha(patch, forward))
 
 
+# This thread's MHA fallbacks: how many, and the patch that counted the
+# last (the one whose _counted_fallback stands, the outermost), so that a
+# newer patch's routed_forward sees its call fall back too.
+_FALLBACKS = threading.local()
+
+
 def _counted_fallback(patch, original):
     """torch's own forward, counted in patch.fell_back (by the patch that
-    stored it, the outermost)."""
+    stored it, the outermost; routed_forward counts it in newer ones)."""
 
     @functools.wraps(original)
     def fallback(self, *args, **kwargs):
         patch.fell_back += 1
+        _FALLBACKS.count = getattr(_FALLBACKS, "count", 0) + 1
+        _FALLBACKS.counted_by = patch
         return original(self, *args, **kwargs)
 
     return fallback
 
 
 def _counted_mha(patch, forward):
-    """attn's forward, counted in patch.routed unless it fell back."""
+    """attn's forward, counted in patch.routed, or in patch.fell_back when
+    it fell back to torch's."""
 
     @functools.wraps(forward)
     def routed_forward(self, *args, **kwargs):
-        before = patch.fell_back
+        before = getattr(_FALLBACKS, "count", 0)
         result = forward(self, *args, **kwargs)
-        if patch.fell_back == before:
+        if getattr(_FALLBACKS, "count", 0) == before:
             patch.routed += 1
+        elif _FALLBACKS.counted_by is not patch:
+            patch.fell_back += 1
         return result
 
     return routed_forward

@@ -10,7 +10,7 @@ import torch
 
 from ._arrays import torch_array, torch_result
 from ._ring_calls import _backward, _forward
-from ._torch import _tensor  # one rule for non-tensor inputs
+from ._torch import _tensor, first_order_only  # one rule for non-tensor inputs
 
 
 class _Ring(torch.autograd.Function):
@@ -32,8 +32,10 @@ class _Ring(torch.autograd.Function):
         want = [bool(n) for n in ctx.needs_input_grad[:3]]
         grads = _backward(*(torch_array(t) for t in (dout, query, key, value, out, lse)),
                           ctx.opts, want)
-        return tuple(None if g is None else torch_result(g, x.dtype)
-                     for g, x in zip(grads, (query, key, value))) + (None,)
+        grads = tuple(None if g is None else torch_result(g, x.dtype)
+                      for g, x in zip(grads, (query, key, value)))
+        return first_order_only("attn.distributed.ring_attention", grads,
+                                (query, key, value, dout)) + (None,)
 
 
 def run(a, query, key, value, opts):

@@ -280,6 +280,42 @@ def _operator_needed():
 compiling = torch.compiler.is_compiling
 
 
+class _FirstOrder(torch.autograd.Function):
+    """Gradients that libattn computed, outside autograd, made part of the
+    graph create_graph=True builds, through a node that raises when it is
+    differentiated: they have no derivative of their own."""
+
+    @staticmethod
+    def forward(ctx, what, count, *tensors):  # tensors: count gradients, then anchors
+        ctx.what = what
+        return tuple(t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.what}'s backward runs in libattn and has no derivative of its own: a second "
+            f"derivative (create_graph=True, as a gradient penalty asks) needs torch's own "
+            f"module or function")
+
+
+def first_order_only(what, grads, anchors):
+    """An autograd.Function backward's `grads` (tensors or None) as they
+    are, or, when the backward builds a graph (create_graph=True) and one of
+    `anchors` (the inputs, parameters and dout) requires grad, the same
+    values through _FirstOrder: differentiating them again then raises,
+    naming `what`. Without it they would be constants in that graph, and a
+    gradient penalty would silently lose its second-order terms (torch's
+    once_differentiable marks them only when dout requires grad)."""
+    if not torch.is_grad_enabled():
+        return grads
+    anchors = [a for a in anchors if isinstance(a, torch.Tensor) and a.requires_grad]
+    present = [g for g in grads if g is not None]
+    if not anchors or not present:
+        return grads
+    marked = iter(_FirstOrder.apply(what, len(present), *present, *anchors))
+    return tuple(None if g is None else next(marked) for g in grads)
+
+
 def _tensor(x, checked, saved=False):
     """The operator's argument for one input: the tensor itself (autograd
     needs it), or a tensor holding the checked array of a non-tensor; a copy

@@ -175,7 +175,9 @@ class _MHAFunction(torch.autograd.Function):
                         dparams[i] = torch_result(flat[offset:offset + n].copy(), p.dtype).view(
                             p.shape)
         t = [None if x is None else torch_result(x, query.dtype) for x in (dq, dk, dv)]
-        return (None, *t, *dparams)
+        from ._torch import first_order_only
+        return (None, *first_order_only("attn.nn.MultiheadAttention", (*t, *dparams),
+                                        (query, key, value, dout, *params)))
 
 
 # ---- the forward, for any torch-like MHA module ----
@@ -374,6 +376,16 @@ def _torch_decides(m, query, key, value, key_padding_mask, attn_mask):
     return False
 
 
+def _traced(*inputs):
+    """Whether torch.compile, torch.export or a tensor subclass (FakeTensor,
+    DTensor, ...) holds the call: torch's own forward traces or dispatches
+    it, as the patched SDPA leaves such calls to torch's."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(x is not None and type(x) not in (torch.Tensor, torch.nn.Parameter)
+               for x in inputs)
+
+
 def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                          attn_mask=None, average_attn_weights=True, is_causal=False):
     """torch.nn.MultiheadAttention.forward's signature, for patching torch: runs
@@ -381,7 +393,8 @@ def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_we
     flowing to them) for CPU float32/float64/float16/bfloat16 inputs; anything else goes to
     torch.nn.MultiheadAttention._attn_original_forward when present, else to
     torch's own forward."""
-    if (_unsupported(self, query, key, value, key_padding_mask, attn_mask) is None
+    if (not _traced(query, key, value, key_padding_mask, attn_mask)
+            and _unsupported(self, query, key, value, key_padding_mask, attn_mask) is None
             and not _torch_decides(self, query, key, value, key_padding_mask, attn_mask)):
         return _mha_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                          average_attn_weights, is_causal)
@@ -406,11 +419,11 @@ _F = torch.nn.functional
 def _activation_name(act):
     """The C layer's name for a torch activation ("relu", "gelu", "gelu_tanh"),
     or None when the layer must run it through torch."""
-    if act is _F.relu or isinstance(act, torch.nn.ReLU):
+    if act is _F.relu or type(act) is torch.nn.ReLU:  # a subclass may compute otherwise
         return "relu"
     if act is _F.gelu:
         return "gelu"
-    if isinstance(act, torch.nn.GELU):
+    if type(act) is torch.nn.GELU:
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
     return None
 
@@ -502,6 +515,31 @@ class TransformerEncoderLayer(torch.nn.Module):
             params.append(p)
         return params
 
+    def _c_computes_submodules(self):
+        """Whether the C layer computes what the submodules' own forwards
+        would: each is of torch's class (or attn's MHA), not a subclass with
+        a forward of its own (a LoRA Linear, a custom norm), no forward hook
+        or pre-hook would run (the module's own or global ones), and
+        self_attn has neither bias_k/bias_v nor add_zero_attn (the C layer
+        has no such keys)."""
+        a, nn = self.self_attn, torch.nn
+        kinds = ((a, (MultiheadAttention, nn.MultiheadAttention)), (self.linear1, (nn.Linear,)),
+                 (self.linear2, (nn.Linear,)), (self.norm1, (nn.LayerNorm,)),
+                 (self.norm2, (nn.LayerNorm,)), (self.dropout, (nn.Dropout,)),
+                 (self.dropout1, (nn.Dropout,)), (self.dropout2, (nn.Dropout,)))
+        if any(type(m) not in types for m, types in kinds):
+            return False
+        if a.bias_k is not None or a.bias_v is not None or a.add_zero_attn:
+            return False
+        hooked = [m for m, _ in kinds]
+        if isinstance(self.activation, nn.Module):
+            hooked.append(self.activation)
+        g = nn.modules.module
+        if (g._global_forward_hooks or g._global_forward_pre_hooks or
+                any(m._forward_hooks or m._forward_pre_hooks for m in hooked)):
+            return False
+        return True
+
     def _c_spec(self, src):
         """The _attn.EncoderLayer configuration for this call, or None when
         the call must go through torch."""
@@ -514,8 +552,7 @@ class TransformerEncoderLayer(torch.nn.Module):
         if has_tangent(src):  # forward-mode AD: torch's path, whose MHA raises
             return None
         act = _activation_name(self.activation)
-        drops = (self.dropout, self.dropout1, self.dropout2)
-        if not all(isinstance(d, torch.nn.Dropout) for d in drops):
+        if not self._c_computes_submodules():
             return None
         ps = {self.dropout.p, self.dropout1.p, self.dropout2.p, float(self.self_attn.dropout)}
         if act is None or len(ps) != 1 or self.norm1.eps != self.norm2.eps:

@@ -321,6 +321,66 @@ def test_dropout_in_training_is_seeded_and_scaled():
     assert torch.allclose(out, expect, atol=1e-6)
 
 
+class _LoRALinear(torch.nn.Linear):
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.extra = torch.nn.Parameter(torch.randn(n_out, n_in) * 0.1)
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.extra.t()
+
+
+class _ShiftedNorm(torch.nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x) + 0.5
+
+
+class _LeakyReLU(torch.nn.ReLU):
+    def forward(self, x):
+        return torch.nn.functional.leaky_relu(x, 0.1)
+
+
+def _swap(layer, name):
+    """Replaces one submodule of `layer` by something the C layer does not
+    compute, or adds a hook that changes an output."""
+    d, f = layer.linear1.in_features, layer.linear1.out_features
+    if name == "linear1":
+        layer.linear1 = _LoRALinear(d, f)
+    elif name == "norm2":
+        layer.norm2 = _ShiftedNorm(d)
+    elif name == "activation":
+        layer.activation = _LeakyReLU()
+    elif name == "add_bias_kv":
+        layer.self_attn = torch.nn.MultiheadAttention(d, 4, add_bias_kv=True)
+    elif name == "add_zero_attn":
+        layer.self_attn = torch.nn.MultiheadAttention(d, 4, add_zero_attn=True)
+    elif name == "hook":
+        layer.linear2.register_forward_hook(lambda m, i, o: o * 2.0)
+    elif name == "pre_hook":
+        layer.linear1.register_forward_pre_hook(lambda m, i: (i[0] + 1.0,))
+
+
+@pytest.mark.parametrize("name", ["linear1", "norm2", "activation", "add_bias_kv",
+                                  "add_zero_attn", "hook", "pre_hook"])
+def test_no_grad_path_runs_what_the_submodules_would(name):
+    """Without gradients the layer runs in libattn only where that computes
+    what the submodules' forwards would; a subclass with a forward of its
+    own, a forward hook, or self_attn's bias_k / zero key send it to torch's
+    composition (the C layer had silently skipped them: errors of 0.1-2.5)."""
+    torch.manual_seed(5)
+    t = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0).eval()
+    a = attn.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0).eval()
+    torch.manual_seed(6)
+    _swap(t, name)
+    torch.manual_seed(6)
+    _swap(a, name)
+    a.load_state_dict(t.state_dict())
+    x = torch.randn(6, 3, 16)
+    with torch.no_grad():
+        want, got = t(x), a(x)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 def test_c_layer_errors_name_the_argument():
     from attn import _attn
     layer = _attn.EncoderLayer(8, 2, 16)

@@ -443,6 +443,28 @@ def test_weights_are_not_differentiated():
         (out.sum() + w.sum()).backward()
 
 
+def test_second_derivative_raises_instead_of_dropping_terms():
+    """A gradient penalty through attn's MHA: libattn's backward has no
+    derivative of its own, so differentiating the gradient raises, naming
+    the module, where it would otherwise lose its second-order terms
+    silently (also when dout needs no gradient: out.sum())."""
+    torch.manual_seed(0)
+    a = attn.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    for make_loss in (lambda out: out.pow(2).sum(), lambda out: out.sum()):
+        x = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
+        out, _ = a(x, x, x)
+        g, = torch.autograd.grad(make_loss(out), x, create_graph=True)
+        assert g.requires_grad  # as torch's module: the gradient is part of the graph
+        with pytest.raises(RuntimeError, match="MultiheadAttention.*second derivative"):
+            (out.sum() + g.pow(2).sum()).backward()
+    # first order under create_graph=True keeps its values
+    x = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
+    out, _ = a(x, x, x)
+    g1, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    g2, = torch.autograd.grad(a(x, x, x)[0].sum(), x)
+    assert torch.equal(g1.detach(), g2)
+
+
 def test_import_attn_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"

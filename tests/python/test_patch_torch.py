@@ -56,6 +56,41 @@ def test_nested_patches_restore_exactly_what_was_there():
     assert F.scaled_dot_product_attention is TORCH_SDPA
 
 
+def test_nested_patches_count_a_fallen_back_mha_call_in_each():
+    """An MHA call that attn leaves to torch (a mask that requires grad)
+    counts as fallen back in the inner patch as well as in the outer one,
+    as it does under a single patch."""
+    pytest.importorskip("attn.nn")
+    m = torch.nn.MultiheadAttention(8, 2)
+    x, mask = torch.randn(3, 2, 8), torch.zeros(3, 3, requires_grad=True)
+    with attn.patch_torch() as outer:
+        with attn.patch_torch() as inner:
+            m(x, x, x, attn_mask=mask)
+            m(x, x, x)
+    assert (inner.routed, inner.fell_back) == (1, 1)
+    assert (outer.routed, outer.fell_back) == (0, 1)
+    with attn.patch_torch() as single:
+        m(x, x, x, attn_mask=mask)
+    assert (single.routed, single.fell_back) == (0, 1)
+
+
+def test_export_and_fullgraph_compile_of_a_patched_mha():
+    """torch.export and torch.compile(fullgraph=True) trace torch's own MHA
+    forward under the patch (FakeTensors and dynamo are torch's), as they do
+    without it."""
+    pytest.importorskip("attn.nn")
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    want = m(x, x, x, need_weights=False)[0]
+    with attn.patch_torch():
+        exported = torch.export.export(m, (x, x, x))
+        compiled = torch.compile(m, fullgraph=True)
+        got = compiled(x, x, x, need_weights=False)[0]
+    assert torch.allclose(exported.module()(x, x, x)[0], want, atol=1e-6)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
 def _every_kwarg_case(rng, dtype):
     q = torch.from_numpy(rng.standard_normal((2, 4, 5, 8))).to(dtype)
     k = torch.from_numpy(rng.standard_normal((2, 2, 7, 8))).to(dtype)
