@@ -97,7 +97,12 @@ enum {
     TINY_WORK = 1 << 15, /* keys in columns also for calls of up to this
                             many multiply-adds (B·H·L·S·E)                */
     CHUNK_MIN = 1024,    /* keys per chunk, at least                       */
-    MAX_CHUNKS = 64,     /* chunks per query block, at most                */
+    MAX_CHUNKS = 64,     /* chunks per query block, at most, but for:      */
+    CHUNK_MAX = 1 << 24, /* keys per chunk, at most: a float32 running sum
+                            of weights <= 1 adds each key's term, and past
+                            2^24 a term of 1 rounds away (2^24 + 1 is
+                            2^24): flat weights over 2^25 keys gave 0.5
+                            for 1. Chunks merge in float64.               */
     SPLIT_BELOW = 16,    /* split keys when there are fewer query blocks   */
     COLUMN_TASKS = 128,  /* keys in columns (decoding): split keys into
                             chunks of at least COLUMN_CHUNK_MIN until there
@@ -190,7 +195,9 @@ static int64_t lanes_keys(const attn__ukernel *kern, int64_t width) {
 static int64_t chunk_keys(const attn__problem *p, const flash_work *w, int64_t blocks) {
     const bool columns = w->direct && blocks < COLUMN_TASKS && p->S >= 2 * COLUMN_CHUNK_MIN;
     const bool lanes = blocks < SPLIT_BELOW && p->S >= 2 * CHUNK_MIN;
-    if (p->has_weights || !(columns || lanes)) return p->S;
+    const int64_t most = CHUNK_MAX / w->BC * w->BC;
+    if (p->has_weights) return p->S;
+    if (!(columns || lanes)) return p->S <= CHUNK_MAX ? p->S : most;
     int64_t chunk = (p->S + MAX_CHUNKS - 1) / MAX_CHUNKS;
     if (chunk < CHUNK_MIN) chunk = CHUNK_MIN;
     if (columns) {
@@ -199,7 +206,8 @@ static int64_t chunk_keys(const attn__problem *p, const flash_work *w, int64_t b
         if (small < COLUMN_CHUNK_MIN) small = COLUMN_CHUNK_MIN;
         if (small < chunk) chunk = small;
     }
-    return (chunk + w->BC - 1) / w->BC * w->BC;
+    chunk = (chunk + w->BC - 1) / w->BC * w->BC;
+    return chunk <= most ? chunk : most;
 }
 
 /* Query rows per block in the queries-in-lanes layout on `threads`
@@ -652,7 +660,10 @@ static flash_work bwd_plan(const attn__problem *p, const attn__ukernel *kern, si
     w.BC = bwd_keys(kern, p, real_size);
     const int64_t nkb = (p->S + w.BC - 1) / w.BC;
     const int64_t dq_bytes = p->nbatch * p->L * p->E * (int64_t)real_size;
-    w.nchunks = 1;
+    /* dq sums a row's terms over its chunk's keys in the compute type:
+     * at most CHUNK_MAX keys a chunk (see there), whatever the budget */
+    const int64_t chunk_blocks = CHUNK_MAX / w.BC; /* key blocks a chunk may hold */
+    w.nchunks = real_size == sizeof(float) ? (nkb + chunk_blocks - 1) / chunk_blocks : 1;
     while (w.nchunks < nkb && w.ngroups * w.nchunks < BWD_TASKS_MIN &&
            (!p->has_dq || (w.nchunks + 1) * dq_bytes <= BWD_DQ_BUDGET))
         w.nchunks++;
@@ -1009,6 +1020,12 @@ attn_status attn__sdpa_flash(const attn__problem *problem, const attn__ukernel *
         tiny.lse_exact = true;
         problem = &tiny;
     }
+    /* Weights are normalized by the whole row's sum, so their keys are not
+     * split into chunks (chunk_keys): past CHUNK_MAX keys a float32 sum
+     * would stall, and the float64 reference computes them (the weights,
+     * 4 bytes a key, already outweigh its cost there). */
+    if (problem->has_weights && problem->S > CHUNK_MAX && compute_dtype(problem) == ATTN_DTYPE_F32)
+        return attn__sdpa_reference(problem);
     return compute_dtype(problem) == ATTN_DTYPE_F32 ? flash_run_f(problem, ukernel)
                                                     : flash_run_d(problem, ukernel);
 }

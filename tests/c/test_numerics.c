@@ -324,6 +324,70 @@ static void fully_masked_case(attn_dtype dt, const char *where) {
 }
 static void fully_masked_rows_give_zero(void) { each_path(fully_masked_case); }
 
+/* ---- rows of more than 2^24 keys ---- */
+
+/* A float32 sum that adds a term of 1 at a time stops at 2^24. Keys are
+ * summed in chunks of at most 2^24 merged in float64 (flash.c, CHUNK_MAX;
+ * test_schedule checks the forward's chunks): flat weights over S = 2^25
+ * keys gave out = 0.5 for 1 and the backward's dq half its value. Here,
+ * on every path, with cheap shapes (E = 1, one query row):
+ *   - weights asked for, which keep a row's keys in one piece: computed
+ *     by the float64 reference past 2^24 keys (one value through zero
+ *     strides: out = 1, each weight 1/S);
+ *   - the backward of 8 heads (8 tasks, so no split for balance), q = 0,
+ *     k = v = j mod 2: P = 1/S, out = 1/2, dq = (1/S) sum (v - 1/2) v = 1/4. */
+static void long_rows_case(attn_dtype dt, const char *where) {
+    if (dt != ATTN_DTYPE_F32) return; /* float64 sums stop at 2^53 */
+    const int64_t S = ((int64_t)1 << 24) + 4096, H = 8;
+    static float one[1] = {1.0f}, zero[1] = {0.0f};
+    float *w = malloc((size_t)S * sizeof *w), *kv = malloc((size_t)S * sizeof *kv);
+    CHECK(w != NULL && kv != NULL, "%s: allocation", where);
+    if (w == NULL || kv == NULL) goto done;
+    { /* weights */
+        const int64_t qs[2] = {1, 1}, ks[2] = {S, 1}, ws[2] = {1, S};
+        float out = 0.0f;
+        attn_tensor q, k, o, wt;
+        attn_tensor_init(&q, zero, ATTN_DTYPE_F32, 2, qs);
+        attn_tensor_init(&k, one, ATTN_DTYPE_F32, 2, ks);
+        attn_tensor_init(&o, &out, ATTN_DTYPE_F32, 2, qs);
+        attn_tensor_init(&wt, w, ATTN_DTYPE_F32, 2, ws);
+        k.strides[0] = 0;
+        CHECK_OK(attn_sdpa(&q, &k, &k, NULL, &o, &wt, NULL));
+        double sum = 0.0;
+        bool flat = true;
+        for (int64_t j = 0; j < S; j++) {
+            sum += w[j];
+            flat &= fabs(w[j] * (double)S - 1.0) <= 1e-6;
+        }
+        CHECK(fabs(out - 1.0) <= 1e-6 && flat && fabs(sum - 1.0) <= 1e-6,
+              "%s: S = 2^24 + 4096 with weights: out %.9g, weights sum %.9g, flat %d", where,
+              (double)out, sum, flat);
+    }
+    { /* backward */
+        for (int64_t j = 0; j < S; j++) kv[j] = (float)(j % 2);
+        const int64_t qs[3] = {H, 1, 1}, ks[3] = {H, S, 1}, ls[2] = {H, 1};
+        float q0[8] = {0}, dout[8], out[8], dq[8];
+        double lse[8];
+        for (int h = 0; h < H; h++) dout[h] = 1.0f, out[h] = 0.5f, lse[h] = log((double)S);
+        attn_tensor q, k, o, g, l, d;
+        attn_tensor_init(&q, q0, ATTN_DTYPE_F32, 3, qs);
+        attn_tensor_init(&k, kv, ATTN_DTYPE_F32, 3, ks);
+        attn_tensor_init(&o, out, ATTN_DTYPE_F32, 3, qs);
+        attn_tensor_init(&g, dout, ATTN_DTYPE_F32, 3, qs);
+        attn_tensor_init(&l, lse, ATTN_DTYPE_F64, 2, ls);
+        attn_tensor_init(&d, dq, ATTN_DTYPE_F32, 3, qs);
+        k.strides[0] = 0; /* one key array read by every head */
+        CHECK_OK(attn_sdpa_backward(&g, &q, &k, &k, &o, &l, NULL, &d, NULL, NULL, NULL));
+        for (int h = 0; h < H; h++)
+            CHECK(fabs(dq[h] - 0.25) <= 1e-4, "%s: S = 2^24 + 4096 backward: dq[%d] %.9g, want 0.25",
+                  where, h, (double)dq[h]);
+    }
+done:
+    free(w);
+    free(kv);
+}
+static void rows_of_more_than_2_24_keys(void) { each_path(long_rows_case); }
+
 /* ---- huge logits ---- */
 
 static void huge_logits_case(attn_dtype dt, const char *where) {
@@ -991,6 +1055,7 @@ static void packed_queries_are_the_transpose(void) {
 HARNESS_MAIN(T(masked_out_never_reaches_output), T(visible_nan_poisons_its_rows),
              T(zero_weight_keys_contribute_nothing), T(fully_masked_rows_give_zero),
              T(huge_logits_do_not_overflow), T(byte_count_overflow_rejected),
+             T(rows_of_more_than_2_24_keys),
              T(float16_outputs_round_at_the_range), T(output_rows_round_as_attn_store),
              T(gemm_rows_round_as_float_to_bf16),
              T(bf16_hidden_special_values), T(overflowing_float32_scores),

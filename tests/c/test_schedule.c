@@ -126,4 +126,43 @@ static void many_threads_stay_busy(void) {
     }
 }
 
-HARNESS_MAIN(T(many_threads_stay_busy))
+/* No key chunk holds more than 2^24 keys (flash.c, CHUNK_MAX: a float32
+ * running sum of weights <= 1 stops growing there; flat weights over 2^25
+ * keys gave 0.5 for 1), in either layout: a prefill of many query blocks,
+ * which did not split its keys at all, and a decode step, whose 64 chunks
+ * grew past 2^24 keys beyond 2^30. At most 2^24 keys, nothing changes.
+ * Planned only: the inputs are one value read through zero strides. */
+static void long_rows_split_into_chunks_of_at_most_2_24_keys(void) {
+    static float one[1];
+    static float out[4096];
+    const attn__ukernel *kern = attn__ukernel_for(attn_get_isa());
+    const struct {
+        int64_t L, S, chunks;
+    } cases[] = {
+        {1024, ((int64_t)1 << 25) + 64, 3}, /* many query blocks: 2^24, 2^24 and 64 keys */
+        {1024, (int64_t)1 << 24, 1},          /* at the bound: one chunk, as before */
+        {1, (int64_t)1 << 31, (int64_t)1 << 7}, /* a decode step over 2^31 keys */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const int64_t qs[2] = {cases[i].L, 1}, ks[2] = {cases[i].S, 1};
+        attn_tensor q, k, o;
+        attn_tensor_init(&q, one, ATTN_DTYPE_F32, 2, qs);
+        attn_tensor_init(&k, one, ATTN_DTYPE_F32, 2, ks);
+        attn_tensor_init(&o, out, ATTN_DTYPE_F32, 2, qs);
+        q.strides[0] = k.strides[0] = 0;
+        attn__problem p;
+        CHECK_OK(attn__problem_from_sdpa(&p, &q, &k, &k, NULL, &o, NULL, NULL));
+        attn__flash_split at;
+        CHECK_OK(attn__flash_balance(&p, kern, 2, &at));
+        printf("  L %lld, S %lld: %lld chunks of %lld keys\n", (long long)cases[i].L,
+               (long long)cases[i].S, (long long)at.chunks, (long long)at.chunk);
+        CHECK(at.chunk <= (int64_t)1 << 24 && at.chunks * at.chunk >= cases[i].S,
+              "L %lld S %lld: %lld chunks of %lld keys", (long long)cases[i].L,
+              (long long)cases[i].S, (long long)at.chunks, (long long)at.chunk);
+        CHECK(at.chunks == cases[i].chunks,
+              "L %lld S %lld: %lld chunks", (long long)cases[i].L, (long long)cases[i].S,
+              (long long)at.chunks);
+    }
+}
+
+HARNESS_MAIN(T(many_threads_stay_busy), T(long_rows_split_into_chunks_of_at_most_2_24_keys))
