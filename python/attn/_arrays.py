@@ -357,7 +357,10 @@ def index_array(x, name):
         if lo < -2**31 or hi >= 2**31:
             bad = lo if lo < -2**31 else hi
             raise ValueError(f"{name} holds {_show(bad)}, which does not fit in int32")
-    return np.ascontiguousarray(a, dtype=np.int32)
+    # (np.ascontiguousarray would make a 0-d array 1-d: taken as (1,), it
+    # passed for one sequence's offsets or lengths; its rank is the C
+    # layer's to refuse, naming the argument)
+    return np.require(a, dtype=np.int32, requirements="C")
 
 
 def check_window(x, name="window_size"):

@@ -367,6 +367,9 @@ def _varlen_error(rng, exc, match, arg=None, **changes):
      None),  # one sequence of keys for two of queries
     (dict(cu_seqlens_q=np.array([[0, 2, 5]], np.int32)), ValueError, "cu_seqlens_q",
      "cu_seqlens_q"),
+    # 0-d: it passed as (1,), an empty batch, before
+    (dict(cu_seqlens_q=np.array(0), cu_seqlens_k=np.array(0)), ValueError,
+     "cu_seqlens_q has rank 0", "cu_seqlens_q"),
     # no sequence: the one offset must still be 0 (it passed, and lse came back 0, not -inf)
     (dict(cu_seqlens_q=np.array([5], np.int32), cu_seqlens_k=np.array([5], np.int32)),
      ValueError, r"cu_seqlens_q\[0\] is 5", "cu_seqlens_q"),
@@ -577,6 +580,8 @@ def _kv_args(rng, **changes):
     (dict(cache_seqlens=np.array([1, 2, 3], np.int32)), ValueError, "cache_seqlens",
      "cache_seqlens"),
     (dict(cache_seqlens=-1), ValueError, "cache_seqlens is -1", None),
+    (dict(cache_seqlens=np.array(1)), ValueError, "cache_seqlens has rank 0",
+     "cache_seqlens"),  # 0-d: it passed as (1,) for one sequence, misnamed for two
     (dict(cache_seqlens=1.0), TypeError, "cache_seqlens has dtype float64", None),
     (dict(cache_seqlens=None), ValueError, "cache_seqlens", None),  # new rows need it
     (dict(window_size=(-7, 1)), ValueError, "window_size", None),
