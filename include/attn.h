@@ -641,7 +641,7 @@ typedef struct attn_mha_config {
     int64_t num_heads;     /* >= 1                                           */
     int64_t head_dim;      /* 0: embed_dim / num_heads (must divide)         */
     int64_t kdim, vdim;    /* 0: embed_dim                                   */
-    int bias;              /* in_proj_bias and out_proj.bias                 */
+    int bias;              /* in_proj_bias and out_proj.bias; flags: 0 or 1  */
     int add_bias_kv;
     int add_zero_attn;
     int batch_first;
@@ -834,7 +834,7 @@ typedef struct attn_encoder_layer_config {
     double dropout;          /* in [0, 1]; default 0.1                         */
     attn_activation activation; /* default ReLU                                */
     double layer_norm_eps;   /* finite, >= 0; default 1e-5                     */
-    int batch_first;         /* default 0                                      */
+    int batch_first;         /* 0 or 1 (as the flags below); default 0         */
     int norm_first;          /* default 0                                      */
     int bias;                /* Linear, LayerNorm and MHA biases; default 1    */
     attn_dtype dtype;        /* F32 (default), F64, F16 or BF16 (see above)   */

@@ -232,9 +232,9 @@ static attn_status check_inputs(bwd_call *c, const attn_tensor *const in[3],
     return ATTN_OK;
 }
 
-/* A view covering a module's parameter storage, to test overlaps against. */
 /* dquery, dkey, dvalue: optional outputs shaped like their inputs, sharing
- * no memory with what the backward reads or writes. */
+ * no memory with what the backward reads or writes; grads' parameters, an
+ * output too, none with the inputs. */
 static attn_status check_grads(bwd_call *c, const attn_tensor *const in[3],
                                const attn_tensor *dout, attn_tensor *const d[3]) {
     attn_status st = ATTN_OK;
@@ -267,6 +267,12 @@ static attn_status check_grads(bwd_call *c, const attn_tensor *const in[3],
                                       GRAD_NAMES[j], name);
         c->dx[i] = attn__mha_to_ntf(d[i], c->s.batched, c->s.batch_first);
     }
+    for (int r = 0; c->grads != NULL && r < 4; r++) /* query, key, value, dout */
+        if (attn__views_overlap(&gparams, reads[r]))
+            return attn__fail_arg(ATTN_ERR_OVERLAP, "grads",
+                                  "grads' parameters overlap %s in memory: the gradients would "
+                                  "overwrite what they are computed from",
+                                  read_names[r]);
     return ATTN_OK;
 }
 

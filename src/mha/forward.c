@@ -725,6 +725,10 @@ static attn_status check_call(const attn_mha *m, const attn_tensor *query,
                               attn_tensor *weights, attn_mha_forward_params *p, mha_shapes *s,
                               mha_work *w) {
     attn_status st = read_params(user, p);
+    /* resolve_shapes lets a NULL value through for attn_mha_out_shapes,
+     * which needs none; a forward reads it */
+    if (st == ATTN_OK && value == NULL && query != NULL && key != NULL)
+        st = attn__fail_arg(ATTN_ERR_NULL, "value", "value is NULL");
     if (st == ATTN_OK) st = attn__mha_resolve_shapes(m, p, query, key, value, s);
     if (st == ATTN_OK)
         st = check_outputs(m, s, p->average_attn_weights != 0, query, out, weights);

@@ -250,6 +250,14 @@ static void errors_name_the_argument(void) {
     CHECK_STATUS(attn_encoder_layer_create(&c, &l), ATTN_ERR_INVALID);
     CHECK(strcmp(attn_last_error_arg(), "config.dropout") == 0, "dropout");
     attn_encoder_layer_config_init(&c, 8, 2);
+    c.norm_first = -3; /* flags are 0 or 1, as a call's batch_first */
+    CHECK_STATUS(attn_encoder_layer_create(&c, &l), ATTN_ERR_INVALID);
+    CHECK(strcmp(attn_last_error_arg(), "config.norm_first") == 0, "norm_first");
+    attn_encoder_layer_config_init(&c, 8, 2);
+    c.batch_first = 7;
+    CHECK_STATUS(attn_encoder_layer_create(&c, &l), ATTN_ERR_INVALID);
+    CHECK(strcmp(attn_last_error_arg(), "config.batch_first") == 0, "batch_first");
+    attn_encoder_layer_config_init(&c, 8, 2);
     c.layer_norm_eps = NAN;
     CHECK_STATUS(attn_encoder_layer_create(&c, &l), ATTN_ERR_INVALID);
     CHECK(strcmp(attn_last_error_arg(), "config.layer_norm_eps") == 0, "eps");

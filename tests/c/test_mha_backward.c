@@ -501,6 +501,11 @@ static void hostile_arguments(void) {
     CHECK(sv == NULL, "a failed forward_train leaves *saved set");
     CHECK_ARG(attn_mha_forward_train(c.m, c.q, c.q, c.v, &c.fp, &c.out.t, NULL, &sv),
               ATTN_ERR_SHAPE, "key");
+    /* a NULL value read address 0 (attn_mha_out_shapes takes none) */
+    CHECK_ARG(attn_mha_forward_train(c.m, c.q, c.k, NULL, &c.fp, &c.out.t, NULL, &sv),
+              ATTN_ERR_NULL, "value");
+    CHECK_ARG(attn_mha_forward(c.m, c.q, c.k, NULL, &c.fp, &c.out.t, NULL), ATTN_ERR_NULL,
+              "value");
     CHECK_OK(attn_mha_forward_train(c.m, c.q, c.k, c.v, &c.fp, &c.out.t, NULL, &sv));
     attn_mha *g = NULL, *other = NULL, *wrong = NULL;
     CHECK_OK(attn_mha_create(&c.cfg, &g));
@@ -556,6 +561,17 @@ static void hostile_arguments(void) {
     CHECK_ARG(attn_mha_backward(c.m, sv, q, k, v, d, &dq_alias, NULL, &dv.t, g),
               ATTN_ERR_OVERLAP, "dvalue");
     tt_free(&dv);
+    /* grads' parameters are written: an input inside them would be
+     * overwritten while it is read (dout in out_proj.weight gave that
+     * weight's and bias's gradients off by 0.13 and 1.46, ATTN_OK) */
+    attn_tensor gw, in_grads;
+    CHECK_OK(attn_mha_param(g, "out_proj.weight", &gw));
+    attn_tensor_init(&in_grads, gw.data, o.dtype, c.dout.t.rank, c.dout.t.shape);
+    CHECK_ARG(attn_mha_backward(c.m, sv, q, k, v, &in_grads, &dq.t, NULL, NULL, g),
+              ATTN_ERR_OVERLAP, "grads");
+    attn_tensor_init(&in_grads, gw.data, o.dtype, c.q->rank, c.q->shape);
+    CHECK_ARG(attn_mha_backward(c.m, sv, &in_grads, k, v, d, NULL, NULL, NULL, g),
+              ATTN_ERR_OVERLAP, "grads");
     CHECK_OK(attn_mha_backward(c.m, sv, q, k, v, d, &dq.t, &dk.t, NULL, g));
     CHECK_OK(attn_mha_backward(c.m, sv, q, k, v, d, NULL, NULL, NULL, NULL)); /* nothing asked */
     attn_mha_saved_destroy(NULL);

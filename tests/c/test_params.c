@@ -121,6 +121,14 @@ static void mha_config_error_args(void) {
     CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_INVALID);
     CHECK_ARG("config.dropout");
     attn_mha_config_init(&c, 8, 2);
+    c.batch_first = 7; /* flags are 0 or 1, as a call's batch_first */
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_INVALID);
+    CHECK_ARG("config.batch_first");
+    attn_mha_config_init(&c, 8, 2);
+    c.add_zero_attn = -1;
+    CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_INVALID);
+    CHECK_ARG("config.add_zero_attn");
+    attn_mha_config_init(&c, 8, 2);
     c.kdim = -1;
     CHECK_STATUS(attn_mha_create(&c, &m), ATTN_ERR_INVALID);
     CHECK_ARG("config.kdim");
