@@ -59,6 +59,9 @@ const char *attn__message_path(const char *path, char buf[ATTN__MESSAGE_PATH]);
  * messages. */
 attn_status attn__read_params(void *dst, size_t dst_size, size_t first_size, const void *src,
                               const char *name, const char *init_name);
+/* A struct's int flags, values[i] named names[i] ("config.bias"): each must
+ * be 0 or 1 (as a call's batch_first, where 2 is a mistake, not "true"). */
+attn_status attn__check_flags(const int *values, const char *const *names, int n);
 /* No version of a parameter struct will be larger: a bigger struct_size is
  * taken for an uninitialised one. */
 #define ATTN__MAX_STRUCT_SIZE ((size_t)4096)

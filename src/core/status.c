@@ -134,3 +134,13 @@ const char *attn__message_path(const char *path, char buf[ATTN__MESSAGE_PATH]) {
     snprintf(buf, ATTN__MESSAGE_PATH, "%.*s...%s", (int)keep, path, path + len - keep + 1);
     return buf;
 }
+
+attn_status attn__check_flags(const int *values, const char *const *names, int n) {
+    for (int i = 0; i < n; i++)
+        if (values[i] != 0 && values[i] != 1) {
+            const char *field = strchr(names[i], '.');
+            return attn__fail_arg(ATTN_ERR_INVALID, names[i], "%s is %d; expected 0 or 1",
+                                  field ? field + 1 : names[i], values[i]);
+        }
+    return ATTN_OK;
+}

@@ -55,10 +55,7 @@ static attn_status resolve_config(const attn_encoder_layer_config *in,
     const int flags[3] = {c->batch_first, c->norm_first, c->bias};
     static const char *const flag_names[3] = {"config.batch_first", "config.norm_first",
                                               "config.bias"};
-    for (int i = 0; i < 3; i++) /* as a call's batch_first: 2 is a mistake, not "true" */
-        if (flags[i] != 0 && flags[i] != 1)
-            return attn__fail_arg(ATTN_ERR_INVALID, flag_names[i], "%s is %d; expected 0 or 1",
-                                  flag_names[i] + 7, flags[i]);
+    if ((st = attn__check_flags(flags, flag_names, 3)) != ATTN_OK) return st;
     /* the own parameters, two F x E weights and F + 5·E biases and norms,
      * counted in bytes of the widest dtype */
     int64_t ff, n, e5, bytes;

@@ -74,10 +74,7 @@ static attn_status resolve_config(const attn_mha_config *in, attn_mha_config *c)
     const int flags[4] = {c->bias, c->add_bias_kv, c->add_zero_attn, c->batch_first};
     static const char *const flag_names[4] = {"config.bias", "config.add_bias_kv",
                                               "config.add_zero_attn", "config.batch_first"};
-    for (int i = 0; i < 4; i++) /* as a call's batch_first: 2 is a mistake, not "true" */
-        if (flags[i] != 0 && flags[i] != 1)
-            return attn__fail_arg(ATTN_ERR_INVALID, flag_names[i], "%s is %d; expected 0 or 1",
-                                  flag_names[i] + 7, flags[i]);
+    if ((st = attn__check_flags(flags, flag_names, 4)) != ATTN_OK) return st;
     if (!attn__is_floating(c->dtype))
         return attn__fail_arg(ATTN_ERR_DTYPE, "config.dtype",
                               "dtype is %s; expected float32, float64, float16 or bfloat16",
