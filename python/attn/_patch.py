@@ -84,6 +84,8 @@ def _attn_computes(torch, query, key, value, attn_mask, is_causal):
         return False
     if str(query.dtype) not in _FLOATS or not query.dtype == key.dtype == value.dtype:
         return False
+    if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+        return False  # empty: torch's own result (attn would hand it to torch anyway)
     if attn_mask is None or isinstance(attn_mask, CausalBias):
         return attn_mask is None or not is_causal
     if is_causal or type(attn_mask) is not torch.Tensor or attn_mask.device.type != "cpu":

@@ -190,6 +190,13 @@ def scaled_dot_product_attention(
             return _torch.traced(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                  enable_gqa, causal_alignment, seed, return_weights, return_lse,
                                  **modifiers)
+        if (seed is None and window_size is _NO_WINDOW and alibi_slopes is None and sinks is None
+                and not return_weights and not return_lse and softcap == 0.0
+                and causal_alignment == "top-left"):  # torch's own arguments only
+            out = _torch.empty_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                    enable_gqa)
+            if out is not None:
+                return out
         a = _arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        causal_alignment, seed, return_weights, return_lse, grad_ok=True,
                        **modifiers)

@@ -473,6 +473,8 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
                                     value.requires_grad or attn_mask is not None and
                                     attn_mask.requires_grad)
     if recorded:
+        if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+            return None  # empty tensors: the checked route gives torch's answer
         if _views(query, key, value, attn_mask) is None:
             return None  # the checked route says what is wrong
         seed = drawn_seed() if dropout_p > 0.0 else _no_seed()
@@ -509,9 +511,29 @@ def plain(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa):
     except _attn.NotReadInPlace:
         return None
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+            return None  # empty tensors: the checked route gives torch's answer
         raise library_error(e) from None
     out = _from_numpy(out)
     return out.view(torch.bfloat16) if dt is torch.bfloat16 else out
+
+
+def empty_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """torch's own answer (an empty tensor, or zeros where there are no keys,
+    with its gradients) for a call on torch tensors of which one is empty:
+    libattn takes no empty tensor, and a model's batch of 0 sequences or 0
+    tokens must not fail where torch's would not. None when the call is not
+    such a call (then the library names the empty dimension)."""
+    if not all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in (query, key, value)):
+        return None
+    if query.numel() != 0 and key.numel() != 0 and value.numel() != 0:
+        return None
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        return None
+    # torch's builtin, not torch.nn.functional's name, which patch_torch replaces
+    return torch._C._nn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                                     is_causal, scale=scale,
+                                                     enable_gqa=enable_gqa)
 
 
 def _traced_tensor(x):

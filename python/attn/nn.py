@@ -351,6 +351,11 @@ class MultiheadAttention(torch.nn.Module):
             if shapes is not None:  # torch's module raises RuntimeError here too
                 raise RuntimeError(f"attn.nn.MultiheadAttention: {shapes}")
             raise TypeError(f"attn.nn.MultiheadAttention runs on {why}")
+        if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+            # 0 sequences or 0 tokens: libattn takes no empty tensor; torch's
+            # forward on these parameters gives torch's empty (or zero) result
+            return _functional_mha(self, query, key, value, key_padding_mask, need_weights,
+                                   attn_mask, average_attn_weights, is_causal)
         return _mha_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                          average_attn_weights, is_causal)
 
@@ -398,6 +403,36 @@ def _patched_mha_forward(self, query, key, value, key_padding_mask=None, need_we
             and not _torch_decides(self, query, key, value, key_padding_mask, attn_mask)):
         return _mha_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                          average_attn_weights, is_causal)
+    return _torch_mha_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                              average_attn_weights, is_causal)
+
+
+def _functional_mha(m, query, key, value, key_padding_mask, need_weights, attn_mask,
+                    average_attn_weights, is_causal):
+    """What torch's MultiheadAttention.forward computes off its fast path
+    (whose result is the same), on module m's parameters: for calls libattn
+    cannot take, such as empty inputs."""
+    if m.batch_first and query.dim() == 3:
+        query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+    separate = not m._qkv_same_embed_dim
+    out, weights = _F.multi_head_attention_forward(
+        query, key, value, m.embed_dim, m.num_heads, m.in_proj_weight, m.in_proj_bias,
+        m.bias_k, m.bias_v, m.add_zero_attn, m.dropout, m.out_proj.weight, m.out_proj.bias,
+        training=m.training, key_padding_mask=key_padding_mask, need_weights=need_weights,
+        attn_mask=attn_mask, use_separate_proj_weight=separate,
+        q_proj_weight=m.q_proj_weight if separate else None,
+        k_proj_weight=m.k_proj_weight if separate else None,
+        v_proj_weight=m.v_proj_weight if separate else None,
+        average_attn_weights=average_attn_weights, is_causal=is_causal)
+    if m.batch_first and query.dim() == 3:
+        out = out.transpose(1, 0)
+    return out, weights
+
+
+def _torch_mha_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                       average_attn_weights, is_causal):
+    """torch's own MultiheadAttention.forward on a torch module (not the
+    patch in its place)."""
     cls = torch.nn.MultiheadAttention
     original = getattr(cls, "_attn_original_forward", None)
     if original is None:
@@ -547,6 +582,8 @@ class TransformerEncoderLayer(torch.nn.Module):
         if (torch.is_grad_enabled() and (src.requires_grad or any(p.requires_grad for p in params))):
             return None
         if torch.jit.is_tracing():  # a trace must record torch's operations, not one result
+            return None
+        if src.numel() == 0:  # 0 sequences or 0 tokens: torch's empty result (attn takes none)
             return None
         from ._torch import has_tangent
         if has_tangent(src):  # forward-mode AD: torch's path, whose MHA raises

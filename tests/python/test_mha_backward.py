@@ -435,6 +435,45 @@ def test_refuses_what_it_does_not_run():
         a(x, x, x, is_causal=True)
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_empty_batches_give_torchs_result(batch_first):
+    """A batch of 0 sequences, of 0 queries or of 0 keys: libattn takes no
+    empty tensor, and the module (and an encoder layer over it, in either
+    grad mode) answers as torch's does, gradients included (with no keys,
+    out is out_proj's bias)."""
+    torch.manual_seed(0)
+    for kw in (dict(), dict(kdim=6, vdim=5), dict(add_bias_kv=True), dict(bias=False)):
+        a = attn.nn.MultiheadAttention(8, 2, batch_first=batch_first, **kw)
+        t = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first, **kw)
+        t.load_state_dict(a.state_dict())
+        kd, vd = kw.get("kdim", 8), kw.get("vdim", 8)
+        for n, L, S in ((0, 4, 4), (3, 0, 5), (3, 4, 0)):
+            def make(rows, width):
+                x = torch.randn((n, rows, width) if batch_first else (rows, n, width))
+                return x.requires_grad_()
+            q, k, v = make(L, 8), make(S, kd), make(S, vd)
+            for training in (True, False):
+                a.train(training), t.train(training)
+                out, w = a(q, k, v)
+                ref, ref_w = t(q, k, v)
+                assert torch.equal(out, ref) and torch.equal(w, ref_w), (kw, n, L, S)
+                grads = torch.autograd.grad(out.sum(), (q, k, v, *a.parameters()),
+                                            allow_unused=True)
+                ref_grads = torch.autograd.grad(ref.sum(), (q, k, v, *t.parameters()),
+                                                allow_unused=True)
+                for g, r in zip(grads, ref_grads):
+                    assert (g is None) == (r is None) and (g is None or torch.equal(g, r))
+    layer = attn.nn.TransformerEncoderLayer(8, 2, 16, batch_first=batch_first)
+    ref_layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=batch_first)
+    ref_layer.load_state_dict(layer.state_dict())
+    for shape in ((0, 4, 8), (4, 0, 8)):
+        x = torch.randn(shape)
+        for training, grad in ((True, True), (False, False)):
+            layer.train(training), ref_layer.train(training)
+            with torch.set_grad_enabled(grad):
+                assert torch.equal(layer(x), ref_layer(x))
+
+
 def test_weights_are_not_differentiated():
     a = attn.nn.MultiheadAttention(8, 2, dtype=torch.float64)
     x = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)

@@ -268,6 +268,30 @@ def test_second_derivatives_raise_on_the_eager_route(rng):
         g.square().sum().backward()
 
 
+@pytest.mark.parametrize("shape", [(0, 2, 4, 5, 8), (1, 0, 4, 5, 8), (1, 2, 0, 5, 8),
+                                   (1, 2, 4, 0, 8), (1, 2, 4, 5, 0)])
+def test_empty_tensors_give_torchs_result(shape):
+    """Torch tensors of which one is empty (B, H, L, S or E of 0): torch's
+    own result and gradients (an empty tensor, zeros where there are no
+    keys), in grad mode or not; libattn takes no empty tensor. With attn's
+    own options there is no torch answer, and the library names the
+    empty dimension."""
+    B, H, L, S, E = shape
+    for causal in (False, True):
+        q, k, v = (torch.randn(B, H, n, E, requires_grad=True) for n in (L, S, S))
+        out = attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert torch.equal(out, ref)
+        for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                        torch.autograd.grad(ref.sum(), (q, k, v))):
+            assert torch.equal(g, r)
+        with torch.no_grad():
+            assert torch.equal(attn.scaled_dot_product_attention(q, k, v, is_causal=causal), ref)
+    if E > 0:
+        with pytest.raises(ValueError, match="is 0; every dimension must be >= 1"):
+            attn.scaled_dot_product_attention(q, k, v, window_size=(2, 0))
+
+
 def test_batched_gradients_and_jacobian(rng):
     """vmap over the backward (is_grads_batched, jacobian(vectorize=True))
     goes through the operator attn::sdpa_backward: the same as a loop."""
