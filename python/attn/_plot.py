@@ -7,10 +7,13 @@ panels. matplotlib is imported on the first call, so `import attn` does not
 need it.
 """
 
+import errno
+import io
 import math
 import numbers
 import os
-import tempfile
+import stat
+import time
 
 import numpy as np
 
@@ -20,6 +23,11 @@ from ._arrays import _is_torch_tensor, check_int
 NONFINITE_RGBA = {"nan": (1.0, 0.0, 1.0, 1.0), "+inf": (1.0, 0.0, 0.0, 1.0),
                   "-inf": (0.0, 0.0, 0.0, 1.0)}
 TOKEN_CHARS = 20  # longer labels end in "…"
+# Cells drawn in one call, at most: the CLI's 32 Mpx. Colouring takes about
+# 16 bytes a cell (the normalised value and its RGBA bytes), and a panel is
+# drawn in at most 12 inches anyway.
+MAX_CELLS = 32 << 20
+FIFO_READER_WAIT_S = 5.0  # as the CLI waits for a FIFO's reader
 
 
 def _matplotlib():
@@ -48,7 +56,7 @@ def _as_array(weights):
     return a.astype(np.float64, copy=False)
 
 
-def _labels(tokens, name, count, what):
+def _labels(tokens, name, count, what, whats):
     if tokens is None:
         return None
     if isinstance(tokens, (str, bytes)):
@@ -57,7 +65,7 @@ def _labels(tokens, name, count, what):
     labels = [str(t) for t in tokens]
     if len(labels) != count:
         raise ValueError(f"{name} has {len(labels)} entries but the weights have {count} "
-                         f"{what}s")
+                         f"{whats}")
     return [t if len(t) <= TOKEN_CHARS else t[:TOKEN_CHARS - 1] + "…" for t in labels]
 
 
@@ -96,29 +104,116 @@ def _select(w, head, batch):
 
 
 def _rgba(panel, norm, cmap):
-    """The panel's colours: the map for finite weights, fixed colours for the rest."""
+    """The panel's colours (RGBA bytes): the map for finite weights, fixed
+    colours for the rest."""
     finite = np.isfinite(panel)
-    rgba = cmap(norm(np.where(finite, panel, 0.0)))
-    rgba[np.isnan(panel)] = NONFINITE_RGBA["nan"]
-    rgba[np.isposinf(panel)] = NONFINITE_RGBA["+inf"]
-    rgba[np.isneginf(panel)] = NONFINITE_RGBA["-inf"]
+    rgba = cmap(norm(np.where(finite, panel, 0.0)), bytes=True)
+    for where, colour in ((np.isnan(panel), "nan"), (np.isposinf(panel), "+inf"),
+                          (np.isneginf(panel), "-inf")):
+        rgba[where] = np.round(np.array(NONFINITE_RGBA[colour]) * 255).astype(np.uint8)
     return rgba
 
 
-def _save(fig, path):
-    """Written whole or not at all: a temporary beside path, then renamed."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fmt = os.path.splitext(path)[1][1:].lower() or "png"
-    fd, temp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                                dir=folder)
+def _cell_inches(x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not (
+            math.isfinite(x) and x > 0):
+        raise ValueError(f"cell_inches must be a finite number > 0; got {x!r}")
+    return float(x)
+
+
+def _path(path):
+    """path as a str (bytes decoded as the file system does), checked."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt, dpi=fig.dpi)
-        os.replace(temp, path)
+        name = os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise TypeError(f"path must be a str, bytes or os.PathLike; got "
+                        f"{type(path).__name__}") from None
+    if name == "":
+        raise ValueError("path is empty")
+    if "\0" in name:
+        raise ValueError("path contains a NUL character")
+    return name
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_in_place(target, data):
+    """A device or FIFO cannot be replaced: it is written as it is, waiting
+    a bounded time for a FIFO's reader."""
+    deadline = time.monotonic() + FIFO_READER_WAIT_S
+    while True:
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC)
+            break
+        except OSError as e:
+            if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                if e.errno == errno.ENXIO:
+                    raise OSError(e.errno, "a FIFO that no process opened for reading "
+                                  f"within {FIFO_READER_WAIT_S:g} s", target) from None
+                raise
+            time.sleep(0.01)
+    try:
+        os.set_blocking(fd, True)
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _replace(target, data, old):
+    """A temporary beside target, fsync, renamed over it; the new file keeps
+    the old one's permission bits (and owner, where allowed)."""
+    folder, base = os.path.split(target)
+    for _ in range(100):
+        temp = os.path.join(folder, f".{base[:200]}.{os.urandom(4).hex()}.tmp")
+        try:  # 0666 less the umask, as any new file
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary name beside", target)
+    try:
+        try:
+            if old is not None:
+                try:
+                    os.fchown(fd, old.st_uid, old.st_gid)
+                except PermissionError:
+                    pass  # only root may give a file away: it stays the caller's
+                os.fchmod(fd, stat.S_IMODE(old.st_mode))
+            _write_all(fd, data)
+            os.fsync(fd)  # on disk before the name points at it
+        finally:
+            os.close(fd)
+        os.replace(temp, target)
     except BaseException:
         os.unlink(temp)
         raise
+
+
+def _save(fig, path):
+    """Written whole or not at all, as the CLI writes its files: the figure
+    is rendered first; a symbolic link is followed (a dangling one creates
+    its target), a device or FIFO written in place, a folder refused, and a
+    regular file replaced through a temporary beside it."""
+    name = _path(path)
+    fmt = os.path.splitext(name)[1][1:].lower() or "png"
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=fig.dpi)
+    target = os.path.realpath(name)
+    try:
+        old = os.stat(target)
+    except FileNotFoundError:
+        old = None
+    if old is not None and stat.S_ISDIR(old.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "path is a folder, not a file", name)
+    if old is not None and not stat.S_ISREG(old.st_mode):
+        _write_in_place(target, buffer.getvalue())
+    else:
+        _replace(target, buffer.getvalue(), old)
 
 
 def plot_attention(weights, tokens=None, key_tokens=None, head=None, ax=None, path=None, *,
@@ -134,7 +229,10 @@ def plot_attention(weights, tokens=None, key_tokens=None, head=None, ax=None, pa
     every head of batch element `batch` (default 0) is drawn, one panel each
     in a grid, with one colour bar. ax draws one head into your Axes (head
     is then needed when H > 1). path also saves the figure there (PNG, or
-    the format its extension names), whole or not at all.
+    the format its extension names), whole or not at all, as the CLI writes
+    its files: a symbolic link followed, a device or FIFO written in place,
+    the old file's permission bits kept. At most 32 Mi cells are drawn in
+    one call (MAX_CELLS).
 
     The scale runs from the smallest to the largest finite weight drawn,
     unless vmin/vmax fix it (weights beyond take the end colours). NaN
@@ -142,11 +240,18 @@ def plot_attention(weights, tokens=None, key_tokens=None, head=None, ax=None, pa
     pyplot: plt.show() shows it, plt.close(fig) frees it.
     """
     plt, ScalarMappable, Normalize = _matplotlib()
+    cell_inches = _cell_inches(cell_inches)
+    if path is not None:
+        _path(path)  # refused before any drawing
     w = _as_array(weights)
     panels, heads, b = _select(w, head, batch)
+    if panels.size > MAX_CELLS:
+        raise ValueError(f"weights: {panels.shape[0]} panel(s) of {panels.shape[1]} x "
+                         f"{panels.shape[2]} are {panels.size} cells; plot_attention draws "
+                         f"at most {MAX_CELLS} (about 16 bytes each): pass head=, or a slice")
     L, S = panels.shape[1:]
-    rows = _labels(tokens, "tokens", L, "query")
-    cols = _labels(key_tokens, "key_tokens", S, "key")
+    rows = _labels(tokens, "tokens", L, "query", "queries")
+    cols = _labels(key_tokens, "key_tokens", S, "key", "keys")
     if cols is None and rows is not None and L == S:
         cols = rows
     lo, hi = _bound(vmin, "vmin"), _bound(vmax, "vmax")
@@ -157,6 +262,10 @@ def plot_attention(weights, tokens=None, key_tokens=None, head=None, ax=None, pa
     if lo > hi:
         raise ValueError(f"vmin {lo:g} is above vmax {hi:g} (the weights drawn run from "
                          f"{data_lo:g} to {data_hi:g})")
+    if not math.isfinite(float(hi) - float(lo)):  # matplotlib's scale and colour bar need it
+        raise ValueError(f"the scale from {lo:g} to {hi:g} is wider than a float can hold "
+                         f"(weights drawn from {data_lo:g} to {data_hi:g}): pass vmin and "
+                         f"vmax less than 8.9e307 apart")
     norm = Normalize(vmin=lo, vmax=hi, clip=True)
     colours = plt.get_cmap(cmap)
     if ax is not None:

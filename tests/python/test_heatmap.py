@@ -217,6 +217,20 @@ def test_torch_tensors_and_your_axes():
     (lambda: attn.plot_attention(np.ones((2, 2)), vmin=float("nan")), ValueError, "vmin"),
     (lambda: attn.plot_attention(np.ones((2, 2)), vmin=2, vmax=1), ValueError, "vmin"),
     (lambda: attn.plot_attention(np.ones((2, 2)), vmin=5), ValueError, "vmin"),
+    # a scale whose width overflows a double: matplotlib's NaN axis limits before
+    (lambda: attn.plot_attention(np.array([[-1e308, 1e308]])), ValueError, "wider than"),
+    (lambda: attn.plot_attention(np.ones((2, 2)), vmin=-1e308, vmax=1e308), ValueError,
+     "wider than"),
+    (lambda: attn.plot_attention(np.ones((2, 2)), cell_inches=float("nan")), ValueError,
+     "cell_inches"),
+    (lambda: attn.plot_attention(np.ones((2, 2)), cell_inches=0), ValueError, "cell_inches"),
+    (lambda: attn.plot_attention(np.ones((2, 2)), cell_inches="big"), ValueError, "cell_inches"),
+    (lambda: attn.plot_attention(np.ones((2, 2)), path=""), ValueError, "path is empty"),
+    (lambda: attn.plot_attention(np.ones((2, 2)), path=3), TypeError, "path must be"),
+    (lambda: attn.plot_attention(np.ones((2, 2)), path="."), IsADirectoryError, "folder"),
+    # 33M cells, a view of 8 bytes: refused before anything is allocated
+    (lambda: attn.plot_attention(np.broadcast_to(np.float64(1), (1, 5793, 5793))), ValueError,
+     "at most 33554432"),
 ])
 def test_refused(call, error, match):
     with pytest.raises(error, match=match):
@@ -233,6 +247,36 @@ def test_saves_whole_or_not_at_all(tmp_path):
     assert target.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["keep.png"]
     attn.plot_attention(np.ones((2, 2)), path=str(target))
     assert target.read_bytes()[:4] == b"\x89PNG" and sorted(os.listdir(tmp_path)) == ["keep.png"]
+
+
+def test_saves_through_links_and_into_fifos_as_the_cli_does(tmp_path):
+    """A link is followed (its target replaced, a dangling one's created),
+    a FIFO written in place, the old file's permission bits kept: the save
+    replaced each of them with a file of its own before."""
+    import threading
+    w = np.ones((2, 2))
+    target = tmp_path / "target.png"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o640)
+    link = tmp_path / "link.png"
+    os.symlink(target, link)
+    attn.plot_attention(w, path=link)
+    assert os.path.islink(link) and target.read_bytes()[:4] == b"\x89PNG"
+    assert os.stat(target).st_mode & 0o777 == 0o640
+    dangling = tmp_path / "dangling.png"
+    os.symlink(tmp_path / "created.png", dangling)
+    attn.plot_attention(w, path=bytes(dangling))  # bytes, as os.fspath gives them
+    assert os.path.islink(dangling) and (tmp_path / "created.png").read_bytes()[:4] == b"\x89PNG"
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    attn.plot_attention(w, path=fifo)
+    reader.join(10)
+    assert got and got[0][:4] == b"\x89PNG" and not os.path.isfile(fifo)
+    assert sorted(os.listdir(tmp_path)) == ["created.png", "dangling.png", "fifo.png",
+                                            "link.png", "target.png"]  # no temporary left
 
 
 def test_missing_matplotlib_says_so(monkeypatch):
