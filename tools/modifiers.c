@@ -136,21 +136,39 @@ static unsigned char *read_file(const char *path, size_t *size) {
     return buf;
 }
 
-/* The descr's value in a .npy header ('<i4'): where its type letter is,
- * or NULL. Only the header is searched (it ends at the first newline). */
-static unsigned char *descr_type(unsigned char *buf, size_t size) {
-    /* the key in either quote, then blanks and the colon, as NumPy's header
-     * parser (a Python literal) allows: "descr" and tabs were refused */
-    for (size_t i = 0; i + 7 < size && buf[i] != '\n'; i++) {
-        if ((buf[i] != '\'' && buf[i] != '"') || memcmp(buf + i + 1, "descr", 5) != 0 ||
-            buf[i + 6] != buf[i])
+/* Where the value of `key` begins in a .npy header, or NULL: the key in
+ * either quote, then blanks and the colon, as NumPy's header parser (a
+ * Python literal) allows ("descr" and tabs were refused once). Only the
+ * header is searched (it ends at the first newline). */
+static unsigned char *header_value(unsigned char *buf, size_t size, const char *key) {
+    const size_t n = strlen(key);
+    for (size_t i = 0; i + n + 2 < size && buf[i] != '\n'; i++) {
+        if ((buf[i] != '\'' && buf[i] != '"') || memcmp(buf + i + 1, key, n) != 0 ||
+            buf[i + n + 1] != buf[i])
             continue;
-        size_t j = i + 7;
+        size_t j = i + n + 2;
         while (j < size && (buf[j] == ' ' || buf[j] == '\t' || buf[j] == ':')) j++;
-        if (j + 4 < size && (buf[j] == '\'' || buf[j] == '"')) return buf + j + 2;
-        return NULL;
+        return j < size ? buf + j : NULL;
     }
     return NULL;
+}
+
+/* The descr's value in a .npy header ('<i4'): where its type letter is,
+ * or NULL. */
+static unsigned char *descr_type(unsigned char *buf, size_t size) {
+    unsigned char *v = header_value(buf, size, "descr");
+    if (v == NULL || v + 4 >= buf + size || (v[0] != '\'' && v[0] != '"')) return NULL;
+    return v + 2;
+}
+
+/* Whether a .npy header's shape is () (a 0-d array, which the library's
+ * parser reads as shape (1,)). */
+static bool shape_is_empty(unsigned char *buf, size_t size) {
+    const unsigned char *v = header_value(buf, size, "shape"), *end = buf + size;
+    if (v == NULL || *v != '(') return false;
+    for (v++; v < end && (*v == ' ' || *v == '\t'); v++) {
+    }
+    return v < end && *v == ')';
 }
 
 /* Narrows an int64 tensor (read as float64 bits) to a new int32 one. */
@@ -202,6 +220,12 @@ static int load_integers(const char *option, const char *path, attn_tensor *t) {
         free(buf);
         fprintf(stderr, "attn: reading %s: '%s' is not an int32 or int64 .npy array (index "
                 "files are int32, as FlashAttention takes them)\n", option, path);
+        return CLI_RUNTIME;
+    }
+    if (shape_is_empty(buf, size)) { /* an index array has a rank: () is no (1,) */
+        free(buf);
+        fprintf(stderr, "attn: reading %s: '%s' holds a 0-d array; index files are 1-d "
+                "(a block table 2-d)\n", option, path);
         return CLI_RUNTIME;
     }
     const bool wide = type[1] == '8';

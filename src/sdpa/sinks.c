@@ -71,11 +71,16 @@ attn_status attn__sinks_grad_begin(const attn__problem *p, const attn_sdpa_param
     if ((st = attn__per_head_operand(p, params->sinks, "params.sinks", &g->sink)) != ATTN_OK ||
         (st = attn__check_tensor(dsinks, "dsinks", 1, ATTN__OUTPUT)) != ATTN_OK)
         return st;
-    bool same = dsinks->rank == params->sinks->rank && dsinks->dtype == params->sinks->dtype;
+    bool same = dsinks->rank == params->sinks->rank;
     for (int d = 0; same && d < dsinks->rank; d++) same = dsinks->shape[d] == params->sinks->shape[d];
     if (!same)
         return attn__fail_arg(ATTN_ERR_SHAPE, "dsinks",
-                              "dsinks must have the shape and dtype of params.sinks");
+                              "dsinks must have the shape of params.sinks");
+    if (dsinks->dtype != params->sinks->dtype)
+        return attn__fail_arg(ATTN_ERR_DTYPE, "dsinks",
+                              "dsinks is %s; it must have params.sinks' dtype, %s",
+                              attn_dtype_name(dsinks->dtype),
+                              attn_dtype_name(params->sinks->dtype));
     if ((st = attn__check_output_layout(dsinks, "dsinks")) != ATTN_OK) return st;
     for (int i = 0; i < ninputs; i++)
         if (attn__views_overlap(dsinks, inputs[i]))

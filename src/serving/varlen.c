@@ -480,7 +480,12 @@ attn_status attn_sdpa_varlen_sinks_backward(const attn_tensor *dout, const attn_
     p.nb = 2;
     p.bshape[0] = B;
     p.bshape[1] = out->shape[1];
-    p.nbatch = B * p.bshape[1]; /* at most rows x heads of out: it fits */
+    /* B need not be at most out's rows: cu_seqlens_q may repeat one offset
+     * through a zero stride */
+    if (attn__mul_overflows(B, p.bshape[1], &p.nbatch))
+        return attn__fail_arg(ATTN_ERR_OVERFLOW, "cu_seqlens_q",
+                              "cu_seqlens_q's %lld sequences x %lld heads overflow int64",
+                              (long long)B, (long long)p.bshape[1]);
     const attn_tensor *ins[5] = {dout, out, lse, cu_seqlens_q, prm.sinks};
     attn__sinks_grad g; /* the sinks and dsinks checked first, then the offsets */
     if ((st = attn__sinks_grad_begin(&p, &prm, dsinks, ins, 5, &g)) != ATTN_OK) return st;

@@ -928,6 +928,10 @@ static void sinks_backward_hostile(void) {
     CHECK(strcmp(attn_last_error_arg(), "params.sinks") == 0, "%s", attn_last_error_arg());
     CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, NULL, &tds), ATTN_ERR_NULL);
     p.sinks = &ts;
+    attn_tensor tds64 = tds; /* the shape, not the dtype: ATTN_ERR_DTYPE (was SHAPE) */
+    tds64.dtype = ATTN_DTYPE_F64;
+    CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, &p, &tds64), ATTN_ERR_DTYPE);
+    CHECK(strcmp(attn_last_error_arg(), "dsinks") == 0, "%s", attn_last_error_arg());
     CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tl, &p, &tds3), ATTN_ERR_SHAPE);
     CHECK(strcmp(attn_last_error_arg(), "dsinks") == 0, "%s", attn_last_error_arg());
     CHECK_STATUS(attn_sdpa_sinks_backward(&tg, &to, &tlbad, &p, &tds), ATTN_ERR_SHAPE);

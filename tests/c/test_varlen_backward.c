@@ -664,6 +664,9 @@ static void test_sinks_gradient_arguments(void) {
     bad.dtype = ATTN_DTYPE_F32;
     REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p, &bad),
             "dsinks");
+    CHECK_STATUS(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p,
+                                                 &bad),
+                 ATTN_ERR_DTYPE); /* a dtype, not a shape (it was ATTN_ERR_SHAPE) */
     REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p, NULL),
             "dsinks");
     REFUSED(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &c.tcu_q, &c.p,
@@ -697,6 +700,15 @@ static void test_sinks_gradient_arguments(void) {
     attn_tensor_init(&cu0, &zero, ATTN_DTYPE_I32, 1, &one);
     CHECK_OK(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &cu0, &c.p, &dsinks));
     CHECK(dv[0] == 0 && dv[1] == 0, "no sequence: dsinks is (%g, %g), not 0", dv[0], dv[1]);
+    /* 2^62 + 1 offsets, all 0, through a zero stride: B = 2^62 sequences of
+     * nothing, B x Hq overflows int64 (signed overflow, UBSan, before) */
+    attn_tensor huge = cu0;
+    huge.shape[0] = ((int64_t)1 << 62) + 1;
+    huge.strides[0] = 0;
+    CHECK_STATUS(attn_sdpa_varlen_sinks_backward(&c.dout.t, &c.out.t, &c.lse.t, &huge, &c.p,
+                                                 &dsinks),
+                 ATTN_ERR_OVERFLOW);
+    CHECK(strcmp(attn_last_error_arg(), "cu_seqlens_q") == 0, "%s", attn_last_error_arg());
     vb_free(&c);
 }
 

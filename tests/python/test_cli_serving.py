@@ -179,6 +179,9 @@ def test_varlen_broken_index_files_are_named_as_integers(tmp_path, rng, descr, e
     (np.array([0, 5, 3, 10], np.int32), 1, "cu_seqlens_q"),
     (np.array([0, 3, 4, 99], np.int32), 1, "cu_seqlens_q"),
     (np.array([0, 3, 2**40]), 1, "does not fit in int32"),
+    # 0-d: the library's parser reads () as (1,), which was "0 sequences", exit 0
+    (np.array(0, np.int32), 1, "holds a 0-d array"),
+    (np.array(0, np.int64), 1, "holds a 0-d array"),
 ])
 def test_varlen_bad_index_files(tmp_path, rng, cu_q, code, match):
     _, f = varlen_files(tmp_path, rng)
@@ -371,6 +374,16 @@ def test_kvcache_overflow_is_refused_and_nothing_written(tmp_path, rng):
             "--k-cache-out", tmp_path / "kc.npy")
     assert r.returncode == 1 and "cache_seqlens" in r.stderr
     assert not (tmp_path / "o.npy").exists() and not (tmp_path / "kc.npy").exists()
+
+
+def test_kvcache_0d_cache_seqlens_is_refused(tmp_path, rng):
+    """np.array(4) was taken as one sequence's length (exit 0)."""
+    _, f = kvcache_files(tmp_path, rng)
+    r = run("kvcache", "-q", f["q"], "--k-cache", f["k_cache"], "--v-cache", f["v_cache"],
+            "--cache-seqlens", save(tmp_path, "zero_d", np.array(4, np.int32)),
+            "-o", tmp_path / "o.npy")
+    assert r.returncode == 1 and "--cache-seqlens" in r.stderr and "0-d" in r.stderr, r.stderr
+    assert not (tmp_path / "o.npy").exists()
 
 
 def test_kvcache_block_id_out_of_range(tmp_path, rng):
