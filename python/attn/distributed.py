@@ -110,7 +110,11 @@ def _layout(layout):
 def _timeout(timeout):
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-    t = float(timeout)
+    try:
+        t = float(timeout)
+    except OverflowError:  # an int past a double's range
+        raise ValueError(f"timeout is an int of {len(str(abs(timeout)))} digits, too large "
+                         f"for a float; expected a finite number of seconds > 0") from None
     if not (t > 0.0 and math.isfinite(t)):
         raise ValueError(f"timeout is {t}; expected a finite number of seconds > 0")
     return t
@@ -294,12 +298,21 @@ def unshard(shards, dim=-2, layout="zigzag"):
     if not shards:
         raise ValueError("shards is empty; expected one shard per rank")
     d = _dim(dim, shards[0].ndim)
+    first = tuple(shards[0].shape)
+    for r, s in enumerate(shards):  # before their lengths along d are summed
+        if _is_torch_tensor(s) != _is_torch_tensor(shards[0]):
+            raise TypeError(f"shards[{r}] is a {type(s).__name__} but shards[0] a "
+                            f"{type(shards[0]).__name__}; give all NumPy arrays or all tensors")
+        shape = tuple(s.shape)
+        if len(shape) != len(first) or shape[:d] + shape[d + 1:] != first[:d] + first[d + 1:]:
+            raise ValueError(f"shards[{r}] has shape {shape} and shards[0] {first}: shards "
+                             f"may differ along dim {dim} only")
     total = sum(s.shape[d] for s in shards)
     placed = []
     for r, s in enumerate(shards):
         runs = _runs(code, total, len(shards), r)
         want = sum(n for _, n in runs)
-        if s.ndim != shards[0].ndim or s.shape[d] != want:
+        if s.shape[d] != want:
             raise ValueError(
                 f"shards[{r}] has shape {tuple(s.shape)}; under the {layout} layout rank {r} of "
                 f"{len(shards)} holds {want} of the {total} positions along dim {dim}"

@@ -210,11 +210,45 @@ attn_status ring_wait(ring_comm *rc, ring_msgs *m) {
 
 /* ---- agreement ---- */
 
-void ring_desc_put(ring_desc *d, int *count, const char *name, int64_t value) {
+static void put_kind(ring_desc *d, int *count, const char *name, int64_t value,
+                     ring_value_kind kind) {
     if (*count >= RING_DESC_INTS) return; /* the callers stay below; see ring.c */
     d->v[*count] = value;
+    d->kinds[*count] = (unsigned char)kind;
     snprintf(d->names[*count], sizeof d->names[0], "%s", name);
     (*count)++;
+}
+
+void ring_desc_put(ring_desc *d, int *count, const char *name, int64_t value) {
+    put_kind(d, count, name, value, RING_INT);
+}
+
+void ring_desc_put_double(ring_desc *d, int *count, const char *name, double value) {
+    int64_t bits; /* bit for bit: 0.1 and 0.1 + 1 ulp differ, and so do NaNs */
+    memcpy(&bits, &value, sizeof bits);
+    put_kind(d, count, name, bits, RING_DOUBLE);
+}
+
+void ring_desc_put_dtype(ring_desc *d, int *count, const char *name, const attn_tensor *t) {
+    put_kind(d, count, name, t != NULL ? (int64_t)t->dtype : -1, RING_DTYPE);
+}
+
+/* An entry as the caller wrote it: 0.1, not its bits; float32, not 1. */
+static const char *shown(const ring_desc *d, int i, char *buf, size_t cap) {
+    double x;
+    switch ((ring_value_kind)d->kinds[i]) {
+    case RING_DOUBLE:
+        memcpy(&x, &d->v[i], sizeof x);
+        snprintf(buf, cap, "%.15g", x); /* the shortest of these that reads back as x */
+        if (strtod(buf, NULL) != x) snprintf(buf, cap, "%.17g", x);
+        break;
+    case RING_DTYPE:
+        snprintf(buf, cap, "%s", d->v[i] < 0 ? "not given" : attn_dtype_name((attn_dtype)d->v[i]));
+        break;
+    default:
+        snprintf(buf, cap, "%lld", (long long)d->v[i]);
+    }
+    return buf;
 }
 
 attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_desc *all) {
@@ -240,18 +274,20 @@ attn_status ring_agree(ring_comm *rc, const ring_desc *mine, int count, ring_des
             return attn_set_error((attn_status)all[r].status, all[r].arg,
                                   "attn_ring: rank %d failed: %s", r, all[r].msg);
     for (int r = 0; r < rc->n; r++)
-        for (int i = 0; i < count; i++)
-            if (all[r].v[i] != mine->v[i])
-                return attn_set_error(strstr(all[r].names[i], "dtype") != NULL ? ATTN_ERR_DTYPE
-                                      : strstr(all[r].names[i], "shape") != NULL ||
-                                              strstr(all[r].names[i], ".rank") != NULL
-                                          ? ATTN_ERR_SHAPE
-                                          : ATTN_ERR_INVALID,
-                                      all[r].names[i],
-                                      "attn_ring: %s is %lld on rank %d but %lld on rank %d: "
-                                      "every rank must make the same call on its shard",
-                                      all[r].names[i], (long long)all[r].v[i], r,
-                                      (long long)mine->v[i], rc->rank);
+        for (int i = 0; i < count; i++) {
+            if (all[r].v[i] == mine->v[i]) continue;
+            char theirs[32], ours[32];
+            return attn_set_error(all[r].kinds[i] == RING_DTYPE ? ATTN_ERR_DTYPE
+                                  : strstr(all[r].names[i], "shape") != NULL ||
+                                          strstr(all[r].names[i], ".rank") != NULL
+                                      ? ATTN_ERR_SHAPE
+                                      : ATTN_ERR_INVALID,
+                                  all[r].names[i],
+                                  "attn_ring: %s is %s on rank %d but %s on rank %d: "
+                                  "every rank must make the same call on its shard",
+                                  all[r].names[i], shown(&all[r], i, theirs, sizeof theirs), r,
+                                  shown(mine, i, ours, sizeof ours), rc->rank);
+        }
     return ATTN_OK;
 }
 

@@ -204,18 +204,12 @@ static void put_shape(ring_desc *d, int *n, const char *name, const attn_tensor 
     ring_desc_put(d, n, key, t != NULL ? t->rank : -1);
     if (t == NULL) return;
     snprintf(key, sizeof key, "%s.dtype", name);
-    ring_desc_put(d, n, key, t->dtype);
+    ring_desc_put_dtype(d, n, key, t);
     for (int i = 0; i < t->rank; i++) {
         if (i == t->rank + skip) continue; /* the shard's own length */
         snprintf(key, sizeof key, "%s.shape[%d]", name, i - t->rank);
         ring_desc_put(d, n, key, t->shape[i]);
     }
-}
-
-static int64_t bits(double x) {
-    int64_t b;
-    memcpy(&b, &x, sizeof b);
-    return b;
 }
 
 /* This rank's call, for comparison with every other rank's. */
@@ -239,9 +233,9 @@ static int describe(const ring_call *c, attn_status local, int kind, const attn_
     put_shape(d, &n, "params.key_mask", c->mask, -1);
     ring_desc_put(d, &n, "params.sdpa.causal", c->sdpa.causal);
     ring_desc_put(d, &n, "params.sdpa.has_scale", c->sdpa.has_scale);
-    ring_desc_put(d, &n, "params.sdpa.scale", c->sdpa.has_scale ? bits(c->sdpa.scale) : 0);
+    ring_desc_put_double(d, &n, "params.sdpa.scale", c->sdpa.has_scale ? c->sdpa.scale : 0.0);
     ring_desc_put(d, &n, "params.sdpa.enable_gqa", c->sdpa.enable_gqa != 0);
-    ring_desc_put(d, &n, "params.sdpa.dropout_p", bits(c->sdpa.dropout_p));
+    ring_desc_put_double(d, &n, "params.sdpa.dropout_p", c->sdpa.dropout_p);
     ring_desc_put(d, &n, "params.sdpa.seed", (int64_t)c->sdpa.seed);
     ring_desc_put(d, &n, "params.sdpa.rng_offset", (int64_t)c->sdpa.rng_offset);
     ring_desc_put(d, &n, "params.sdpa.lse_for_backward", c->sdpa.lse_for_backward != 0);
@@ -249,7 +243,7 @@ static int describe(const ring_call *c, attn_status local, int kind, const attn_
     for (int i = 0; i < 5; i++) {
         char key[24];
         snprintf(key, sizeof key, "%s.dtype", grad_names[i]);
-        ring_desc_put(d, &n, key, g[i] != NULL ? (int64_t)g[i]->dtype : -1);
+        ring_desc_put_dtype(d, &n, key, g[i]);
     }
     return n;
 }

@@ -82,11 +82,18 @@ typedef struct ring_desc {
     int64_t L, S;               /* its shard lengths */
     int64_t v[RING_DESC_INTS];  /* everything that must agree */
     char names[RING_DESC_INTS][24]; /* what each entry is, for messages */
+    unsigned char kinds[RING_DESC_INTS]; /* how a message shows it: ring_value_kind */
     char msg[RING_MSG], arg[RING_ARG];
 } ring_desc;
 
+/* What an entry holds: an integer, a double's bits (compared bit for bit),
+ * or an attn_dtype (-1: that tensor was not given). */
+typedef enum { RING_INT, RING_DOUBLE, RING_DTYPE } ring_value_kind;
+
 /* Appends an entry that must agree over the ranks. */
 void ring_desc_put(ring_desc *d, int *count, const char *name, int64_t value);
+void ring_desc_put_double(ring_desc *d, int *count, const char *name, double value);
+void ring_desc_put_dtype(ring_desc *d, int *count, const char *name, const attn_tensor *t);
 
 /* Allgathers every rank's description (all[n]) and checks that they agree:
  * a rank that failed its own checks makes all fail with its message; an

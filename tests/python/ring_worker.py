@@ -107,6 +107,12 @@ def checks():
     attempt("comm_type", lambda: ad.ring_attention(s, s, s, comm=42))
     attempt("comm_null", lambda: ad.ring_attention(s, s, s, MPI.COMM_NULL))
     attempt("timeout", lambda: ad.ring_attention(s, s, s, COMM, timeout=0))
+    attempt("timeout_huge", lambda: ad.ring_attention(s, s, s, COMM, timeout=10**400))
+    # ranks that disagree: the values as written (once the bits of 0.1, enum numbers)
+    attempt("scale_differs", lambda: ad.ring_attention(s, s, s, COMM, scale=0.1 + 0.1 * RANK))
+    d = s.astype(np.float64) if RANK == 1 else s
+    attempt("dtype_differs", lambda: ad.ring_attention(d, d, d, COMM))
+    attempt("lse_differs", lambda: ad.ring_attention(s, s, s, COMM, return_lse=RANK == 0))
     attempt("mask_ndim", lambda: ad.ring_attention(s, s, s, COMM,
                                                    key_padding_mask=np.zeros((1, 1, 5), bool)))
     grad_mask = torch.zeros(5, requires_grad=True)

@@ -297,6 +297,16 @@ def test_api_checks(tmp_path):
         assert found["comm_type"].startswith("TypeError: comm must be an mpi4py"), found
         assert found["comm_null"] == "ValueError: comm is MPI.COMM_NULL", found
         assert found["timeout"].startswith("ValueError: timeout is 0.0"), found
+        assert found["timeout_huge"].startswith("ValueError: timeout is an int of 401 digits")
+        other = 1 - r
+        assert (f"params.sdpa.scale is {0.1 + 0.1 * other:.15g} on rank {other} but "
+                f"{0.1 + 0.1 * r:.15g} on rank {r}") in found["scale_differs"], found
+        dts = ["float32", "float64"]
+        assert (f"q.dtype is {dts[other]} on rank {other} but {dts[r]} on rank {r}"
+                in found["dtype_differs"]), found
+        lse = ["float32", "not given"]
+        assert (f"lse.dtype is {lse[other]} on rank {other} but {lse[r]} on rank {r}"
+                in found["lse_differs"]), found
         assert found["mask_ndim"].startswith("ValueError: key_padding_mask has shape"), found
         assert found["mask_grad"].startswith("RuntimeError: key_padding_mask requires grad"), found
         assert found["mask_wrong_length"].startswith("ValueError"), found

@@ -74,6 +74,16 @@ def test_shard_refusals():
     with pytest.raises(ValueError, match=r"shards\[0\] has shape \(5, 6\); under the zigzag "
                        r"layout rank 0 of 2 holds 3 of the 6 positions"):
         ad.unshard([np.zeros((5, 6)), np.zeros((1, 6))])
+    # named before their lengths are summed (an IndexError and NumPy's or
+    # torch's own messages before)
+    with pytest.raises(ValueError, match=r"shards\[1\] has shape \(5,\) and shards\[0\] "
+                       r"\(2, 5, 4\): shards may differ along dim -2 only"):
+        ad.unshard([np.zeros((2, 5, 4)), np.zeros(5)])
+    with pytest.raises(ValueError, match=r"shards\[1\] has shape \(3, 5, 4\)"):
+        ad.unshard([np.zeros((2, 5, 4)), np.zeros((3, 5, 4))])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"shards\[1\] is a ndarray but shards\[0\] a Tensor"):
+        ad.unshard([torch.zeros(2, 5, 4), np.zeros((2, 5, 4))])
 
 
 @needs_ring
