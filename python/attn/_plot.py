@@ -194,12 +194,11 @@ def _replace(target, data, old):
         raise
 
 
-def _save(fig, path):
+def _save(fig, name):
     """Written whole or not at all, as the CLI writes its files: the figure
     is rendered first; a symbolic link is followed (a dangling one creates
     its target), a device or FIFO written in place, a folder refused, and a
-    regular file replaced through a temporary beside it."""
-    name = _path(path)
+    regular file replaced through a temporary beside it. name: _path's."""
     fmt = os.path.splitext(name)[1][1:].lower() or "png"
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=fig.dpi)
@@ -241,8 +240,7 @@ def plot_attention(weights, tokens=None, key_tokens=None, head=None, ax=None, pa
     """
     plt, ScalarMappable, Normalize = _matplotlib()
     cell_inches = _cell_inches(cell_inches)
-    if path is not None:
-        _path(path)  # refused before any drawing
+    name = None if path is None else _path(path)  # refused before any drawing
     w = _as_array(weights)
     panels, heads, b = _select(w, head, batch)
     if panels.size > MAX_CELLS:
@@ -297,6 +295,6 @@ def plot_attention(weights, tokens=None, key_tokens=None, head=None, ax=None, pa
         if cols is not None:
             a.set_xticks(range(S), cols, rotation=90)
     fig.colorbar(ScalarMappable(norm=norm, cmap=colours), ax=axes[:len(heads)])
-    if path is not None:
-        _save(fig, path)
+    if name is not None:
+        _save(fig, name)
     return fig
