@@ -676,7 +676,7 @@ def steady_heap():
     return bool(libc.mallopt(-3, 32 << 20)) and bool(libc.mallopt(-1, 64 << 20))
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=9)
@@ -691,157 +691,148 @@ def main():
     ap.add_argument("--keep-blas-core", action="store_true",
                     help="keep OPENBLAS_CORETYPE from the environment (dropped by default)")
     ap.add_argument("--memory-probe", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.memory_probe:
-        memory_probe(args.memory_probe)
-        return
+    return ap.parse_args()
 
-    steady_heap()
-    torch.set_num_threads(args.threads)
-    attn.set_num_threads(args.threads)
-    os.makedirs(args.out, exist_ok=True)
 
-    log(f"attn {attn.__version__} ({attn.kernel_info()['isa']}), PyTorch {torch.__version__}, "
-        f"{args.threads} threads")
-    peak0 = probe(args, "peak")
-    bw = probe(args, "bandwidth")
-    log(f"measured FMA peak {peak0['gflops']:.1f} GFLOP/s ({peak0['isa']}), "
-        f"read bandwidth {bw['gbps']:.1f} GB/s")
+def serving_only(args, machine, peak0, bw):
+    """--serving: the serving section alone, into serving.json and serving.md."""
+    res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"],
+                      bandwidth_probe_huge=lambda: probe_huge_bandwidth(args))
+    peak1 = probe(args, "peak")
+    peak = max(peak0["gflops"], peak1["gflops"])
+    verdict = serving.figures(res, bw["gbps"], peak)
+    machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
+                   read_bandwidth_gbps=[bw["gbps"], res["decode"]["bandwidth_probe_gbps"]])
+    print("\n".join(write_serving(args, res, verdict, machine, peak,
+                                   res["decode"]["bandwidth_gbps"])))
+    log(f"wrote {args.out}/serving.json, serving.md")
 
-    machine = dict(cpu=platform.processor() or platform.machine(), cpu_model=cpu_model(),
-                   cpu_folder=cpu_slug(), threads=args.threads, peak_isa=peak0["isa"],
-                   attn=attn.__version__, attn_isa=attn.kernel_info()["isa"],
-                   blas=attn.kernel_info()["blas"], blas_env_dropped=DROPPED_BLAS_CORE,
-                   torch=torch.__version__,
-                   commit=commit(), date=time.strftime("%Y-%m-%d %H:%M"))
-    run_serving = args.serving or not args.only or args.only == "serving"
-    if args.serving:
-        res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"],
-                          bandwidth_probe_huge=lambda: probe_huge_bandwidth(args))
-        peak1 = probe(args, "peak")
-        peak = max(peak0["gflops"], peak1["gflops"])
-        verdict = serving.figures(res, bw["gbps"], peak)
-        machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
-                       read_bandwidth_gbps=[bw["gbps"], res["decode"]["bandwidth_probe_gbps"]])
-        print("\n".join(write_serving(args, res, verdict, machine, peak,
-                                       res["decode"]["bandwidth_gbps"])))
-        log(f"wrote {args.out}/serving.json, serving.md")
-        return
 
+def build_plan(quick):
+    """Every case of a run, in order: (group, parameters)."""
     plan = []
-    prefill = PREFILL if not args.quick else [(1, 8, 512, 512, 64)]
+    prefill = PREFILL if not quick else [(1, 8, 512, 512, 64)]
     for shp in prefill:
         for causal in (False, True):
             plan.append(("prefill", shp + (causal, None)))
-    for shp in (DECODE if not args.quick else [(1, 32, 1, 4096, 128, 8)]):
+    for shp in (DECODE if not quick else [(1, 32, 1, 4096, 128, 8)]):
         plan.append(("decode", shp[:5] + (False, shp[5])))
-    for name, N, L, E, H in (MHA if not args.quick else MHA[:1]):
+    for name, N, L, E, H in (MHA if not quick else MHA[:1]):
         plan.append(("mha", (name, N, L, E, H)))
-    for Ls in (SWEEP if not args.quick else [256, 512]):
+    for Ls in (SWEEP if not quick else [256, 512]):
         for causal in (False, True):
             plan.append(("sweep", (1, 16, Ls, Ls, 64, causal, None)))
-    for H in (SHORT["H"] if not args.quick else [8]):
-        for E in (SHORT["E"] if not args.quick else [64]):
-            for Ls in (SHORT["L"] if not args.quick else [16, 128]):
+    for H in (SHORT["H"] if not quick else [8]):
+        for E in (SHORT["E"] if not quick else [64]):
+            for Ls in (SHORT["L"] if not quick else [16, 128]):
                 plan.append(("short", (1, H, Ls, Ls, E, False, None)))
     for shp in prefill:
         for causal in (False, True):
             plan.append(("backward", shp + (causal, None)))
-    for shp in (HALF if not args.quick else [(1, 8, 512, 512, 64)]):
+    for shp in (HALF if not quick else [(1, 8, 512, 512, 64)]):
         for causal in (False, True):
             plan.append(("half", shp + (causal, None)))
-    for name, N, L, E, H in (MHA if not args.quick else MHA[:1]):
+    for name, N, L, E, H in (MHA if not quick else MHA[:1]):
         plan.append(("half_mha", (name, N, L, E, H)))
+    return plan
 
-    # The machine's state beside a case's own rounds (shared VMs move by 2x
-    # within minutes): the FMA peak after every round of the prefill and
-    # backward cases, and the bfloat16 products' peak after every round of
-    # the bfloat16 cases against PyTorch (where this CPU has them).
-    def fma_beside():
-        return probe(args, "peak", "--rounds", "3")["gflops"]
-    bf16_path = attn.kernel_info()["isa"] in ("avx512_bf16", "amx")
 
-    def bf16_beside():
-        return probe(args, "peak", "--bf16", "--rounds", "2")["gflops"]
+def case_label(group, p):
+    if group in ("mha", "half_mha"):
+        name, N, L, E, H = p
+        return ("bfloat16 " if group == "half_mha" else "") + f"MHA {name} ({N},{L},{E}) {H} heads"
+    B, H, L, S, E, causal, kvh = p
+    return (("backward " if group == "backward" else "short " if group == "short"
+             else "bfloat16 " if group == "half" else "") + f"({B},{H},{L},{S},{E})" +
+            (" causal" if causal else "") + (f" {kvh} KV heads" if kvh else ""))
 
-    cases, backward = [], []
-    for i, (group, p) in enumerate(plan):
-        if group in ("mha", "half_mha"):
-            name, N, L, E, H = p
-            label = (("bfloat16 " if group == "half_mha" else "") +
-                     f"MHA {name} ({N},{L},{E}) {H} heads")
-        else:
-            B, H, L, S, E, causal, kvh = p
-            label = (("backward " if group == "backward" else "short " if group == "short"
-                      else "bfloat16 " if group == "half" else "") + f"({B},{H},{L},{S},{E})" +
-                     (" causal" if causal else "") + (f" {kvh} KV heads" if kvh else ""))
-        if args.only and not any(part in label for part in args.only.split("|")):
-            continue
-        log(f"[{i + 1}/{len(plan)}] {group}: {label} ...")
-        t0 = time.perf_counter()
-        if group == "backward":
-            c = bench_backward(args, B, H, L, S, E, causal, beside=fma_beside)
-            c.update(group=group, label=label, threads=args.threads, L=L, causal=causal)
-            c["peak_beside"] = statistics.median(c["beside"])
-            backward.append(c)
-            log(f"    attn fwd+bwd {c['ms_attn']:.2f} ms (bwd {c['ms_attn_bwd']:.2f}), torch "
-                f"{c['ms_torch']:.2f} ms (bwd {c['ms_torch_bwd']:.2f}), "
-                f"{c['ms_torch'] / c['ms_attn']:.2f}x, max |diff| "
-                f"{max(c['max_diff'].values()):.1e} ({time.perf_counter() - t0:.0f} s)")
-            continue
-        if group == "mha":
-            c = bench_mha(args, N, L, E, H)
-        elif group == "short":
+
+class Beside:
+    """The machine's state beside a case's own rounds (shared VMs move by 2x
+    within minutes): the FMA peak after every round of the prefill and
+    backward cases, the bfloat16 products' peak after every round of the
+    bfloat16 cases against PyTorch (where this CPU has them), the read
+    bandwidth after every round of a decode."""
+
+    def __init__(self, args):
+        self.args = args
+        self.bf16_path = attn.kernel_info()["isa"] in ("avx512_bf16", "amx")
+
+    def fma(self):
+        return probe(self.args, "peak", "--rounds", "3")["gflops"]
+
+    def bf16(self):
+        return probe(self.args, "peak", "--bf16", "--rounds", "2")["gflops"]
+
+    def bandwidth(self):
+        return probe(self.args, "bandwidth")["gbps"]
+
+
+def run_backward_case(args, p, label, beside):
+    B, H, L, S, E, causal, _ = p
+    t0 = time.perf_counter()
+    c = bench_backward(args, B, H, L, S, E, causal, beside=beside.fma)
+    c.update(group="backward", label=label, threads=args.threads, L=L, causal=causal)
+    c["peak_beside"] = statistics.median(c["beside"])
+    log(f"    attn fwd+bwd {c['ms_attn']:.2f} ms (bwd {c['ms_attn_bwd']:.2f}), torch "
+        f"{c['ms_torch']:.2f} ms (bwd {c['ms_torch_bwd']:.2f}), "
+        f"{c['ms_torch'] / c['ms_attn']:.2f}x, max |diff| "
+        f"{max(c['max_diff'].values()):.1e} ({time.perf_counter() - t0:.0f} s)")
+    return c
+
+
+def run_case(args, group, p, label, beside, bw):
+    """One forward case (every group but the backward), timed and annotated."""
+    t0 = time.perf_counter()
+    half_beside = beside.bf16 if beside.bf16_path else None
+    if group == "mha":
+        c = bench_mha(args, *p[1:])
+    elif group == "half_mha":  # reported among the bfloat16 rows
+        c = bench_mha_half(args, *p[1:], beside=half_beside)
+        c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
+        group = "half"
+    else:
+        B, H, L, S, E, causal, kvh = p
+        if group == "short":
             c = bench_short(args, H, L, E)
-            c.update(L=L, causal=False, H=H, E=E)
+            c.update(H=H, E=E)
         elif group == "half":
-            c = bench_half(args, B, H, L, S, E, causal,
-                           beside=bf16_beside if bf16_path else None)
-            c.update(L=L, causal=causal)
+            c = bench_half(args, B, H, L, S, E, causal, beside=half_beside)
             c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
-        elif group == "half_mha":  # reported among the bfloat16 rows
-            c = bench_mha_half(args, N, L, E, H, beside=bf16_beside if bf16_path else None)
-            c["vs_f32"] = c["ms_f32"] / c["ms_attn_2"]
-            group = "half"
-        elif group == "decode":  # the read bandwidth probed between its rounds
+        else:  # prefill, sweep, decode
             c = bench_sdpa(args, B, H, L, S, E, causal, kvh,
-                           beside=lambda: probe(args, "bandwidth")["gbps"])
-            c.update(L=L, causal=causal)
-        else:
-            c = bench_sdpa(args, B, H, L, S, E, causal, kvh,
-                           beside=fma_beside if group == "prefill" else None)
-            c.update(L=L, causal=causal)
-        c.update(group=group, label=label, threads=args.threads)
-        c["ratio"] = c["ms_torch"] / c["ms_attn"]
-        c["gflops_attn"] = c["flops"] / c["ms_attn"] / 1e6
-        c["gflops_torch"] = c["flops"] / c["ms_torch"] / 1e6
-        c["extra"] = ""
-        if group == "decode":
-            c["kv_gbps"] = c["kv_bytes"] / c["ms_attn"] / 1e6
-            # graded against the bandwidth probed between its own rounds (the
-            # VM's moves by 2x through a run); the run's first probe beside it
-            c["bw_beside_gbps"] = statistics.median(c["beside"])
-            c["bw_pct"] = 100 * c["kv_gbps"] / c["bw_beside_gbps"]
-            c["bw_pct_first"] = 100 * c["kv_gbps"] / bw["gbps"]
-            c["extra"] = (f"K/V {c['kv_gbps']:.1f} GB/s = {c['bw_pct']:.0f}% of the read BW "
-                          f"probed between its rounds ({c['bw_beside_gbps']:.1f} GB/s), "
-                          f"{c['bw_pct_first']:.0f}% of the run's first probe")
-        elif "beside" in c:  # a peak probed between its rounds (FMA, or bfloat16 products)
-            c["peak_beside"] = statistics.median(c["beside"])
-            what = "bfloat16 peak" if group == "half" else "FMA peak"
-            c["extra"] = (f"{c['gflops_attn'] / c['peak_beside']:.0%} of the {what} probed "
-                          f"between its rounds ({c['peak_beside']:.0f} GFLOP/s, "
-                          f"{min(c['beside']):.0f}–{max(c['beside']):.0f})")
-        cases.append(c)
-        log(f"    attn {c['ms_attn']:.3f} ms ±{100 * c['spread_attn']:.0f}%, torch "
-            f"{c['ms_torch']:.3f} ms ±{100 * c['spread_torch']:.0f}%, {c['ratio']:.2f}x, "
-            f"{c['gflops_attn']:.1f} GFLOP/s, {c['extra']} ({time.perf_counter() - t0:.0f} s)")
+                           beside={"prefill": beside.fma,
+                                   "decode": beside.bandwidth}.get(group))
+        c.update(L=L, causal=causal)
+    c.update(group=group, label=label, threads=args.threads)
+    c["ratio"] = c["ms_torch"] / c["ms_attn"]
+    c["gflops_attn"] = c["flops"] / c["ms_attn"] / 1e6
+    c["gflops_torch"] = c["flops"] / c["ms_torch"] / 1e6
+    c["extra"] = ""
+    if group == "decode":
+        c["kv_gbps"] = c["kv_bytes"] / c["ms_attn"] / 1e6
+        # graded against the bandwidth probed between its own rounds (the
+        # VM's moves by 2x through a run); the run's first probe beside it
+        c["bw_beside_gbps"] = statistics.median(c["beside"])
+        c["bw_pct"] = 100 * c["kv_gbps"] / c["bw_beside_gbps"]
+        c["bw_pct_first"] = 100 * c["kv_gbps"] / bw["gbps"]
+        c["extra"] = (f"K/V {c['kv_gbps']:.1f} GB/s = {c['bw_pct']:.0f}% of the read BW "
+                      f"probed between its rounds ({c['bw_beside_gbps']:.1f} GB/s), "
+                      f"{c['bw_pct_first']:.0f}% of the run's first probe")
+    elif "beside" in c:  # a peak probed between its rounds (FMA, or bfloat16 products)
+        c["peak_beside"] = statistics.median(c["beside"])
+        what = "bfloat16 peak" if group == "half" else "FMA peak"
+        c["extra"] = (f"{c['gflops_attn'] / c['peak_beside']:.0%} of the {what} probed "
+                      f"between its rounds ({c['peak_beside']:.0f} GFLOP/s, "
+                      f"{min(c['beside']):.0f}–{max(c['beside']):.0f})")
+    log(f"    attn {c['ms_attn']:.3f} ms ±{100 * c['spread_attn']:.0f}%, torch "
+        f"{c['ms_torch']:.3f} ms ±{100 * c['spread_torch']:.0f}%, {c['ratio']:.2f}x, "
+        f"{c['gflops_attn']:.1f} GFLOP/s, {c['extra']} ({time.perf_counter() - t0:.0f} s)")
+    return c
 
-    serving_res = None
-    if run_serving:
-        serving_res = serving.run(args, lambda: probe(args, "bandwidth")["gbps"],
-                                  bandwidth_probe_huge=lambda: probe_huge_bandwidth(args))
 
+def run_memory(args):
+    """attn_bench memory (forward) and memory-backward, as the run asks."""
     memory = None
     if not args.quick and not args.only:
         log("memory: attn_bench memory (L = S = 65536, H = 1, E = 64) ...")
@@ -849,7 +840,6 @@ def main():
         log(f"    peak RSS grew {memory['used_mib']:.1f} MiB for {memory['inputs_outputs_mib']:.0f} "
             f"MiB of inputs and outputs (budget {memory['budget_mib']:.0f} MiB) in "
             f"{memory['seconds']:.1f} s")
-
     # The backward's memory at the issue's length; a short one as a smoke test
     # when --quick (the verdict names the length measured).
     memory_bwd = None
@@ -861,27 +851,19 @@ def main():
             f"{memory_bwd['inputs_outputs_gradients_mib']:.0f} MiB of inputs, outputs and "
             f"gradients (budget {memory_bwd['budget_mib']:.0f} MiB); backward "
             f"{memory_bwd['seconds']:.1f} s")
+    return memory, memory_bwd
 
-    bf16_probe = probe(args, "peak", "--bf16") if any(
-        c["group"] == "half" for c in cases) else {"gflops": 0.0, "isa": "none"}
-    peak_bf16, bf16_isa = bf16_probe["gflops"], bf16_probe["isa"]
-    peak1 = probe(args, "peak")  # again at the end: the machine may have changed
-    peak = max(peak0["gflops"], peak1["gflops"])
-    for c in cases:
-        c["peak_pct"] = 100 * c["gflops_attn"] / (peak_bf16 if c["group"] == "half" and peak_bf16
-                                                    else peak)
-    for c in backward:
-        backward_figures(c, peak)
 
-    # Targets, as the issue states them.
+def forward_verdicts(cases, peak_isa, peak_bf16, bf16_isa):
+    """The forward's targets, as the issues state them: (case, target, met, value)."""
     verdict = []
-    peak_target = TARGET_PEAK_PCT.get(peak0["isa"])
+    peak_target = TARGET_PEAK_PCT.get(peak_isa)
     for c in cases:
         if c["group"] == "prefill":
             verdict.append((c["label"], f"≥ {TARGET_PREFILL_RATIO}× PyTorch",
                             c["ratio"] >= TARGET_PREFILL_RATIO, f"{c['ratio']:.2f}×"))
             if c["L"] >= 1024 and peak_target is not None:
-                verdict.append((c["label"], f"≥ {peak_target:.0f}% of FMA peak ({peak0['isa']})",
+                verdict.append((c["label"], f"≥ {peak_target:.0f}% of FMA peak ({peak_isa})",
                                 c["peak_pct"] >= peak_target, f"{c['peak_pct']:.0f}%"))
             if c["L"] == 512 and c["causal"]:
                 verdict.append((c["label"], f"≥ {TARGET_CAUSAL512_PCT:.0f}% of FMA peak",
@@ -905,48 +887,37 @@ def main():
                             c["vs_f32"] >= want, f"{c['vs_f32']:.2f}×"))
         verdict.append((c["label"], f"≥ {TARGET_HALF_VS_TORCH}× PyTorch bfloat16",
                         c["ratio"] >= TARGET_HALF_VS_TORCH, f"{c['ratio']:.2f}×"))
-    short = [c for c in cases if c["group"] == "short"]
-    if short:
-        slow = [c for c in short if c["ratio"] < TARGET_SHORT_RATIO]
-        worst = min(short, key=lambda c: c["ratio"])
-        verdict.append((f"short sequences, {len(short)} shapes",
-                        f"each ≥ {TARGET_SHORT_RATIO}× PyTorch", not slow,
-                        f"{len(short) - len(slow)} of {len(short)}; slowest "
-                        f"{worst['label'].removeprefix('short ')} {worst['ratio']:.2f}×"))
-        timed_t = [c for c in short if "ratio_tensors" in c]
-        if timed_t:  # the same sweep as a PyTorch model calls it
-            slow = [c for c in timed_t if c["ratio_tensors"] < TARGET_SHORT_RATIO]
-            worst = min(timed_t, key=lambda c: c["ratio_tensors"])
-            verdict.append((f"short sequences on torch tensors, {len(timed_t)} shapes",
-                            f"each ≥ {TARGET_SHORT_RATIO}× PyTorch", not slow,
-                            f"{len(timed_t) - len(slow)} of {len(timed_t)}; slowest "
-                            f"{worst['label'].removeprefix('short ')} "
-                            f"{worst['ratio_tensors']:.2f}×"))
-    if memory is not None:
-        verdict.append(("L = S = 65536, H = 1, E = 64 (attn_bench memory)",
-                        "peak RSS ≤ inputs + outputs + 64 MiB", memory["within_budget"],
-                        f"{memory['used_mib']:.1f} MiB (inputs + outputs "
-                        f"{memory['inputs_outputs_mib']:.0f} MiB + "
-                        f"{memory['used_mib'] - memory['inputs_outputs_mib']:.1f} MiB; "
-                        f"budget {memory['budget_mib']:.0f} MiB)"))
-    verdict += backward_verdicts(backward, memory_bwd)
-    serving_verdict = []
-    if serving_res is not None:
-        serving_verdict = serving.figures(serving_res, bw["gbps"], peak)
-        verdict += serving_verdict
+    return verdict + short_verdicts([c for c in cases if c["group"] == "short"])
 
-    machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
-                   read_bandwidth_gbps=bw["gbps"], bf16_peak_gflops=peak_bf16,
-                   bf16_peak_isa=bf16_isa)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(dict(machine=machine, cases=cases, memory=memory,
-                       targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict],
-                       backward=backward, memory_backward=memory_bwd, serving=serving_res),
-                  f, indent=1)
-    if serving_res is not None:
-        write_serving(args, serving_res, serving_verdict, machine, peak,
-                      serving_res["decode"]["bandwidth_gbps"])
 
+def short_verdicts(short):
+    """The short-sequence sweep: every shape at PyTorch's speed or better,
+    on NumPy arrays and on torch tensors (the call a PyTorch model makes)."""
+    verdict = []
+    for key, what in (("ratio", "short sequences"),
+                      ("ratio_tensors", "short sequences on torch tensors")):
+        timed = [c for c in short if key in c]
+        if not timed:
+            continue
+        slow = [c for c in timed if c[key] < TARGET_SHORT_RATIO]
+        worst = min(timed, key=lambda c: c[key])
+        verdict.append((f"{what}, {len(timed)} shapes", f"each ≥ {TARGET_SHORT_RATIO}× PyTorch",
+                        not slow, f"{len(timed) - len(slow)} of {len(timed)}; slowest "
+                        f"{worst['label'].removeprefix('short ')} {worst[key]:.2f}×"))
+    return verdict
+
+
+def memory_verdict(memory):
+    return [("L = S = 65536, H = 1, E = 64 (attn_bench memory)",
+             "peak RSS ≤ inputs + outputs + 64 MiB", memory["within_budget"],
+             f"{memory['used_mib']:.1f} MiB (inputs + outputs "
+             f"{memory['inputs_outputs_mib']:.0f} MiB + "
+             f"{memory['used_mib'] - memory['inputs_outputs_mib']:.1f} MiB; "
+             f"budget {memory['budget_mib']:.0f} MiB)")] if memory is not None else []
+
+
+def results_markdown(args, machine, peak, peak0, bw, cases, backward, serving_res, verdict,
+                     peak_bf16, bf16_isa):
     lines = [f"attn {machine['attn']} ({machine['attn_isa']}, commit {machine['commit']}) vs "
              f"PyTorch {machine['torch']}, float32, {args.threads} threads, {machine['date']}, "
              f"{machine['cpu_model']}, BLAS {machine['blas']}"
@@ -965,14 +936,93 @@ def main():
         lines += serving.table(serving_res, machine)
     lines += ["", "| target | case | measured | met |", "|---|---|---:|:---:|"]
     lines += [f"| {b} | {a} | {v} | {'yes' if m else '**no**'} |" for a, b, m, v in verdict]
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main():
+    args = parse_args()
+    if args.memory_probe:
+        memory_probe(args.memory_probe)
+        return
+
+    steady_heap()
+    torch.set_num_threads(args.threads)
+    attn.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+
+    log(f"attn {attn.__version__} ({attn.kernel_info()['isa']}), PyTorch {torch.__version__}, "
+        f"{args.threads} threads")
+    peak0 = probe(args, "peak")
+    bw = probe(args, "bandwidth")
+    log(f"measured FMA peak {peak0['gflops']:.1f} GFLOP/s ({peak0['isa']}), "
+        f"read bandwidth {bw['gbps']:.1f} GB/s")
+
+    machine = dict(cpu=platform.processor() or platform.machine(), cpu_model=cpu_model(),
+                   cpu_folder=cpu_slug(), threads=args.threads, peak_isa=peak0["isa"],
+                   attn=attn.__version__, attn_isa=attn.kernel_info()["isa"],
+                   blas=attn.kernel_info()["blas"], blas_env_dropped=DROPPED_BLAS_CORE,
+                   torch=torch.__version__,
+                   commit=commit(), date=time.strftime("%Y-%m-%d %H:%M"))
+    if args.serving:
+        serving_only(args, machine, peak0, bw)
+        return
+
+    plan, beside = build_plan(args.quick), Beside(args)
+    cases, backward = [], []
+    for i, (group, p) in enumerate(plan):
+        label = case_label(group, p)
+        if args.only and not any(part in label for part in args.only.split("|")):
+            continue
+        log(f"[{i + 1}/{len(plan)}] {group}: {label} ...")
+        if group == "backward":
+            backward.append(run_backward_case(args, p, label, beside))
+        else:
+            cases.append(run_case(args, group, p, label, beside, bw))
+
+    serving_res = None
+    if not args.only or args.only == "serving":
+        serving_res = serving.run(args, beside.bandwidth,
+                                  bandwidth_probe_huge=lambda: probe_huge_bandwidth(args))
+    memory, memory_bwd = run_memory(args)
+
+    bf16_probe = probe(args, "peak", "--bf16") if any(
+        c["group"] == "half" for c in cases) else {"gflops": 0.0, "isa": "none"}
+    peak_bf16, bf16_isa = bf16_probe["gflops"], bf16_probe["isa"]
+    peak1 = probe(args, "peak")  # again at the end: the machine may have changed
+    peak = max(peak0["gflops"], peak1["gflops"])
+    for c in cases:
+        c["peak_pct"] = 100 * c["gflops_attn"] / (peak_bf16 if c["group"] == "half" and peak_bf16
+                                                    else peak)
+    for c in backward:
+        backward_figures(c, peak)
+
+    verdict = forward_verdicts(cases, peak0["isa"], peak_bf16, bf16_isa)
+    verdict += memory_verdict(memory)
+    verdict += backward_verdicts(backward, memory_bwd)
+    serving_verdict = []
+    if serving_res is not None:
+        serving_verdict = serving.figures(serving_res, bw["gbps"], peak)
+        verdict += serving_verdict
+
+    machine.update(fma_peak_gflops=[peak0["gflops"], peak1["gflops"]],
+                   read_bandwidth_gbps=bw["gbps"], bf16_peak_gflops=peak_bf16,
+                   bf16_peak_isa=bf16_isa)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(dict(machine=machine, cases=cases, memory=memory,
+                       targets=[dict(case=a, target=b, met=m, value=v) for a, b, m, v in verdict],
+                       backward=backward, memory_backward=memory_bwd, serving=serving_res),
+                  f, indent=1)
+    if serving_res is not None:
+        write_serving(args, serving_res, serving_verdict, machine, peak,
+                      serving_res["decode"]["bandwidth_gbps"])
+    table = results_markdown(args, machine, peak, peak0, bw, cases, backward, serving_res,
+                             verdict, peak_bf16, bf16_isa)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table + "\n")
     plotted = plot(cases, os.path.join(args.out, "throughput.png"))
     print(table)
     log(f"wrote {args.out}/results.json, results.md" + (", throughput.png" if plotted else "") +
         (", serving.json, serving.md" if serving_res is not None else ""))
-
 
 if __name__ == "__main__":
     main()
