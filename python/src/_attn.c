@@ -885,8 +885,7 @@ static PyObject *encoder_load(EncoderObject *self, PyObject *seq) {
             PyErr_Format(PyExc_ValueError, "load(): %s must be a contiguous %s array of %lld "
                          "elements", name, attn_dtype_name(self->dtype),
                          (long long)attn_tensor_numel(&t));
-            got++;
-            ok = 0;
+            ok = 0; /* (the loop's own step counts this view among those held) */
         }
     }
     for (int i = 0; ok && i < n; i++) {
@@ -894,7 +893,7 @@ static PyObject *encoder_load(EncoderObject *self, PyObject *seq) {
         attn_encoder_layer_param_at(self->layer, i, NULL, &t);
         memcpy(t.data, views[i].buf, (size_t)views[i].len);
     }
-    for (int i = 0; views != NULL && i < got; i++)
+    for (int i = 0; views != NULL && i < got && i < n; i++)
         if (views[i].obj != NULL) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
     Py_DECREF(fast);
