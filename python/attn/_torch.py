@@ -530,6 +530,11 @@ def empty_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return None
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         return None
+    if key.dtype != query.dtype:  # attn's rule only: a float32 query over 16-bit K/V
+        if not (query.dtype == torch.float32 and key.dtype == value.dtype and
+                key.dtype in (torch.float16, torch.bfloat16)):
+            return None  # the library names the dtypes
+        key, value = key.float(), value.float()  # (gradients come back in K/V's dtype)
     # torch's builtin, not torch.nn.functional's name, which patch_torch replaces
     return torch._C._nn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
                                                      is_causal, scale=scale,

@@ -208,3 +208,18 @@ def test_cli_float16_npy(tmp_path, rng):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_float32_query_over_empty_half_kv_gives_an_empty_float32_result(dt):
+    """attn's own dtype rule (a float32 query over 16-bit K/V) holds for
+    empty batches too: torch's answer for the same values in float32, with
+    gradients in K/V's dtype; torch's builtin refuses mixed dtypes."""
+    for B, L, S in ((0, 3, 5), (1, 0, 5), (1, 3, 0)):
+        q = torch.randn(B, 2, L, 8, requires_grad=True)
+        k, v = (torch.randn(B, 2, S, 8).to(dt).requires_grad_() for _ in range(2))
+        out = attn.scaled_dot_product_attention(q, k, v)
+        want = F.scaled_dot_product_attention(q, k.float(), v.float())
+        assert out.dtype == torch.float32 and torch.equal(out, want)
+        gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+        assert gk.dtype == dt and gv.dtype == dt and gq.shape == q.shape
