@@ -11,6 +11,11 @@
 
 #include "cli.h"
 
+/* A tensor name built from --prefix and a parameter's own name (at most
+ * "output.dense.weight", 19 bytes): parse_args keeps the prefix short enough
+ * that no name is cut (two names cut alike would find the wrong tensor). */
+enum { NAME_BYTES = 512, SUFFIX_MAX = 32 };
+
 typedef struct mha_args {
     const char *weights, *prefix, *q, *k, *v, *out, *attn_weights, *kpm, *mask;
     long long num_heads;
@@ -115,16 +120,20 @@ static int parse_args(int argc, char **argv, mha_args *a) {
     if (a->out == NULL) return usage_error("%s", "-o OUT.npy is required");
     if ((a->k == NULL) != (a->v == NULL))
         return usage_error("%s", "give -k and -v together, or neither (self-attention)");
+    if (strlen(a->prefix) >= NAME_BYTES - SUFFIX_MAX)
+        return usage_error("--prefix is %zu bytes; at most %d", strlen(a->prefix),
+                           NAME_BYTES - SUFFIX_MAX - 1);
     return CLI_OK;
 }
 
 /* ---- the weights ---- */
 
+
 /* Where a module parameter comes from: up to three tensors of the file,
  * stacked along dim 0 (BERT's query, key and value into in_proj_*). */
 typedef struct source {
     const char *param;
-    char file[3][512];
+    char file[3][NAME_BYTES];
     int nfile;
 } source;
 
@@ -154,6 +163,10 @@ static int shape_of(const weights *w, const char *name, int *rank, int64_t shape
 
 /* "(3, 4)", "(5,)". */
 static const char *shape_text(int rank, const int64_t *shape, char *buf, size_t size) {
+    if (rank > ATTN_MAX_RANK) { /* the file's shape past what the library holds */
+        snprintf(buf, size, "of %d dimensions", rank);
+        return buf;
+    }
     size_t used = (size_t)snprintf(buf, size, "(");
     for (int d = 0; d < rank && d < ATTN_MAX_RANK && used < size; d++)
         used += (size_t)snprintf(buf + used, size - used, d ? ", %lld" : "%lld",
@@ -213,7 +226,7 @@ static int pair(const weights *w, const char *a, const char *b, bool *both) {
 
 /* torch.nn.MultiheadAttention's state_dict names under prefix P. */
 static int torch_names(weights *w, const char *P) {
-    char n[6][512];
+    char n[6][NAME_BYTES];
     const char *suffix[6] = {"out_proj.weight", "in_proj_weight", "q_proj_weight",
                              "in_proj_bias", "out_proj.bias", "bias_k"};
     for (int i = 0; i < 6; i++) snprintf(n[i], sizeof n[i], "%s%s", P, suffix[i]);
@@ -230,7 +243,7 @@ static int torch_names(weights *w, const char *P) {
         w->kdim = w->vdim = w->E;
         add_source(w, "in_proj_weight", P, "in_proj_weight", NULL, NULL);
     } else {
-        char k[512], v[512];
+        char k[NAME_BYTES], v[NAME_BYTES];
         snprintf(k, sizeof k, "%sk_proj_weight", P);
         snprintf(v, sizeof v, "%sv_proj_weight", P);
         int64_t ks[ATTN_MAX_RANK], vs[ATTN_MAX_RANK];
@@ -246,7 +259,7 @@ static int torch_names(weights *w, const char *P) {
         add_source(w, "k_proj_weight", P, "k_proj_weight", NULL, NULL);
         add_source(w, "v_proj_weight", P, "v_proj_weight", NULL, NULL);
     }
-    char bv[512];
+    char bv[NAME_BYTES];
     snprintf(bv, sizeof bv, "%sbias_v", P);
     if ((rc = pair(w, n[3], n[4], &w->bias)) || (rc = pair(w, n[5], bv, &w->bias_kv))) return rc;
     if (w->bias && ((rc = check_vector(w, n[3], 3 * w->D, "in_proj_bias: (3 D,)")) ||
@@ -270,7 +283,7 @@ static int torch_names(weights *w, const char *P) {
  * self.key, self.value and output.dense (Linear weights and biases). */
 static int bert_names(weights *w, const char *P) {
     static const char *const lin[4] = {"self.query", "self.key", "self.value", "output.dense"};
-    char wn[4][512], bn[4][512];
+    char wn[4][NAME_BYTES], bn[4][NAME_BYTES];
     int64_t s[4][ATTN_MAX_RANK];
     int r, rc, nbias = 0;
     for (int i = 0; i < 4; i++) {
@@ -314,7 +327,7 @@ static int bert_names(weights *w, const char *P) {
 }
 
 static int find_weights(weights *w, const char *P) {
-    char probe[2][512];
+    char probe[2][NAME_BYTES];
     snprintf(probe[0], sizeof probe[0], "%sout_proj.weight", P);
     snprintf(probe[1], sizeof probe[1], "%sself.query.weight", P);
     if (has(w, probe[0])) {

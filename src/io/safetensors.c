@@ -979,13 +979,13 @@ static void convert(const attn_safetensors *f, const st_entry *e, const attn_ten
 
 /* Whether entry e can be converted to `to`; the message names the tensor. */
 static attn_status check_conversion(const st_entry *e, attn_dtype to, const char *arg) {
-    if (convertible(e->dtype->dtype, to)) return ATTN_OK;
-    return attn__fail_arg(ATTN_ERR_DTYPE, arg,
-                          "tensor '%.*s' is %s; it converts to %s%s, not to %s", SHOWN, e->name,
-                          e->dtype->name, attn_dtype_name(e->dtype->dtype),
-                          attn__is_float(e->dtype->dtype) || attn__is_half(e->dtype->dtype)
-                              ? ", float32 or float64"
-                              : " only",
+    const attn_dtype from = e->dtype->dtype;
+    if (convertible(from, to)) return ATTN_OK;
+    /* what convertible() allows, each dtype named once */
+    const bool wide = attn__is_float(from), half = attn__is_half(from);
+    return attn__fail_arg(ATTN_ERR_DTYPE, arg, "tensor '%.*s' is %s; it converts to %s%s, not to %s",
+                          SHOWN, e->name, e->dtype->name, wide ? "" : attn_dtype_name(from),
+                          wide ? "float32 or float64" : half ? ", float32 or float64" : " only",
                           attn_dtype_name(to));
 }
 

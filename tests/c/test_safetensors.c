@@ -447,6 +447,7 @@ static void conversions(void) {
     CHECK(strcmp(attn_last_error_arg(), "to") == 0, "arg %s", attn_last_error_arg());
     CHECK(out.data == NULL, "a failed read leaves data");
     CHECK_STATUS(attn_safetensors_read(f, "d", ATTN_DTYPE_F16, &out), ATTN_ERR_DTYPE);
+    CHECK_MESSAGE("is F64; it converts to float32 or float64, not to float16"); /* each once */
     CHECK_STATUS(attn_safetensors_read(f, "d", (attn_dtype)42, &out), ATTN_ERR_DTYPE);
     CHECK_STATUS(attn_safetensors_read(f, "nope", 0, &out), ATTN_ERR_INVALID);
     CHECK_MESSAGE("nope");

@@ -256,6 +256,8 @@ def test_errors(tmp_path):
     assert "other.weight" in r.stderr
     r = with_file({**sd, "in_proj_weight": sd["in_proj_weight"].long()})
     assert r.returncode == 1 and "I64" in r.stderr
+    r = with_file({**sd, "out_proj.weight": torch.zeros((1,) * 10)})  # past attn's 8 dimensions
+    assert r.returncode == 1 and "has shape of 10 dimensions; expected 2" in r.stderr
     r = with_file(sd)
     assert r.returncode == 0, r.stderr
     os.remove(tmp_path / "o.npy")
@@ -272,7 +274,10 @@ def test_errors(tmp_path):
                          (("--weights", "x", "--num-heads", 2, "-q", "q"), "-o"),
                          (("--weights", "x", "--num-heads", 2, "-q", "q", "-o", "o", "-k", "k"),
                           "together"),
-                         (("--average-attn-weights", "2"), "0 or 1"), (("--bogus",), "unknown")]:
+                         (("--average-attn-weights", "2"), "0 or 1"), (("--bogus",), "unknown"),
+                         # a prefix too long for the names built from it (not cut short)
+                         (("--weights", "x", "--num-heads", 2, "-q", "q", "-o", "o",
+                           "--prefix", "p" * 480), "--prefix is 480 bytes; at most 479")]:
         r = run(*args)
         assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
     # Failed runs leave no output and no temporary (".o.npy.XXXXXXXX.tmp").
