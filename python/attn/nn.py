@@ -16,6 +16,7 @@ This module needs PyTorch; `import attn` does not.
 """
 
 import inspect
+import math
 import threading
 
 import numpy as np
@@ -119,9 +120,9 @@ def _param(m, name):
 
 
 class _MHAFunction(torch.autograd.Function):
-    """out, weights = attn_mha_forward_train(...); backward: attn_mha_backward.
-    The weights are not differentiated (attn's backward flows through out):
-    a backward that needs their gradient raises."""
+    """out, weights = attn_mha_forward_train(...); backward: attn_mha_backward,
+    which flows through out; a backward that needs the weights' gradient
+    takes torch's composition (backward_in_torch)."""
 
     @staticmethod
     def forward(ctx, call, query, key, value, *params):
@@ -145,10 +146,7 @@ class _MHAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dweights):
         if dweights is not None and bool(torch.any(dweights != 0)):
-            raise NotImplementedError(
-                "attn.nn.MultiheadAttention does not differentiate the attention weights it "
-                "returns (its backward flows through the output); use the output, or "
-                "torch.nn.MultiheadAttention for gradients through the weights")
+            return _MHAFunction.backward_in_torch(ctx, dout, dweights)
         query, key, value, *params = ctx.saved_tensors
         need = ctx.needs_input_grad
         want_params = any(need[4:])
@@ -178,6 +176,36 @@ class _MHAFunction(torch.autograd.Function):
         from ._torch import first_order_only
         return (None, *first_order_only("attn.nn.MultiheadAttention", (*t, *dparams),
                                         (query, key, value, dout, *params)))
+
+
+    @staticmethod
+    def backward_in_torch(ctx, dout, dweights):
+        """A loss that reads the returned weights: attn's backward flows
+        through the output only, so this call's gradients come from torch's
+        composition, its forward recomputed on the saved inputs (the same
+        values to rounding; not with dropout, whose keep mask torch would
+        draw anew)."""
+        query, key, value, *params = ctx.saved_tensors
+        if ctx.call["training"]:
+            raise NotImplementedError(
+                "attn.nn.MultiheadAttention does not differentiate the attention weights it "
+                "returns while dropout is active (a recomputation would draw another keep "
+                "mask); use the output, need_weights=False, or torch.nn.MultiheadAttention")
+        if any(a is not b for a, b in zip(ctx.call["params_now"](), params)):
+            raise RuntimeError(
+                "attn.nn.MultiheadAttention: the module's parameters were replaced between the "
+                "forward and a backward through its weights")
+        need, create_graph = ctx.needs_input_grad, torch.is_grad_enabled()
+        with torch.enable_grad():
+            qkv = [x.detach().requires_grad_(n) for x, n in zip((query, key, value), need[1:4])]
+            out, w = ctx.call["in_torch"](*qkv)
+            inputs = [x for x, n in zip((*qkv, *params), need[1:]) if n]
+            outputs, grads = [w], [dweights]
+            if dout is not None:
+                outputs, grads = [out, w], [dout, dweights]
+            got = iter(torch.autograd.grad(outputs, inputs, grads, allow_unused=True,
+                                           create_graph=create_graph))
+        return (None, *(next(got) if n else None for n in need[1:]))
 
 
 # ---- the forward, for any torch-like MHA module ----
@@ -248,7 +276,15 @@ def _mha_call(m, query, key, value, key_padding_mask, need_weights, attn_mask,
     seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()) if training else 0
     names = _param_names(m)
     params = [_param(m, n) for n in names]
+    mask_given, causal_given = attn_mask, is_causal  # (the hint may have replaced the mask)
+
+    def in_torch(q, k, v):  # the same call in torch's composition, on m's parameters
+        return _functional_mha(m, q, k, v, key_padding_mask, True, mask_given,
+                               average_attn_weights, causal_given)
+
     call = {
+        "in_torch": in_torch, "training": training,
+        "params_now": lambda: [_param(m, n) for n in names],
         "cmodules": _cmodules(m),
         "spec": _spec(m, query.dtype),
         "kwargs": dict(
@@ -276,8 +312,9 @@ class MultiheadAttention(torch.nn.Module):
     are CPU float32/float64/float16/bfloat16 tensors of the parameters' dtype
     (16-bit: computed as torch's module computes in that dtype, gradients
     too). Gradients flow
-    to query, key, value and every parameter; not through the returned
-    weights. Dropout draws its seed from torch's default generator, so
+    to query, key, value and every parameter; a loss that reads the returned
+    weights takes torch's composition for that call's backward (not under
+    dropout). Dropout draws its seed from torch's default generator, so
     torch.manual_seed makes a run reproducible. Rows whose keys are all
     masked give 0 where torch gives NaN.
     """
@@ -594,6 +631,9 @@ class TransformerEncoderLayer(torch.nn.Module):
         ps = {self.dropout.p, self.dropout1.p, self.dropout2.p, float(self.self_attn.dropout)}
         if act is None or len(ps) != 1 or self.norm1.eps != self.norm2.eps:
             return None
+        eps = float(self.norm1.eps)  # the C layer refuses what torch still computes:
+        if self.linear1.out_features < 1 or not (math.isfinite(eps) and eps >= 0):
+            return None  # no feed-forward, or an eps of torch's own meaning
         if _unsupported(self.self_attn, src, src, src, None, None) is not None:
             return None
         if any(p.dtype != src.dtype or p.device.type != "cpu" for p in params):
@@ -609,7 +649,7 @@ class TransformerEncoderLayer(torch.nn.Module):
             return None
         return dict(d_model=self.linear1.in_features, nhead=self.self_attn.num_heads,
                     dim_feedforward=self.linear1.out_features, dropout=ps.pop(),
-                    activation=act, layer_norm_eps=float(self.norm1.eps),
+                    activation=act, layer_norm_eps=eps,
                     norm_first=bool(self.norm_first), bias=bias, dtype=_DTYPES[src.dtype])
 
     def _c_forward(self, spec, src, src_mask, src_key_padding_mask, is_causal):

@@ -400,3 +400,36 @@ def test_c_layer_errors_name_the_argument():
     assert e.value.arg == "config.nhead"
     with pytest.raises(ValueError):
         _attn.EncoderLayer(8, 2, activation="swish")
+
+
+@pytest.mark.parametrize("bad", [0, 5, 10, -1])
+def test_c_layer_load_refuses_any_wrong_array(bad):
+    """load() names a wrong array wherever it stands; the last one once
+    released a buffer past the end of its list (a segfault)."""
+    from attn import _attn
+    layer = _attn.EncoderLayer(8, 2, 16)
+    layout = layer.param_layout()
+    arrays = [np.zeros(int(np.prod(shape)), np.float32) for _, shape in layout]
+    for wrong in (np.zeros(arrays[bad].size + 1, np.float32), arrays[bad].astype(np.float64)):
+        given = list(arrays)
+        given[bad] = wrong
+        with pytest.raises(ValueError, match=f"load\\(\\): {layout[bad][0]} must be"):
+            layer.load(given)
+    layer.load(arrays)
+
+
+@pytest.mark.parametrize("kw", [dict(dim_feedforward=0), dict(layer_norm_eps=-1e-7),
+                                dict(layer_norm_eps=0.0)])
+def test_settings_the_c_layer_refuses_still_compute_as_torch(kw):
+    """torch computes a layer with no feed-forward units or a negative eps;
+    the C layer refuses both, so such a layer runs torch's composition in
+    every grad mode (it raised under no_grad)."""
+    torch.manual_seed(0)
+    t = torch.nn.TransformerEncoderLayer(16, 4, dropout=0.0, **kw).eval()
+    a = attn.nn.TransformerEncoderLayer(16, 4, dropout=0.0, **kw).eval()
+    a.load_state_dict(t.state_dict())
+    x = torch.randn(5, 2, 16)
+    with torch.no_grad():
+        want = t(x)
+        torch.testing.assert_close(a(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a(x), want, rtol=1e-5, atol=1e-5)

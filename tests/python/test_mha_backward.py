@@ -474,12 +474,63 @@ def test_empty_batches_give_torchs_result(batch_first):
                 assert torch.equal(layer(x), ref_layer(x))
 
 
-def test_weights_are_not_differentiated():
-    a = attn.nn.MultiheadAttention(8, 2, dtype=torch.float64)
+@pytest.mark.parametrize("kw", [dict(), dict(average_attn_weights=False),
+                                dict(add_bias_kv=True, batch_first=True),
+                                dict(kdim=5, vdim=6, mask=True), dict(add_zero_attn=True, kpm=True)])
+def test_loss_on_the_weights_gets_torchs_gradients(kw):
+    """A loss that reads the returned weights (attention-map distillation,
+    a penalty on them): attn's backward flows through the output only, so
+    such a call's gradients are torch's, its forward recomputed on the
+    saved inputs; gradcheck holds, and so does agreement with torch's
+    module on the same parameters. Under attn.patch_torch() a torch module
+    trains the same way."""
+    kw = dict(kw)
+    mask, kpm, avg = kw.pop("mask", False), kw.pop("kpm", False), kw.pop(
+        "average_attn_weights", True)
+    torch.manual_seed(0)
+    a = attn.nn.MultiheadAttention(8, 2, dtype=torch.float64, **kw)
+    t = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64, **kw)
+    t.load_state_dict(a.state_dict())
+    bf = kw.get("batch_first", False)
+    shape_q, shape_k = ((2, 3, 8), (2, 4, 8)) if bf else ((3, 2, 8), (4, 2, 8))
+    q = torch.randn(shape_q, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(shape_k[:-1] + (kw.get("kdim", 8),), dtype=torch.float64, requires_grad=True)
+    v = torch.randn(shape_k[:-1] + (kw.get("vdim", 8),), dtype=torch.float64, requires_grad=True)
+    extra = dict(average_attn_weights=avg)
+    if mask:
+        extra["attn_mask"] = torch.randn(3, 4, dtype=torch.float64)
+    if kpm:
+        extra["key_padding_mask"] = torch.tensor([[False, False, True, False]] * 2)
+
+    def loss(m):
+        out, w = m(q, k, v, **extra)
+        return out.sin().sum() + (w * torch.linspace(0, 1, w.shape[-1], dtype=w.dtype)).sum()
+
+    params = [p for p in a.parameters()]
+    got = torch.autograd.grad(loss(a), [q, k, v, *params])
+    want = torch.autograd.grad(loss(t), [q, k, v, *t.parameters()])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(lambda q, k, v: a(q, k, v, **extra)[1], (q, k, v))
+    with attn.patch_torch() as patch:
+        again = torch.autograd.grad(loss(t), [q, k, v, *t.parameters()])
+    assert patch.routed >= 1
+    for g, w in zip(again, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_loss_on_the_weights_under_dropout_raises():
+    """With dropout active a recomputation in torch would draw another keep
+    mask: the backward through the weights raises, naming the way out."""
+    a = attn.nn.MultiheadAttention(8, 2, dropout=0.5, dtype=torch.float64)
     x = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
     out, w = a(x, x, x)
-    with pytest.raises(NotImplementedError, match="weights"):
-        (out.sum() + w.sum()).backward()
+    with pytest.raises(NotImplementedError, match="weights.*dropout"):
+        (out.sum() + w.square().sum()).backward()
+    a.eval()  # no dropout: torch's gradients
+    out, w = a(x, x, x)
+    (out.sum() + w.square().sum()).backward()
+    assert torch.isfinite(x.grad).all()
 
 
 def test_second_derivative_raises_instead_of_dropping_terms():
