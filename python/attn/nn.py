@@ -191,7 +191,7 @@ class _MHAFunction(torch.autograd.Function):
                 "attn.nn.MultiheadAttention does not differentiate the attention weights it "
                 "returns while dropout is active (a recomputation would draw another keep "
                 "mask); use the output, need_weights=False, or torch.nn.MultiheadAttention")
-        if any(a is not b for a, b in zip(ctx.call["params_now"](), params)):
+        if any(a is not b for a, b in zip(ctx.call["in_torch"].params_now(), params)):
             raise RuntimeError(
                 "attn.nn.MultiheadAttention: the module's parameters were replaced between the "
                 "forward and a backward through its weights")
@@ -206,6 +206,27 @@ class _MHAFunction(torch.autograd.Function):
             got = iter(torch.autograd.grad(outputs, inputs, grads, allow_unused=True,
                                            create_graph=create_graph))
         return (None, *(next(got) if n else None for n in need[1:]))
+
+
+class _InTorch:
+    """A call of module m again, in torch's composition on m's parameters
+    (backward_in_torch). Its repr is fixed: torch.jit.trace records the
+    call's arguments in its graph, which must not differ from one trace to
+    the next."""
+
+    def __init__(self, m, names, key_padding_mask, attn_mask, average_attn_weights, is_causal):
+        self.m, self.names = m, names
+        self.args = (key_padding_mask, attn_mask, average_attn_weights, is_causal)
+
+    def __call__(self, q, k, v):
+        kpm, mask, average, causal = self.args
+        return _functional_mha(self.m, q, k, v, kpm, True, mask, average, causal)
+
+    def params_now(self):
+        return [_param(self.m, n) for n in self.names]
+
+    def __repr__(self):
+        return "<the call in torch>"
 
 
 # ---- the forward, for any torch-like MHA module ----
@@ -276,15 +297,10 @@ def _mha_call(m, query, key, value, key_padding_mask, need_weights, attn_mask,
     seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item()) if training else 0
     names = _param_names(m)
     params = [_param(m, n) for n in names]
-    mask_given, causal_given = attn_mask, is_causal  # (the hint may have replaced the mask)
-
-    def in_torch(q, k, v):  # the same call in torch's composition, on m's parameters
-        return _functional_mha(m, q, k, v, key_padding_mask, True, mask_given,
-                               average_attn_weights, causal_given)
-
+    # (before the hint may replace the mask)
+    in_torch = _InTorch(m, names, key_padding_mask, attn_mask, average_attn_weights, is_causal)
     call = {
         "in_torch": in_torch, "training": training,
-        "params_now": lambda: [_param(m, n) for n in names],
         "cmodules": _cmodules(m),
         "spec": _spec(m, query.dtype),
         "kwargs": dict(
