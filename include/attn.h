@@ -422,8 +422,11 @@ ATTN_API attn_status attn_sdpa_out_shape(const attn_tensor *q, const attn_tensor
  *   dmask                      optional: shaped like params->attn_mask, which
  *                              must then be a float mask; same dtype as it
  * dout and out have q's dtype (Dtypes above). With 16-bit operands the
- * gradients are the float32 computation's, each rounded once; D uses the
- * stored (rounded) out, as FlashAttention's does. A gradient sums over everything its
+ * gradients are the float32 computation's, each rounded once: a 16-bit out
+ * is computed again in float32 for D (one more forward, float32 products,
+ * and a float32 copy of out's size), since D from the rounded out (as
+ * FlashAttention's) costs dq and dk up to 5x PyTorch's error where PyTorch
+ * forms D from unrounded weights. A gradient sums over everything its
  * input was broadcast to: dk and dv over the query heads of a GQA group,
  * dmask over the dimensions where the mask has size 1, any of them over
  * batch dimensions where its input had size 1. Dropout is replayed from

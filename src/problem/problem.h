@@ -109,6 +109,9 @@ typedef struct attn__problem {
      * forward then scores in the layout the backward does (queries in
      * lanes, float32 products), so both see the same rounded scores. */
     bool lse_for_backward;
+    /* float32 products for bfloat16 operands too (no bfloat16 pairs): the
+     * float32 out a 16-bit backward forms D from (sdpa.c). */
+    bool f32_products;
 
     /* Where this problem sits in the whole one (a slice: a key chunk, a ring
      * step). Query row i is position q_pos0 + i of L_total, key j position

@@ -56,6 +56,9 @@ void attn__sinks_grad_end(attn__sinks_grad *g, attn_tensor *dsinks);
 
 /* Runs a backward problem on the current kernel path. */
 attn_status attn__sdpa_backward_execute(const attn__problem *p);
+/* The same for attn_sdpa_backward and attn_sdpa_varlen_backward: a 16-bit
+ * out is first computed again in float32, for D (sdpa.c). */
+attn_status attn__sdpa_backward_run(attn__problem *p);
 /* The float64 reference backward: the oracle (reference_backward.c). */
 attn_status attn__sdpa_backward_reference(const attn__problem *p);
 /* dmask alone, in float64 (every path computes it this way). */

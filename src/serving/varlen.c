@@ -420,7 +420,7 @@ attn_status attn_sdpa_varlen_backward(const attn_tensor *dout, const attn_tensor
                            like[i]->seq_len);
             *has[i] = true;
         }
-        st = attn__sdpa_backward_execute(&p);
+        st = attn__sdpa_backward_run(&p);
     }
     if (st == ATTN_OK) { /* rows no sequence holds: all of them with no query row */
         const int64_t end_q = B > 0 && p.L > 0 ? seqs.q_start[B - 1] + seqs.q_len[B - 1] : 0;

@@ -721,11 +721,12 @@ static void backward_fused_random(void) {
 
 /* The backward with 16-bit operands (issue 13) on every path: dout and out
  * in the query's dtype, each gradient in its input's. Its computation is
- * the float32 one on the same values (D = dout . out from the stored out,
- * as FlashAttention's), rounded once at the end: each 16-bit gradient
- * within half an ulp of the float32 call's on float32 copies of every
- * operand, which backward_fused_random holds to the reference; a float32
- * gradient (the query's, over 16-bit K/V) the same bits. */
+ * the float32 one on the same values (D = dout . out from the float32
+ * call's out, which a 16-bit out is computed again into), rounded once at
+ * the end: each 16-bit gradient within half an ulp of the float32 call's
+ * on float32 copies of q, k, v, dout and the mask, which
+ * backward_fused_random holds to the reference; a float32 gradient (the
+ * query's, over 16-bit K/V) the same bits. */
 static void backward_half_random(void) {
     attn_isa isa[8];
     const int n = paths(isa), cases = 24;
@@ -750,6 +751,8 @@ static void backward_half_random(void) {
             if (x < 5 || c.has_mask) tt_convert(ins[x], ATTN_DTYPE_F32, &wide[x]);
         attn_sdpa_params wp = c.p;
         if (c.has_mask) wp.attn_mask = &wide[5].t;
+        if (c.dtype != ATTN_DTYPE_F32) /* the float32 call's own out, not the rounded one */
+            CHECK_OK(attn_sdpa(&wide[0].t, &wide[1].t, &wide[2].t, &wp, &wide[4].t, NULL, NULL));
         for (int w = 0; w < 3; w++) {
             tt_make_output(&grads[0][w], &r, ins[w]->dtype, 4, ins[w]->shape, LAYOUT_CONTIGUOUS);
             tt_make_output(&grads[1][w], &r, ATTN_DTYPE_F32, 4, ins[w]->shape, LAYOUT_CONTIGUOUS);

@@ -72,6 +72,43 @@ def test_backward_within_twice_torch(dtype, rng):
     print(f"{dtype}: worst gradient error / bar {worst:.3f}")
 
 
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_backward_d_comes_from_the_unrounded_output(dtype):
+    """D = rowsum(dout · out) taken from the 16-bit out carried the output's
+    rounding into every dS of its row: with Ev much wider than E (where
+    PyTorch's math path runs, forming D from unrounded weights) dk was 5x
+    and dq 2x PyTorch's error in bfloat16. attn now forms D from the output
+    computed again in float32: within 1.25x PyTorch's error, no slack, for
+    attn_sdpa_backward and attn_sdpa_varlen_backward alike."""
+    for seed, (L, S, E, Ev, mag, causal) in enumerate(
+            [(64, 8, 16, 256, 3.0, False), (33, 65, 64, 32, 1.0, True), (40, 40, 8, 128, 2.0, True)]):
+        gen = torch.Generator().manual_seed(seed)
+        q = (torch.randn(1, 2, L, E, generator=gen) * mag).to(dtype)
+        k = (torch.randn(1, 2, S, E, generator=gen) * mag).to(dtype)
+        v, dout = (torch.randn(1, 2, n, Ev, generator=gen).to(dtype) for n in (S, L))
+
+        def grads(fn, cast, **kw):
+            leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+            fn(*leaves, is_causal=causal, **kw).backward(dout.to(cast))
+            return [x.grad for x in leaves]
+
+        def varlen(q, k, v, is_causal):  # the same heads as packed sequences
+            cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (L, S))
+            out = attn.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                        v[0].transpose(0, 1), cu_q, cu_k, L, S, causal=is_causal)
+            return out.transpose(0, 1)[None]
+
+        exact = grads(F.scaled_dot_product_attention, torch.float64)
+        theirs = grads(F.scaled_dot_product_attention, dtype)
+        # (varlen's causal mask is aligned bottom-right, torch's top-left)
+        for fn in (attn.scaled_dot_product_attention,) + ((varlen,) if L == S or not causal else ()):
+            for name, o, t, x in zip("qkv", grads(fn, dtype), theirs, exact):
+                e_ours, e_torch = _err(o, x), _err(t, x)
+                assert e_ours <= 2 * e_torch, (
+                    f"{fn.__name__} (L {L} S {S} E {E} Ev {Ev}): d{name} error {e_ours:.3g}, "
+                    f"torch's {e_torch:.3g}")
+
+
 def test_gradcheck_style_bfloat16_matches_float32_copies():
     """attn's bfloat16 gradient is its float32 gradient of the same values,
     rounded once (the C tests hold this on every kernel path)."""
