@@ -456,7 +456,10 @@ ATTN_API attn_status attn_sdpa_backward(const attn_tensor *dout, const attn_tens
  * summed over every batch index that reads sink h (in a fixed order, in
  * float64, rounded once). dout, out and lse are those of attn_sdpa_backward
  * (its dq, dk, dv already account for the sinks through lse); dsinks is
- * shaped like params->sinks, same dtype. Rows with lse = -inf take no part. */
+ * shaped like params->sinks, same dtype. Rows with lse = -inf take no part.
+ * It reads out as given: a float32 out where the call had one gives the
+ * float32 computation's dsinks (attn_sdpa_backward forms its D so); a
+ * 16-bit out carries its rounding into each row's term. */
 ATTN_API attn_status attn_sdpa_sinks_backward(const attn_tensor *dout, const attn_tensor *out,
                                               const attn_tensor *lse,
                                               const attn_sdpa_params *params,
