@@ -128,7 +128,6 @@ static int parse_args(int argc, char **argv, mha_args *a) {
 
 /* ---- the weights ---- */
 
-
 /* Where a module parameter comes from: up to three tensors of the file,
  * stacked along dim 0 (BERT's query, key and value into in_proj_*). */
 typedef struct source {

@@ -186,7 +186,7 @@ class _MHAFunction(torch.autograd.Function):
         values to rounding; not with dropout, whose keep mask torch would
         draw anew)."""
         query, key, value, *params = ctx.saved_tensors
-        if ctx.call["training"]:
+        if ctx.call["kwargs"]["training"]:
             raise NotImplementedError(
                 "attn.nn.MultiheadAttention does not differentiate the attention weights it "
                 "returns while dropout is active (a recomputation would draw another keep "
@@ -300,7 +300,7 @@ def _mha_call(m, query, key, value, key_padding_mask, need_weights, attn_mask,
     # (before the hint may replace the mask)
     in_torch = _InTorch(m, names, key_padding_mask, attn_mask, average_attn_weights, is_causal)
     call = {
-        "in_torch": in_torch, "training": training,
+        "in_torch": in_torch,
         "cmodules": _cmodules(m),
         "spec": _spec(m, query.dtype),
         "kwargs": dict(

@@ -370,8 +370,8 @@ static void copy_rows(void *dst, const void *src, int64_t rs, int64_t n, int64_t
  * as they are). Every other call widens its rows to float32. */
 static bool bf16_pairs(const attn__problem *p, const flash_work *w, const attn__ukernel *kern) {
     return !w->direct && kern->qkt_bf != NULL && !p->f32_products &&
-           compute_dtype(p) == ATTN_DTYPE_F32 && p->q.dtype == ATTN_DTYPE_BF16 && p->k.dtype == ATTN_DTYPE_BF16 &&
-           p->v.dtype == ATTN_DTYPE_BF16 && p->k.cs == 1 && p->v.cs == 1;
+           compute_dtype(p) == ATTN_DTYPE_F32 && p->q.dtype == ATTN_DTYPE_BF16 &&
+           p->k.dtype == ATTN_DTYPE_BF16 && p->v.dtype == ATTN_DTYPE_BF16 && p->k.cs == 1 && p->v.cs == 1;
 }
 
 /* Per-row bookkeeping for one query block. */

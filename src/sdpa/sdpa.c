@@ -41,8 +41,8 @@ attn_status attn__sdpa_backward_run(attn__problem *p) {
     int64_t n;
     if (attn__mul_overflows(p->nbatch, p->L, &n) || attn__mul_overflows(n, p->Ev, &n) ||
         (uint64_t)n > SIZE_MAX / sizeof(float))
-        return attn__fail(ATTN_ERR_OVERFLOW, "the float32 copy of out (%lld rows of %lld) "
-                          "does not fit in memory", (long long)(p->nbatch * p->L),
+        return attn__fail(ATTN_ERR_OVERFLOW, "the float32 copy of out (%lld x %lld rows of "
+                          "%lld) does not fit in memory", (long long)p->nbatch, (long long)p->L,
                           (long long)p->Ev);
     float *out32 = attn__alloc((size_t)n * sizeof(float)); /* (B..., Hq, L, Ev) */
     if (out32 == NULL) return ATTN_ERR_NOMEM;
